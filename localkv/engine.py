@@ -1,0 +1,235 @@
+"""The engine: a model, a block pool, and the steps that run sequences through them."""
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .block_pool import BlockPool
+from .errors import ContextOverflow, LocalkvError, PoolExhausted
+from .kv_manager import KVManager
+from .loader import load_model
+from .model import Llama, Span
+from .sampling import Sampler, SamplingParams
+from .sequence import Sequence
+
+DEFAULT_KV_MEM = "1GiB"
+DEFAULT_PREFILL_CHUNK = 512
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """'512MiB', '1G', '2GB', '1048576' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
+    if not m:
+        raise LocalkvError(f"invalid size {text!r}: use e.g. 512MiB, 2GiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+@dataclass(slots=True)
+class Result:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = ""
+    load_s: float = 0.0
+    ttft_s: float = 0.0
+    prompt_s: float = 0.0
+    eval_s: float = 0.0
+    peak_blocks: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    def timings(self) -> dict:
+        computed = self.prompt_tokens - self.cached_tokens
+        return {
+            "load_s": round(self.load_s, 4),
+            "ttft_s": round(self.ttft_s, 4),
+            "prompt_s": round(self.prompt_s, 4),
+            "prompt_tps": round(computed / self.prompt_s, 2) if self.prompt_s else 0.0,
+            "eval_s": round(self.eval_s, 4),
+            "eval_tps": round((self.completion_tokens - 1) / self.eval_s, 2) if self.eval_s else 0.0,
+        }
+
+
+class Engine:
+    def __init__(self, model: str | Path | None = None, block_size: int = 16, kv_mem: str | int = DEFAULT_KV_MEM,
+                 threads: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = True):
+        from .registry import resolve_model
+
+        if block_size < 1 or block_size & (block_size - 1):
+            raise LocalkvError(f"invalid block size {block_size}: use a power of two (16 is the default)")
+        if prefill_chunk < 1:
+            raise LocalkvError(f"invalid prefill chunk {prefill_chunk}: must be >= 1")
+        if threads is not None:
+            if threads < 1:
+                raise LocalkvError(f"invalid thread count {threads}: must be >= 1")
+            from threadpoolctl import threadpool_limits
+
+            self._threads_limit = threadpool_limits(limits=threads)  # held for the engine's life
+        self.threads = threads or _blas_threads()
+        self.path = resolve_model(None if model is None else str(model), progress=progress)
+        loaded = load_model(self.path, progress=progress)
+        self.loaded = loaded
+        self.cfg, self.tokenizer = loaded.config, loaded.tokenizer
+        self.model = Llama(self.cfg, loaded.weights)
+        cfg = self.cfg
+        per_block = 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * 4
+        kv_bytes = parse_size(kv_mem)
+        if kv_bytes < per_block:
+            raise LocalkvError(f"--kv-mem {kv_mem} is smaller than one KV block ({per_block} bytes)")
+        self.pool = BlockPool(cfg.n_layers, kv_bytes // per_block, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.kv = KVManager(self.pool)
+        self.prefill_chunk = prefill_chunk
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def blocks_used(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    # ------------------------------------------------------------ steps
+
+    def step(self, seqs: list[Sequence], max_tokens: int | None = None, all_logits: bool = False) -> np.ndarray:
+        """One forward pass over the pending tokens of seqs (at most max_tokens in all);
+        returns logits [len(seqs), vocab] for each sequence's last processed token
+        (with all_logits: [tokens processed, vocab], one row per token)."""
+        tokens, positions, slots, spans, rows = [], [], [], [], []
+        budget = max_tokens or sum(len(s.pending) for s in seqs)
+        for seq in seqs:
+            chunk = seq.pending[:budget]
+            if not chunk:
+                raise LocalkvError("internal: step on a sequence with no pending tokens")
+            budget -= len(chunk)
+            start = len(tokens)
+            positions.extend(range(seq.num_kv, seq.num_kv + len(chunk)))
+            slots.append(self.kv.append_slots(seq, len(chunk)))
+            tokens.extend(chunk)
+            spans.append(Span(start, len(chunk), np.asarray(seq.block_table), seq.num_kv))
+            rows.append(len(tokens) - 1)
+        if all_logits:
+            rows = list(range(len(tokens)))
+        return self.model.forward(np.asarray(tokens), np.asarray(positions), np.concatenate(slots), spans,
+                                  self.pool, rows)
+
+    def prefill(self, seq: Sequence) -> np.ndarray:
+        """Run all pending tokens of seq in chunks; logits of the last one."""
+        while True:
+            logits = self.step([seq], self.prefill_chunk)
+            if not seq.pending:
+                return logits[0]
+
+    def score(self, tokens: list[int]) -> np.ndarray:
+        """Logits at every position of tokens [n, vocab] (teacher forcing); frees its blocks after."""
+        seq = Sequence(list(tokens))
+        try:
+            return np.concatenate([self.step([seq], self.prefill_chunk, all_logits=True) for _ in
+                                   range(-(-len(tokens) // self.prefill_chunk))])
+        finally:
+            self.kv.free(seq)
+
+    def decode(self, seqs: list[Sequence]) -> np.ndarray:
+        """One token per sequence, all in one batched pass."""
+        return self.step(seqs)
+
+    # ------------------------------------------------------------ requests
+
+    def check_fits(self, n_prompt: int, max_tokens: int, n_seqs: int = 1):
+        ctx = self.cfg.ctx_len
+        if n_prompt == 0:
+            raise LocalkvError("empty prompt: nothing to run")
+        if n_prompt >= ctx:
+            raise ContextOverflow(f"prompt is {n_prompt} tokens; the model's context holds {ctx} "
+                                  "(shorten the prompt)")
+        total = min(n_prompt + max_tokens, ctx)
+        need = -(-total // self.block_size) * n_seqs
+        if need > self.pool.num_free:
+            raise PoolExhausted(f"request needs {need} KV blocks ({total} tokens), the pool has {self.pool.num_free} "
+                                f"free of {self.pool.num_blocks} (raise --kv-mem or lower --max-tokens)")
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int = 512,
+                 ignore_eos: bool = False) -> "Generation":
+        return Generation(self, prompt_ids, params or SamplingParams(), max_tokens, ignore_eos)
+
+
+class Generation:
+    """Iterate for text pieces as tokens are sampled; .result holds the record.
+    Ctrl-C during iteration ends it cleanly with finish_reason 'interrupted'."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                 ignore_eos: bool):
+        if max_tokens < 1:
+            raise LocalkvError(f"invalid max tokens {max_tokens}: must be >= 1")
+        self.sampler = Sampler(params)
+        engine.check_fits(len(prompt_ids), max_tokens)
+        self.engine, self.max_tokens, self.ignore_eos = engine, max_tokens, ignore_eos
+        self.seq = Sequence(list(prompt_ids))
+        self.result = Result(prompt_tokens=len(prompt_ids), load_s=engine.loaded.load_s)
+
+    def __iter__(self):
+        eng, r = self.engine, self.result
+        streamer = eng.tokenizer.streamer()
+        stop = set() if self.ignore_eos else eng.tokenizer.stop_ids
+        t0 = time.perf_counter()
+        try:
+            logits = eng.prefill(self.seq)
+            r.prompt_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            while True:
+                tok = self.sampler(logits)
+                if not r.tokens:
+                    r.ttft_s = time.perf_counter() - t0
+                r.peak_blocks = max(r.peak_blocks, eng.blocks_used)
+                if tok in stop:
+                    r.finish_reason = "stop"
+                    break
+                r.tokens.append(tok)
+                self.seq.tokens.append(tok)
+                piece = streamer.push(tok)
+                r.text += piece
+                if piece:
+                    yield piece
+                if len(r.tokens) >= self.max_tokens:
+                    r.finish_reason = "length"
+                    break
+                if len(self.seq.tokens) >= eng.cfg.ctx_len:
+                    r.finish_reason = "context"
+                    break
+                logits = eng.decode([self.seq])[0]
+            r.eval_s = time.perf_counter() - t1
+            tail = streamer.flush()
+            r.text += tail
+            if tail:
+                yield tail
+        except KeyboardInterrupt:
+            r.finish_reason = "interrupted"
+            r.text += streamer.flush()
+            raise
+        finally:
+            r.peak_blocks = max(r.peak_blocks, eng.blocks_used)
+            eng.kv.free(self.seq)
+
+    def run(self) -> Result:
+        for _ in self:
+            pass
+        return self.result
+
+
+def _blas_threads() -> int:
+    try:
+        from threadpoolctl import threadpool_info
+
+        return max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"), default=1)
+    except ImportError:
+        import os
+
+        return os.cpu_count() or 1

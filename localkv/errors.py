@@ -1,0 +1,19 @@
+"""Errors a user can cause. The CLI prints their message as one line and exits non-zero."""
+
+
+class LocalkvError(Exception):
+    """A user-facing error: the message is the whole story, no traceback."""
+
+    exit_code = 1
+
+
+class ModelError(LocalkvError):
+    """Missing, corrupt, or unsupported model file."""
+
+
+class PoolExhausted(LocalkvError):
+    """The KV block pool cannot hold what was asked of it."""
+
+
+class ContextOverflow(LocalkvError):
+    """The prompt (plus generation) does not fit the model's context."""

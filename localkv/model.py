@@ -1,0 +1,54 @@
+"""Llama forward pass over a flattened batch of sequences, K/V read and written only
+through the block pool."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import ops_numpy
+from .block_pool import BlockPool
+from .config import ModelConfig
+
+
+@dataclass(slots=True)
+class Span:
+    """One sequence's rows in a batch: tokens [start, start+length) are the last
+    `length` of its n_ctx-token context, stored through block_table."""
+    start: int
+    length: int
+    block_table: np.ndarray
+    n_ctx: int
+    mass: np.ndarray | None = None  # accumulates attention mass per context token, if set
+
+
+class Llama:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], ops=ops_numpy):
+        self.cfg, self.w, self.ops = cfg, weights, ops
+        self.cos, self.sin = ops.rope_tables(cfg.head_dim, cfg.ctx_len, cfg.rope_theta)
+        self.scale = 1.0 / np.sqrt(cfg.head_dim)
+        self.output = weights["output"] if "output" in weights else weights["tok_embd"].T
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, spans: list[Span],
+                pool: BlockPool, logit_rows: list[int]) -> np.ndarray:
+        """Runs T tokens; writes their K/V at slots; returns logits [len(logit_rows), vocab]."""
+        cfg, w, ops = self.cfg, self.w, self.ops
+        H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        T = len(tokens)
+        x = w["tok_embd"][tokens]
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i in range(cfg.n_layers):
+            h = ops.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
+            qkv = (h @ w[f"{i}.wqkv"]).reshape(T, H + 2 * K, hd)
+            ops.rope(qkv[:, : H + K], cos, sin)
+            q, k, v = qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
+            kl, vl = pool.k[i], pool.v[i]
+            ops.write_kv(kl, vl, slots, k, v)
+            attn = np.empty((T, H, hd), dtype=x.dtype)
+            for sp in spans:
+                rows = slice(sp.start, sp.start + sp.length)
+                attn[rows] = ops.paged_attention(q[rows], kl, vl, sp.block_table, sp.n_ctx, self.scale, sp.mass)
+            x += attn.reshape(T, H * hd) @ w[f"{i}.wo"]
+            h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
+            x += ops.silu_mul(h @ w[f"{i}.w_gate_up"]) @ w[f"{i}.w_down"]
+        h = ops.rmsnorm(x[logit_rows], w["out_norm"], cfg.rms_eps)
+        return h @ self.output

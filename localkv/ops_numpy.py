@@ -1,0 +1,79 @@
+"""The numpy backend: the small op set the model is written in.
+
+A GPU backend implements the same functions with the same shapes; the model never
+knows which one runs it.
+"""
+
+import numpy as np
+
+xp = np
+name = "CPU"
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.einsum("td,td->t", x, x) / x.shape[1]
+    return x * (1.0 / np.sqrt(ms + eps))[:, None].astype(x.dtype) * w
+
+
+def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate halves ("NEOX" order) of x [T, heads, hd] in place; cos/sin [T, hd/2]."""
+    h = x.shape[-1] // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :h].copy(), x[..., h:]
+    x[..., :h] = x1 * c - x2 * s
+    x[..., h:] = x2 * c + x1 * s
+    return x
+
+
+def silu_mul(gu: np.ndarray) -> np.ndarray:
+    f = gu.shape[1] // 2
+    g, u = gu[:, :f], gu[:, f:]
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarray):
+    """Store K/V [T, kvh, hd] at flat slots (block * block_size + offset) of one layer's pool."""
+    nb, bs = k_layer.shape[:2]
+    k_layer.reshape(nb * bs, *k_layer.shape[2:])[slots] = k
+    v_layer.reshape(nb * bs, *v_layer.shape[2:])[slots] = v
+
+
+def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndarray:
+    """The first n_ctx tokens of a sequence's K or V [n_ctx, kvh, hd], read through its block table."""
+    return layer[block_table].reshape(-1, *layer.shape[2:])[:n_ctx]
+
+
+def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, block_table: np.ndarray,
+                    n_ctx: int, scale: float, mass: np.ndarray | None = None) -> np.ndarray:
+    """Causal attention of q [T, H, hd] — the last T tokens of an n_ctx context — over the
+    K/V found through block_table. Returns [T, H, hd]. If mass [n_ctx] is given, the
+    attention weight each key received (summed over queries and heads) is added to it."""
+    T, H, hd = q.shape
+    k = gather_kv(k_layer, block_table, n_ctx)
+    v = gather_kv(v_layer, block_table, n_ctx)
+    kvh = k.shape[1]
+    g = H // kvh
+    qg = q.reshape(T, kvh, g, hd).transpose(1, 2, 0, 3).reshape(kvh, g * T, hd)
+    s = np.matmul(qg, k.transpose(1, 2, 0)) * scale  # [kvh, g*T, n_ctx]
+    if T > 1:
+        s = s.reshape(kvh, g, T, n_ctx)
+        # query i sits at context index n_ctx - T + i and sees keys up to there
+        s += np.triu(np.full((T, n_ctx), -np.inf, np.float32), k=n_ctx - T + 1)
+        s = s.reshape(kvh, g * T, n_ctx)
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    if mass is not None:
+        mass += s.sum(axis=(0, 1))
+    o = np.matmul(s, v.transpose(1, 0, 2))  # [kvh, g*T, hd]
+    return o.reshape(kvh, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H, hd)
+
+
+def to_host(x) -> np.ndarray:
+    return x

@@ -1,0 +1,130 @@
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from localkv import bench
+from localkv.errors import LocalkvError
+
+LLAMA_BENCH_KEYS = {"test", "n_prompt", "n_gen", "avg_ts", "stddev_ts", "samples_ts", "backend", "n_threads",
+                    "model_type", "model_filename", "model_size", "model_n_params"}
+
+
+def _row(engine="localkv", test="pp512", ts=(100.0, 102.0)):
+    n_prompt, n_gen = (int(test[2:]), 0) if test.startswith("pp") else (0, int(test[2:]))
+    return {"engine": engine, "model_type": "llama 135M Q4_1", "model_filename": "m.gguf",
+            "model_size": 98362432, "model_n_params": 134515008, "backend": "CPU", "n_threads": 2,
+            "test": test, "n_prompt": n_prompt, "n_gen": n_gen, "avg_ts": sum(ts) / len(ts),
+            "stddev_ts": bench._sd(ts), "samples_ts": list(ts)}
+
+
+def test_parse_tests():
+    assert bench.Test.parse("pp512") == bench.Test("pp512", 512, 0)
+    assert bench.Test.parse("tg128") == bench.Test("tg128", 0, 128)
+    for bad in ("pg512", "pp", "tg0", "pp-1"):
+        with pytest.raises(LocalkvError):
+            bench.Test.parse(bad)
+
+
+def test_md_table_like_llama_bench():
+    md = bench.format_md([_row(), _row(test="tg128", ts=(40.0, 40.0))], command="localkv bench -t 2")
+    lines = md.splitlines()
+    assert "cores" in lines[0] and "localkv bench -t 2" in lines[1]
+    table = [ln for ln in lines if ln.startswith("|")]
+    assert [c.strip() for c in table[0].strip("|").split("|")] == \
+        ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    assert [c.strip() for c in table[2].strip("|").split("|")] == \
+        ["llama 135M Q4_1", "93.81 MiB", "134.52 M", "CPU", "2", "pp512", "101.00 ± 1.41"]
+    assert table[1].startswith("| ---") and table[1].rstrip("| ").endswith(":")  # t/s right-aligned
+    assert "40.00 ± 0.00" in table[3]
+    assert len({len(ln) for ln in table}) == 1  # columns line up
+
+
+def test_md_compared_has_engine_and_ratio_columns():
+    rows = [_row(ts=(300.0,)), _row("llama.cpp", ts=(100.0,)),
+            _row(test="tg128", ts=(20.0,)), _row("llama.cpp", test="tg128", ts=(50.0,))]
+    r = bench.ratios(rows)
+    assert r == pytest.approx({"pp512": 3.0, "tg128": 0.4})
+    table = [ln for ln in bench.format_md(rows, r).splitlines() if ln.startswith("|")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in table]
+    assert cells[0][0] == "engine" and cells[0][-1] == "vs llama.cpp"
+    assert [c[0] for c in cells[2:]] == ["localkv", "llama.cpp"] * 2
+    assert [c[-1] for c in cells[2:]] == ["3.00x", "", "0.40x", ""]
+
+
+def test_ratios_skip_tests_without_peer():
+    assert bench.ratios([_row()]) == {}
+    assert bench.ratios([_row(), _row("llama.cpp", test="tg128")]) == {}
+
+
+def test_json_uses_llama_bench_names():
+    out = json.loads(bench.format_json([_row()]))
+    assert isinstance(out, list) and LLAMA_BENCH_KEYS <= out[0].keys()
+    assert out[0]["test"] == "pp512" and out[0]["backend"] == "CPU"
+
+
+def test_size_and_params_units():
+    assert bench._size(3 * 2**30) == "3.00 GiB" and bench._size(2**20) == "1.00 MiB"
+    assert bench._params(6_740_000_000) == "6.74 B" and bench._params(135_000_000) == "135.00 M"
+
+
+def _app():
+    app = typer.Typer()
+    app.command()(bench.bench_command)
+    return app
+
+
+@pytest.mark.parametrize("args", [["--vs", "vllm"], ["-o", "csv"], ["-p", "0", "-n", "0"]])
+def test_bad_options_raise_before_loading(args, monkeypatch):
+    def no_engine(*a, **k):
+        raise AssertionError("engine loaded before the options were checked")
+
+    monkeypatch.setattr(bench, "Engine", no_engine)
+    res = CliRunner().invoke(_app(), args)
+    assert isinstance(res.exception, LocalkvError), res.output
+
+
+def test_vs_without_llama_cpp_says_how_to_install(monkeypatch):
+    import localkv.peer
+
+    monkeypatch.setattr(localkv.peer, "peer_available", lambda: False)
+    with pytest.raises(LocalkvError, match=r"pip install -e '\.\[peer\]'"):
+        bench.bench_command(None, 16, 4, 1, None, "llama.cpp", "md", 16, "1GiB", False)
+
+
+def test_speed_rows_rejects_bad_vs():
+    with pytest.raises(LocalkvError, match="llama.cpp"):
+        bench.speed_rows(object(), ["pp16"], vs="vllm")
+
+
+@pytest.fixture(scope="module")
+def engine(real_model_path):
+    from localkv.engine import Engine
+
+    return Engine(real_model_path, threads=2, kv_mem="64MiB", progress=False)
+
+
+def _check(rows, engines):
+    assert [(r["engine"], r["test"]) for r in rows] == [(e, t) for t in ("pp16", "tg4") for e in engines]
+    for r in rows:
+        assert LLAMA_BENCH_KEYS <= r.keys()
+        assert r["backend"] == "CPU" and r["n_threads"] == 2 and r["model_size"] > 0 and r["model_n_params"] > 0
+        assert (r["n_prompt"], r["n_gen"]) == ((16, 0) if r["test"] == "pp16" else (0, 4))
+        assert len(r["samples_ts"]) == 1 and r["avg_ts"] > 0
+
+
+@pytest.mark.model
+def test_speed_rows_real_model(engine):
+    free = engine.pool.num_free
+    rows = bench.speed_rows(engine, ("pp16", "tg4"), reps=1)
+    _check(rows, ["localkv"])
+    assert engine.pool.num_free == free  # every rep freed its sequence
+
+
+@pytest.mark.model
+@pytest.mark.peer
+def test_speed_rows_vs_llama_cpp(engine):
+    rows = bench.speed_rows(engine, ("pp16", "tg4"), reps=1, vs="llama.cpp")
+    _check(rows, ["localkv", "llama.cpp"])
+    assert set(bench.ratios(rows)) == {"pp16", "tg4"} and all(x > 0 for x in bench.ratios(rows).values())

@@ -1,0 +1,82 @@
+"""Allocator invariants of the block pool and the KV manager."""
+
+import numpy as np
+import pytest
+
+from localkv.block_pool import BlockPool
+from localkv.errors import PoolExhausted
+from localkv.kv_manager import KVManager
+from localkv.sequence import Sequence
+
+
+def make(num_blocks=8, block_size=4):
+    pool = BlockPool(n_layers=2, num_blocks=num_blocks, block_size=block_size, n_kv_heads=1, head_dim=2)
+    return pool, KVManager(pool)
+
+
+def test_new_block_only_when_last_is_full():
+    pool, kv = make()
+    seq = Sequence(list(range(10)))
+    counts = []
+    for _ in range(9):
+        kv.append_slots(seq, 1)
+        counts.append(len(seq.block_table))
+    assert counts == [1, 1, 1, 1, 2, 2, 2, 2, 3]
+    assert pool.num_free == 8 - 3
+    pool.check([seq.block_table])
+
+
+def test_slots_follow_block_table():
+    pool, kv = make(block_size=4)
+    seq = Sequence([0] * 6)
+    slots = kv.append_slots(seq, 6)
+    b0, b1 = seq.block_table
+    assert list(slots) == [b0 * 4, b0 * 4 + 1, b0 * 4 + 2, b0 * 4 + 3, b1 * 4, b1 * 4 + 1]
+
+
+def test_free_returns_every_block():
+    pool, kv = make()
+    seqs = [Sequence([1] * n) for n in (3, 5, 9)]
+    for s in seqs:
+        kv.append_slots(s, len(s.tokens))
+    assert pool.num_free == 8 - (1 + 2 + 3)
+    for s in seqs:
+        kv.free(s)
+    assert pool.num_free == 8
+    pool.check([])
+
+
+def test_exhaustion_is_a_clear_error_and_leaks_nothing():
+    pool, kv = make(num_blocks=2, block_size=4)
+    seq = Sequence([1] * 9)
+    with pytest.raises(PoolExhausted, match="exhausted"):
+        kv.append_slots(seq, 9)
+    assert pool.num_free == 2 and seq.block_table == [] and seq.num_kv == 0
+
+
+def test_fork_shares_blocks_and_copies_partial_block_on_write():
+    pool, kv = make(block_size=4)
+    parent = Sequence([1] * 6)
+    kv.append_slots(parent, 6)
+    pool.k[:, parent.block_table[1], :2] = 7.0
+    child = kv.fork(parent)
+    assert child.block_table == parent.block_table
+    assert [pool.blocks[b].ref_count for b in parent.block_table] == [2, 2]
+    pool.check([parent.block_table, child.block_table])
+    kv.append_slots(child, 1)  # writes into the shared, partly filled block: copy first
+    assert child.block_table[0] == parent.block_table[0]  # the full block stays shared
+    assert child.block_table[1] != parent.block_table[1]
+    assert pool.cow_copies == 1
+    assert np.all(pool.k[:, child.block_table[1], :2] == 7.0)
+    pool.check([parent.block_table, child.block_table])
+    kv.free(parent)
+    kv.free(child)
+    assert pool.num_free == pool.num_blocks
+
+
+def test_double_free_is_caught():
+    pool, _ = make()
+    b = pool.allocate()
+    pool.release(b)
+    with pytest.raises(AssertionError):
+        pool.release(b)

@@ -1,0 +1,158 @@
+"""The engine on small random-weight models: paging, chunking and batching never change the math."""
+
+import numpy as np
+import pytest
+
+from localkv.engine import Engine, parse_size
+from localkv.errors import ContextOverflow, LocalkvError, PoolExhausted
+from localkv.sampling import SamplingParams
+from localkv.sequence import Sequence
+from tiny_model import tiny_weights, write_gguf, write_hf_dir
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", ctx=128)
+
+
+def engine(path, **kw):
+    return Engine(path, progress=False, **kw)
+
+
+def dense_reference(tokens, seed=0):
+    """An independent plain Llama forward on the Hugging Face weights (no pool, no paging)."""
+    w, hp = tiny_weights(seed)
+    H, K, D = hp["n_heads"], hp["n_kv_heads"], hp["dim"]
+    hd = D // H
+    T = len(tokens)
+
+    def norm(x, g):
+        return x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+    inv = 10000.0 ** (-np.arange(0, hd, 2) / hd)
+    ang = np.arange(T)[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def rope(x):  # HF rotate_half
+        rot = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * cos[:, None] + rot * sin[:, None]
+
+    x = w["model.embed_tokens.weight"][tokens].astype(np.float64)
+    for i in range(hp["n_layers"]):
+        p = f"model.layers.{i}."
+        h = norm(x, w[p + "input_layernorm.weight"])
+        q = rope((h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, H, hd))
+        k = rope((h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, K, hd))
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, K, hd)
+        k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)
+        s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd) + np.triu(np.full((T, T), -np.inf), 1)
+        p_ = np.exp(s - s.max(-1, keepdims=True))
+        p_ /= p_.sum(-1, keepdims=True)
+        o = np.einsum("hts,shd->thd", p_, v).reshape(T, D)
+        x = x + o @ w[p + "self_attn.o_proj.weight"].T
+        h = norm(x, w[p + "post_attention_layernorm.weight"])
+        g, u = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
+    return norm(x, w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T
+
+
+PROMPT = list(np.random.default_rng(5).integers(3, 261, 40))
+
+
+def test_prefill_matches_dense_reference(gguf_path):
+    eng = engine(gguf_path)
+    logits = eng.prefill(Sequence(PROMPT))
+    np.testing.assert_allclose(logits, dense_reference(PROMPT)[-1], rtol=1e-3, atol=1e-3)
+
+
+def test_token_by_token_decode_matches_dense_reference(gguf_path):
+    eng = engine(gguf_path, block_size=4)
+    seq = Sequence(PROMPT[:1])
+    ref = dense_reference(PROMPT)
+    eng.prefill(seq)
+    for t in range(1, len(PROMPT)):
+        seq.tokens.append(PROMPT[t])
+        np.testing.assert_allclose(eng.decode([seq])[0], ref[t], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 8, 16, 64])
+@pytest.mark.parametrize("chunk", [1, 7, 512])
+def test_block_size_and_chunking_do_not_change_logits(gguf_path, block_size, chunk):
+    eng = engine(gguf_path, block_size=block_size, prefill_chunk=chunk)
+    np.testing.assert_allclose(eng.prefill(Sequence(PROMPT)), dense_reference(PROMPT)[-1], rtol=1e-3, atol=1e-3)
+
+
+def test_batched_decode_equals_each_sequence_alone(gguf_path):
+    eng = engine(gguf_path, block_size=4)
+    prompts = [PROMPT[:5], PROMPT[:17], PROMPT[3:30]]
+    seqs = [Sequence(list(p)) for p in prompts]
+    for s in seqs:
+        eng.prefill(s)
+    for s, t in zip(seqs, (7, 8, 9)):
+        s.tokens.append(t)
+    batched = eng.decode(seqs)
+    for p, t, row in zip(prompts, (7, 8, 9), batched):
+        np.testing.assert_allclose(row, dense_reference(p + [t])[-1], rtol=1e-3, atol=1e-3)
+
+
+def test_hf_directory_gives_same_logits_as_gguf(gguf_path, tmp_path):
+    hf = engine(write_hf_dir(tmp_path / "hf", ctx=128))
+    np.testing.assert_allclose(hf.prefill(Sequence(PROMPT)), engine(gguf_path).prefill(Sequence(PROMPT)), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_generation_frees_its_blocks_and_respects_max_tokens(gguf_path):
+    eng = engine(gguf_path, block_size=4)
+    r = eng.generate(PROMPT[:10], SamplingParams(temperature=0), max_tokens=12, ignore_eos=True).run()
+    assert r.completion_tokens == 12 and r.finish_reason == "length"
+    assert r.peak_blocks == -(-(10 + 11) // 4)  # the last sampled token is never written
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_greedy_is_deterministic_and_seed_reproduces(gguf_path):
+    eng = engine(gguf_path)
+    greedy = [eng.generate(PROMPT[:8], SamplingParams(temperature=0), 10, True).run().tokens for _ in range(2)]
+    assert greedy[0] == greedy[1]
+    a = eng.generate(PROMPT[:8], SamplingParams(temperature=50.0, seed=3), 20, True).run().tokens
+    b = eng.generate(PROMPT[:8], SamplingParams(temperature=50.0, seed=3), 20, True).run().tokens
+    c = eng.generate(PROMPT[:8], SamplingParams(temperature=50.0, seed=4), 20, True).run().tokens
+    assert a == b and a != c
+
+
+def test_generation_stops_at_context_end(gguf_path):
+    eng = engine(gguf_path)
+    r = eng.generate(PROMPT[:8] * 15, SamplingParams(temperature=0), 100, True).run()  # 120 of 128
+    assert r.finish_reason == "context" and r.prompt_tokens + r.completion_tokens == 128
+
+
+def test_prompt_longer_than_context_is_refused(gguf_path):
+    with pytest.raises(ContextOverflow, match="context holds 128"):
+        engine(gguf_path).generate(PROMPT * 4, SamplingParams(), 10)
+
+
+def test_request_larger_than_pool_is_refused_before_work(gguf_path):
+    eng = engine(gguf_path, block_size=4, kv_mem=2 * 2 * 4 * 2 * 16 * 4 * 3)  # exactly 3 blocks
+    assert eng.pool.num_blocks == 3
+    with pytest.raises(PoolExhausted, match="needs 5 KV blocks"):
+        eng.generate(PROMPT[:10], SamplingParams(), 10)
+    assert eng.pool.num_free == 3
+
+
+def test_interrupt_frees_blocks(gguf_path):
+    eng = engine(gguf_path)
+    gen = eng.generate(PROMPT[:8], SamplingParams(temperature=0), 50, True)
+    it = iter(gen)
+    next(it)
+    it.close()  # what a Ctrl-C unwinding through the loop does to the generator
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.parametrize("kw,msg", [({"block_size": 3}, "block size"), ({"kv_mem": "lots"}, "invalid size"),
+                                    ({"kv_mem": "1KiB"}, "smaller than one KV block"), ({"threads": 0}, "thread")])
+def test_bad_engine_settings(gguf_path, kw, msg):
+    with pytest.raises(LocalkvError, match=msg):
+        engine(gguf_path, **kw)
+
+
+def test_parse_size():
+    assert parse_size("512MiB") == 512 << 20 and parse_size("2G") == 2 << 30 and parse_size("100") == 100

@@ -1,0 +1,70 @@
+"""Paged attention through a block table equals dense attention over contiguous K/V."""
+
+import numpy as np
+import pytest
+
+from localkv import ops_numpy as ops
+
+
+def dense_attention(q, k, v, scale):
+    """Reference: q [T, H, hd] are the last T positions of k/v [n, kvh, hd]; causal."""
+    T, H, hd = q.shape
+    n, kvh, _ = k.shape
+    out = np.zeros_like(q)
+    for h in range(H):
+        kh, vh = k[:, h // (H // kvh)], v[:, h // (H // kvh)]
+        for t in range(T):
+            visible = n - T + t + 1
+            s = (kh[:visible] @ q[t, h]) * scale
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ vh[:visible]
+    return out
+
+
+def paged_copy(k, v, block_size, num_blocks, rng):
+    """Scatter contiguous K/V into a shuffled set of pool blocks; return pool layers and table."""
+    n = k.shape[0]
+    nb = -(-n // block_size)
+    table = rng.permutation(num_blocks)[:nb]
+    kl = rng.standard_normal((num_blocks, block_size, *k.shape[1:])).astype(np.float32)  # garbage elsewhere
+    vl = rng.standard_normal((num_blocks, block_size, *k.shape[1:])).astype(np.float32)
+    slots = table[np.arange(n) // block_size] * block_size + np.arange(n) % block_size
+    ops.write_kv(kl, vl, slots, k, v)
+    return kl, vl, table
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 16, 32])
+@pytest.mark.parametrize("n_ctx,T", [(1, 1), (7, 1), (16, 1), (33, 1), (50, 5), (64, 64), (100, 17)])
+@pytest.mark.parametrize("H,kvh", [(4, 4), (9, 3), (8, 1)])
+def test_paged_equals_dense(block_size, n_ctx, T, H, kvh):
+    rng = np.random.default_rng(block_size * 1000 + n_ctx * 10 + T + H)
+    hd = 8
+    k = rng.standard_normal((n_ctx, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((n_ctx, kvh, hd)).astype(np.float32)
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    kl, vl, table = paged_copy(k, v, block_size, num_blocks=-(-n_ctx // block_size) + 5, rng=rng)
+    got = ops.paged_attention(q, kl, vl, table, n_ctx, 0.3)
+    np.testing.assert_allclose(got, dense_attention(q, k, v, 0.3), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_mass_sums_to_queries_times_heads():
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((20, 2, 8)).astype(np.float32)
+    q = rng.standard_normal((4, 6, 8)).astype(np.float32)
+    kl, vl, table = paged_copy(k, k, 4, 8, rng)
+    mass = np.zeros(20, np.float32)
+    ops.paged_attention(q, kl, vl, table, 20, 0.5, mass)
+    assert mass.sum() == pytest.approx(4 * 6, rel=1e-5)
+    assert mass[-1] > 0 and mass[:16].min() > 0  # every visible key got some weight
+
+
+def test_rope_rotates_halves_and_keeps_norm():
+    cos, sin = ops.rope_tables(8, 16, 10000.0)
+    x = np.random.default_rng(2).standard_normal((3, 2, 8)).astype(np.float32)
+    pos = np.array([0, 1, 5])
+    y = ops.rope(x.copy(), cos[pos], sin[pos])
+    np.testing.assert_allclose(y[0], x[0], atol=1e-6)  # position 0: identity
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    # position 1, first pair rotates by exactly 1 radian (theta^0)
+    a, b = x[1, 0, 0], x[1, 0, 4]
+    assert y[1, 0, 0] == pytest.approx(a * np.cos(1) - b * np.sin(1), rel=1e-5)
