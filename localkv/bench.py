@@ -82,7 +82,7 @@ def _measure(runner, test: Test, tokens: list[int]) -> float:
 
 def _tokens(test: Test, vocab: int, rep: int, seed: int, warm: bool = False) -> list[int]:
     # the same ids for every engine at a given rep, different ids across reps
-    rng = np.random.default_rng([seed, warm, rep])
+    rng = np.random.default_rng([seed, warm, rep, test.n_prompt, test.n_gen])
     return rng.integers(0, vocab, max(test.n_prompt, 1)).tolist()
 
 

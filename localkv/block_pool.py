@@ -1,9 +1,11 @@
-"""The physical KV pool: fixed-size blocks, reference counts, a free queue.
+"""The physical KV pool: fixed-size blocks, reference counts, a free queue that keeps
+freed blocks' prefix hashes so a later request can revive them.
 
 K/V live in two arrays [layers, blocks, block_size, kv_heads, head_dim]; a block id
 indexes the second axis in every layer at once. Invariants (checked by check()):
 - a block is in the free queue iff its ref_count is 0;
-- ref_count equals the number of block tables holding the block.
+- ref_count equals the number of block tables holding the block;
+- cached maps a hash to a block whose hash is that hash (free or not).
 """
 
 from collections import OrderedDict
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import PoolExhausted
+from .stats import Stats
 
 
 @dataclass(slots=True)
@@ -19,21 +22,23 @@ class Block:
     id: int
     ref_count: int = 0
     hash: int | None = None  # set once full and registered for prefix reuse
+    tokens: tuple[int, ...] = ()  # the block's token ids, to verify a hash hit
 
 
 class BlockPool:
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype=np.float32):
+                 dtype=np.float32, xp=np, stats: Stats | None = None):
         if num_blocks < 1:
             raise PoolExhausted("the KV memory budget is too small for even one block")
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        # np.zeros maps untouched pages lazily: a large pool costs memory only as it fills
-        self.k = np.zeros(shape, dtype)
-        self.v = np.zeros(shape, dtype)
+        # zeros are mapped lazily: a large pool costs memory only as it fills
+        self.k = xp.zeros(shape, dtype)
+        self.v = xp.zeros(shape, dtype)
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cow_copies = 0
+        self.cached: dict[int, int] = {}  # prefix hash -> block id
+        self.stats = stats or Stats()
 
     @property
     def num_blocks(self) -> int:
@@ -48,18 +53,21 @@ class BlockPool:
         return 2 * self.k[:, 0].nbytes
 
     def allocate(self) -> int:
+        """A block for new data: least recently freed first; a cached one loses its hash."""
         if not self.free_queue:
             raise PoolExhausted(f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens are in use "
                                 "(raise --kv-mem)")
-        bid, _ = self.free_queue.popitem(last=False)  # least recently freed first
+        bid, _ = self.free_queue.popitem(last=False)
         block = self.blocks[bid]
-        block.ref_count, block.hash = 1, None
+        if block.hash is not None:
+            del self.cached[block.hash]
+        block.ref_count, block.hash, block.tokens = 1, None, ()
         return bid
 
     def incref(self, bid: int):
         block = self.blocks[bid]
         if block.ref_count == 0:
-            del self.free_queue[bid]
+            del self.free_queue[bid]  # revived from the free queue by a prefix hit
         block.ref_count += 1
 
     def release(self, bid: int):
@@ -69,9 +77,29 @@ class BlockPool:
         if block.ref_count == 0:
             self.free_queue[bid] = None
 
+    def register(self, bid: int, h: int, tokens: tuple[int, ...]):
+        """Make a full block findable by its prefix hash (first writer wins)."""
+        block = self.blocks[bid]
+        if block.hash is None and h not in self.cached:
+            block.hash, block.tokens = h, tokens
+            self.cached[h] = bid
+
+    def lookup(self, h: int, tokens: tuple[int, ...]) -> int | None:
+        bid = self.cached.get(h)
+        if bid is None or self.blocks[bid].tokens != tokens:  # verify: a hash is not proof
+            return None
+        return bid
+
     def copy_block(self, src: int, dst: int, n_tokens: int):
         self.k[:, dst, :n_tokens] = self.k[:, src, :n_tokens]
         self.v[:, dst, :n_tokens] = self.v[:, src, :n_tokens]
+
+    def usage(self) -> dict:
+        shared = sum(1 for b in self.blocks if b.ref_count > 1)
+        cached_free = sum(1 for bid in self.free_queue if self.blocks[bid].hash is not None)
+        return {"blocks": self.num_blocks, "used": self.num_blocks - self.num_free, "shared": shared,
+                "cached_free": cached_free, "free": self.num_free - cached_free, "block_size": self.block_size,
+                "bytes_per_block": self.bytes_per_block}
 
     def check(self, tables: list[list[int]] = ()):
         """Assert the invariants; tables are all live block tables."""
@@ -83,3 +111,5 @@ class BlockPool:
             assert (b.ref_count == 0) == (b.id in self.free_queue), f"block {b.id}: free queue out of sync"
             if tables:
                 assert b.ref_count == held[b.id], f"block {b.id}: ref_count {b.ref_count} != {held[b.id]} tables"
+        for h, bid in self.cached.items():
+            assert self.blocks[bid].hash == h, f"cached hash of block {bid} out of sync"

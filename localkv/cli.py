@@ -148,7 +148,7 @@ def _result_json(engine, r) -> dict:
             "blocks_used": r.peak_blocks,
             "token_slots": r.peak_blocks * engine.block_size,
             "pool_blocks": engine.pool.num_blocks,
-            "cow_copies": engine.pool.cow_copies,
+            "cow_copies": engine.stats.cow_copies,
         },
     }
 

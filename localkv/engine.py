@@ -14,6 +14,7 @@ from .loader import load_model
 from .model import Llama, Span
 from .sampling import Sampler, SamplingParams
 from .sequence import Sequence
+from .stats import Stats
 
 DEFAULT_KV_MEM = "1GiB"
 DEFAULT_PREFILL_CHUNK = 512
@@ -61,7 +62,8 @@ class Result:
 
 class Engine:
     def __init__(self, model: str | Path | None = None, block_size: int = 16, kv_mem: str | int = DEFAULT_KV_MEM,
-                 threads: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = True):
+                 threads: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = True,
+                 prefix_caching: bool = True):
         from .registry import resolve_model
 
         if block_size < 1 or block_size & (block_size - 1):
@@ -85,9 +87,12 @@ class Engine:
         kv_bytes = parse_size(kv_mem)
         if kv_bytes < per_block:
             raise LocalkvError(f"--kv-mem {kv_mem} is smaller than one KV block ({per_block} bytes)")
-        self.pool = BlockPool(cfg.n_layers, kv_bytes // per_block, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.kv = KVManager(self.pool)
+        self.stats = Stats()
+        self.pool = BlockPool(cfg.n_layers, kv_bytes // per_block, block_size, cfg.n_kv_heads, cfg.head_dim,
+                              stats=self.stats)
+        self.kv = KVManager(self.pool, salt=f"{cfg.fingerprint}:{block_size}:float32".encode())
         self.prefill_chunk = prefill_chunk
+        self.prefix_caching = prefix_caching
 
     @property
     def block_size(self) -> int:
@@ -111,15 +116,19 @@ class Engine:
                 raise LocalkvError("internal: step on a sequence with no pending tokens")
             budget -= len(chunk)
             start = len(tokens)
-            positions.extend(range(seq.num_kv, seq.num_kv + len(chunk)))
+            positions.extend(range(seq.num_computed, seq.num_computed + len(chunk)))
             slots.append(self.kv.append_slots(seq, len(chunk)))
             tokens.extend(chunk)
-            spans.append(Span(start, len(chunk), np.asarray(seq.block_table), seq.num_kv))
+            spans.append(Span(start, len(chunk), np.asarray(seq.block_table), seq.num_stored))
             rows.append(len(tokens) - 1)
         if all_logits:
             rows = list(range(len(tokens)))
-        return self.model.forward(np.asarray(tokens), np.asarray(positions), np.concatenate(slots), spans,
-                                  self.pool, rows)
+        logits = self.model.forward(np.asarray(tokens), np.asarray(positions), np.concatenate(slots), spans,
+                                    self.pool, rows)
+        if self.prefix_caching:
+            for seq in seqs:
+                self.kv.register_full_blocks(seq)
+        return logits
 
     def prefill(self, seq: Sequence) -> np.ndarray:
         """Run all pending tokens of seq in chunks; logits of the last one."""
@@ -174,6 +183,8 @@ class Generation:
         self.engine, self.max_tokens, self.ignore_eos = engine, max_tokens, ignore_eos
         self.seq = Sequence(list(prompt_ids))
         self.result = Result(prompt_tokens=len(prompt_ids), load_s=engine.loaded.load_s)
+        if engine.prefix_caching:
+            self.result.cached_tokens = engine.kv.match_prefix(self.seq)
 
     def __iter__(self):
         eng, r = self.engine, self.result

@@ -25,7 +25,7 @@ class Llama:
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], ops=ops_numpy):
         self.cfg, self.w, self.ops = cfg, weights, ops
         self.cos, self.sin = ops.rope_tables(cfg.head_dim, cfg.ctx_len, cfg.rope_theta)
-        self.scale = 1.0 / np.sqrt(cfg.head_dim)
+        self.scale = float(1.0 / np.sqrt(cfg.head_dim))
         self.output = weights["output"] if "output" in weights else weights["tok_embd"].T
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, spans: list[Span],
@@ -33,8 +33,10 @@ class Llama:
         """Runs T tokens; writes their K/V at slots; returns logits [len(logit_rows), vocab]."""
         cfg, w, ops = self.cfg, self.w, self.ops
         H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        xp = ops.xp
         T = len(tokens)
-        x = w["tok_embd"][tokens]
+        tokens, positions, slots = xp.asarray(tokens), xp.asarray(positions), xp.asarray(slots)
+        x = w["tok_embd"][tokens].astype(ops.act_dtype, copy=False)  # indexing already copied
         cos, sin = self.cos[positions], self.sin[positions]
         for i in range(cfg.n_layers):
             h = ops.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
@@ -43,12 +45,13 @@ class Llama:
             q, k, v = qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
             kl, vl = pool.k[i], pool.v[i]
             ops.write_kv(kl, vl, slots, k, v)
-            attn = np.empty((T, H, hd), dtype=x.dtype)
+            attn = xp.empty((T, H, hd), dtype=x.dtype)
             for sp in spans:
                 rows = slice(sp.start, sp.start + sp.length)
-                attn[rows] = ops.paged_attention(q[rows], kl, vl, sp.block_table, sp.n_ctx, self.scale, sp.mass)
+                attn[rows] = ops.paged_attention(q[rows], kl, vl, xp.asarray(sp.block_table), sp.n_ctx, self.scale,
+                                                 sp.mass)
             x += attn.reshape(T, H * hd) @ w[f"{i}.wo"]
             h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
             x += ops.silu_mul(h @ w[f"{i}.w_gate_up"]) @ w[f"{i}.w_down"]
-        h = ops.rmsnorm(x[logit_rows], w["out_norm"], cfg.rms_eps)
-        return h @ self.output
+        h = ops.rmsnorm(x[xp.asarray(logit_rows)], w["out_norm"], cfg.rms_eps)
+        return ops.to_host(h @ self.output).astype(np.float32, copy=False)

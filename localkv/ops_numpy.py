@@ -8,6 +8,8 @@ import numpy as np
 
 xp = np
 name = "CPU"
+act_dtype = np.float32  # activations
+kv_dtype = np.float32  # the KV pool
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -10,9 +10,12 @@ _ids = count()
 class Sequence:
     tokens: list[int]
     block_table: list[int] = field(default_factory=list)
-    num_kv: int = 0  # tokens whose K/V are in the pool; tokens[num_kv:] still need a forward pass
+    num_computed: int = 0  # tokens run through the model: the next one sits at this position
+    num_stored: int = 0  # tokens whose K/V the block table holds (fewer than computed once blocks are evicted)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the leading full blocks
+    hashable: bool = True  # false once eviction broke the block <-> position correspondence
     id: int = field(default_factory=lambda: next(_ids))
 
     @property
     def pending(self) -> list[int]:
-        return self.tokens[self.num_kv:]
+        return self.tokens[self.num_computed:]

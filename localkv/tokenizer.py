@@ -63,12 +63,6 @@ def _bytelevel_bytes(piece: str, table: dict[str, int]) -> bytes:
     return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
 
 
-def _sentencepiece_bytes(piece: str) -> bytes:
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        return bytes([int(piece[3:5], 16)])  # byte-fallback token
-    return piece.replace("▁", " ").encode()
-
-
 def _with_byte_placeholders(tokens: list[str]) -> dict[str, int]:
     """The BPE vocab, plus ids past its end for byte chars it lacks (SmolLM2 lacks 21).
 
@@ -101,6 +95,10 @@ class Tokenizer:
         self._control = control  # text -> id, parsed only when special=True
         self._user_defined = user_defined  # text -> id, always parsed (llama.cpp and HF agree)
         self._control_ids = frozenset(control.values())
+        # Partition order: longest token text first, as llama.cpp sorts its special-token cache.
+        by_length = lambda d: sorted(d.items(), key=lambda kv: -len(kv[0]))  # noqa: E731
+        self._parse_special = by_length({**control, **user_defined})
+        self._parse_plain = by_length(user_defined)
         self.vocab_size = len(token_bytes)
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.chat_template = chat_template
@@ -139,12 +137,13 @@ class Tokenizer:
         table = _byte_decoder()
         special = {_UNKNOWN, _CONTROL, _USER_DEFINED}
         token_bytes = [t.encode() if ty in special else _bytelevel_bytes(t, table) for t, ty in zip(tokens, types)]
+        of_type = lambda *want: {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in want}  # noqa: E731
         get = meta.get
         return cls(
             hf,
             token_bytes,
-            control={t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (_UNKNOWN, _CONTROL)},
-            user_defined={t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _USER_DEFINED},
+            control=of_type(_UNKNOWN, _CONTROL),  # llama.cpp parses unknown-type tokens like control ones
+            user_defined=of_type(_USER_DEFINED),
             bos_id=get("tokenizer.ggml.bos_token_id"),
             eos_id=get("tokenizer.ggml.eos_token_id"),
             add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),  # llama.cpp's BPE default
@@ -159,6 +158,9 @@ class Tokenizer:
             hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as e:
             raise ModelError(f"cannot load {path / 'tokenizer.json'}: {e}") from e
+        # Per-token bytes (for streaming) are only derivable for byte-level vocabs.
+        if "ByteLevel" not in json.dumps(json.loads(hf.to_str()).get("decoder")):
+            raise ModelError(f"{path / 'tokenizer.json'}: only byte-level BPE tokenizers are supported")
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
         # Our own partition handles special added tokens, so HF must treat them as text;
@@ -166,16 +168,11 @@ class Tokenizer:
         hf.encode_special_tokens = True
         added = hf.get_added_tokens_decoder()  # id -> AddedToken
 
-        spec = json.loads(hf.to_str())
-        table = _byte_decoder() if "ByteLevel" in json.dumps(spec.get("decoder")) else None
-        n = hf.get_vocab_size(with_added_tokens=True)
-        token_bytes = []
-        for i in range(n):
-            piece = hf.id_to_token(i) or ""
-            if i in added:
-                token_bytes.append(added[i].content.encode())
-            else:
-                token_bytes.append(_bytelevel_bytes(piece, table) if table else _sentencepiece_bytes(piece))
+        table = _byte_decoder()
+        token_bytes = [
+            added[i].content.encode() if i in added else _bytelevel_bytes(hf.id_to_token(i) or "", table)
+            for i in range(hf.get_vocab_size(with_added_tokens=True))
+        ]
 
         def token_id(key: str) -> int | None:
             tok = cfg.get(key)
@@ -200,19 +197,21 @@ class Tokenizer:
     # ---- encode / decode ----------------------------------------------------------
 
     def encode(self, text: str, special: bool = True, add_bos: bool | None = None) -> list[int]:
-        ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None else []
-        for frag in self._partition(text, special):
+        want_bos = self.add_bos if add_bos is None else add_bos
+        ids = [self.bos_id] if want_bos and self.bos_id is not None else []
+        for frag in self._partition(text, self._parse_special if special else self._parse_plain):
             if isinstance(frag, int):
                 ids.append(frag)
-            elif frag:
+            elif frag:  # ids past vocab_size are from_gguf's byte placeholders: llama.cpp drops those bytes
                 ids.extend(i for i in self._hf.encode(frag, add_special_tokens=False).ids if i < self.vocab_size)
         return ids
 
-    def _partition(self, text: str, special: bool) -> list[str | int]:
-        """Cut special tokens out of the text, longest token text first (llama.cpp's
+    @staticmethod
+    def _partition(text: str, specials: list[tuple[str, int]]) -> list[str | int]:
+        """Cut special tokens out of the text, one token text at a time (llama.cpp's
         tokenizer_st_partition), leaving str fragments for BPE and ints for tokens."""
         frags: list[str | int] = [text]
-        for tok, tid in self._specials(special):
+        for tok, tid in specials:
             out: list[str | int] = []
             for frag in frags:
                 if isinstance(frag, int) or tok not in frag:
@@ -222,17 +221,6 @@ class Tokenizer:
                     out.extend([tid, piece] if j else [piece])
             frags = out
         return frags
-
-    def _specials(self, special: bool) -> list[tuple[str, int]]:
-        return self._all_specials if special else self._user_specials
-
-    @cached_property
-    def _all_specials(self) -> list[tuple[str, int]]:
-        return sorted({**self._control, **self._user_defined}.items(), key=lambda kv: -len(kv[0]))
-
-    @cached_property
-    def _user_specials(self) -> list[tuple[str, int]]:
-        return sorted(self._user_defined.items(), key=lambda kv: -len(kv[0]))
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._token_bytes[token_id]
@@ -247,13 +235,12 @@ class Tokenizer:
     # ---- chat ---------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        name = lambda i: self._token_bytes[i].decode("utf-8", "replace") if i is not None else ""  # noqa: E731
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=name(self.bos_id),
-                eos_token=name(self.eos_id),
+                bos_token=self.decode([self.bos_id] if self.bos_id is not None else []),
+                eos_token=self.decode([self.eos_id] if self.eos_id is not None else []),
             )
         except ModelError:
             raise

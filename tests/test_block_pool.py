@@ -51,7 +51,7 @@ def test_exhaustion_is_a_clear_error_and_leaks_nothing():
     seq = Sequence([1] * 9)
     with pytest.raises(PoolExhausted, match="exhausted"):
         kv.append_slots(seq, 9)
-    assert pool.num_free == 2 and seq.block_table == [] and seq.num_kv == 0
+    assert pool.num_free == 2 and seq.block_table == [] and seq.num_stored == 0
 
 
 def test_fork_shares_blocks_and_copies_partial_block_on_write():
@@ -66,7 +66,7 @@ def test_fork_shares_blocks_and_copies_partial_block_on_write():
     kv.append_slots(child, 1)  # writes into the shared, partly filled block: copy first
     assert child.block_table[0] == parent.block_table[0]  # the full block stays shared
     assert child.block_table[1] != parent.block_table[1]
-    assert pool.cow_copies == 1
+    assert pool.stats.cow_copies == 1
     assert np.all(pool.k[:, child.block_table[1], :2] == 7.0)
     pool.check([parent.block_table, child.block_table])
     kv.free(parent)

@@ -149,6 +149,48 @@ def test_template_errors_become_model_errors(tpl, match):
         tok.render_chat(CONVO)
 
 
+def save_hf_dir(tok: Tokenizer, d: Path, **config) -> Path:
+    """Re-save a GGUF-built tokenizer as a Hugging Face tokenizer directory."""
+    from tokenizers import AddedToken, decoders
+    from tokenizers import Tokenizer as HFTokenizer
+
+    spec = json.loads(tok._hf.to_str())  # drop the byte placeholders from_gguf added
+    spec["model"]["vocab"] = {t: i for t, i in spec["model"]["vocab"].items() if i < tok.vocab_size}
+    hf = HFTokenizer.from_str(json.dumps(spec))
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tok._control])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in tok._user_defined])
+    hf.decoder = decoders.ByteLevel()
+    hf.save(str(d / "tokenizer.json"))
+    cfg = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}, "chat_template": tok.chat_template}
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, **config}))
+    return d
+
+
+def test_hf_dir_special_handling(tiny, tmp_path):
+    hft = Tokenizer.from_hf_dir(save_hf_dir(tiny, tmp_path))
+    assert (hft.bos_id, hft.eos_id, hft.add_bos, hft.stop_ids) == (262, 263, False, {261, 263})
+    assert hft.encode("hello<|im_end|>x") == [259, 263, ord("x")]
+    assert hft.encode("hello<|im_end|>x", special=False) == [259, *byte_ids("<|im_end|>x")]
+    assert hft.encode("a<tool>b", special=False) == [ord("a"), 264, ord("b")]
+    assert hft.decode([262, 259, 264], skip_special=True) == "hello<tool>"
+
+
+def test_hf_dir_add_bos_flag(tiny, tmp_path):
+    hft = Tokenizer.from_hf_dir(save_hf_dir(tiny, tmp_path, add_bos_token=True))
+    assert hft.encode("hello") == [262, 259]
+
+
+def test_hf_dir_without_bytelevel_decoder_is_refused(tiny, tmp_path):
+    from tokenizers import decoders
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(save_hf_dir(tiny, tmp_path) / "tokenizer.json"))
+    hf.decoder = decoders.Metaspace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ModelError, match="byte-level"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
 # ---- the real SmolLM2 model --------------------------------------------------------
 
 
@@ -219,20 +261,7 @@ def test_model_chat_template(tok):
 
 @pytest.fixture(scope="session")
 def hf_dir(tok, tmp_path_factory):
-    """The GGUF vocab re-saved as a Hugging Face tokenizer directory."""
-    from tokenizers import AddedToken, decoders
-    from tokenizers import Tokenizer as HFTokenizer
-
-    spec = json.loads(tok._hf.to_str())  # drop the byte placeholders from_gguf added
-    spec["model"]["vocab"] = {t: i for t, i in spec["model"]["vocab"].items() if i < tok.vocab_size}
-    hf = HFTokenizer.from_str(json.dumps(spec))
-    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tok._control])
-    hf.decoder = decoders.ByteLevel()
-    d = tmp_path_factory.mktemp("hf")
-    hf.save(str(d / "tokenizer.json"))
-    cfg = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}, "chat_template": tok.chat_template}
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return d
+    return save_hf_dir(tok, tmp_path_factory.mktemp("hf"))
 
 
 @pytest.mark.model

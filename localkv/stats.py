@@ -1,0 +1,38 @@
+"""One source of KV numbers: counters plus a bounded event log. The CLI's --verbose and
+--json, `localkv bench` and the TUI panel all read it."""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Event:
+    kind: str  # evict | offload | recall | cow | prefix_hit | disk_hit
+    seq: int
+    block: int
+    positions: tuple[int, int] = (0, 0)  # logical token range [start, end)
+    score: float = 0.0
+    reason: str = ""
+    t: float = field(default_factory=time.time)
+
+
+@dataclass(slots=True)
+class Stats:
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which found (memory or disk)
+    disk_hits: int = 0  # of the hits, tokens loaded from the disk store
+    cow_copies: int = 0
+    evictions: int = 0
+    offloads: int = 0
+    recalls: int = 0
+    events: deque = field(default_factory=lambda: deque(maxlen=512))
+
+    def emit(self, kind: str, seq: int, block: int, positions=(0, 0), score: float = 0.0, reason: str = ""):
+        self.events.append(Event(kind, seq, block, positions, score, reason))
+        counter = _COUNTERS.get(kind)
+        if counter:
+            setattr(self, counter, getattr(self, counter) + 1)
+
+
+_COUNTERS = {"evict": "evictions", "offload": "offloads", "recall": "recalls", "cow": "cow_copies"}
