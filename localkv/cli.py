@@ -1,6 +1,7 @@
-"""The `localkv` command line: pull, models, run, bench."""
+"""The `localkv` command line: pull, models, run, fork, log, cache, bench."""
 
 import json
+import os
 import sys
 from typing import Optional
 
@@ -61,7 +62,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
         print(f"{r['name']:<16} {r['size'] / 2**20:>6.1f} MiB {r['params'] / 1e6:>6.0f}M {r['quant']:<6} {r['path']}")
 
 
-def _read_prompt(prompt: Optional[str]) -> str:
+def _read_prompt(prompt: Optional[str], required: bool = True) -> str | None:
     """stdin (when piped) comes first, then the PROMPT argument, as `llm` and `ollama` do."""
     parts = []
     if not sys.stdin.isatty():
@@ -72,14 +73,53 @@ def _read_prompt(prompt: Optional[str]) -> str:
         parts.append(prompt)
     text = "\n".join(parts)
     if not text.strip():
+        if not required:
+            return None
         raise LocalkvError("empty prompt: pass PROMPT or pipe text on stdin")
     return text
+
+
+CacheOpt = typer.Option(False, "--no-cache", help="Disable the prefix cache (memory and disk tiers).")
+DiskCacheSizeOpt = typer.Option("2GiB", "--disk-cache-size", help="Size cap of the on-disk prefix cache (LRU).")
+SaveOpt = typer.Option(False, "--no-save", help="Do not save this exchange in the conversation log.")
+ContinueOpt = typer.Option(False, "-c", "--continue", help="Continue the latest conversation.")
+CidOpt = typer.Option(None, "--cid", help="Continue the conversation with this id (see `localkv log`).")
+
+
+def _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size):
+    from .engine import Engine
+
+    eng = Engine(model, block_size=block_size, kv_mem=kv_mem, threads=threads, progress=sys.stderr.isatty(),
+                 prefix_caching=not no_cache, disk_cache_size=disk_cache_size)
+    return eng
+
+
+def _warn_disk(engine):
+    if engine.disk is not None and engine.disk.warning:
+        _err(f"warning: {engine.disk.warning}")
+
+
+def _sampling(temperature, top_k, top_p, seed, max_tokens):
+    from .sampling import SamplingParams
+
+    params = SamplingParams(temperature, top_k, top_p, seed)
+    params.validate()  # before the model loads: bad flags fail fast
+    if max_tokens < 1:
+        raise LocalkvError(f"invalid --max-tokens {max_tokens}: must be >= 1")
+    return params
+
+
+def _prompt_ids(engine, turn, text, raw):
+    tok = engine.tokenizer
+    if raw:
+        return tok.encode("\n".join([m["content"] for m in turn.messages(None)] + ([text] if text else [])))
+    return tok.encode(tok.render_chat(turn.messages(text), add_generation_prompt=True))
 
 
 @app.command()
 def run(
     prompt: Optional[str] = typer.Argument(None, help="The prompt. Text piped on stdin is put before it."),
-    system: Optional[str] = typer.Option(None, "-s", "--system", help="System prompt."),
+    system: Optional[str] = typer.Option(None, "-s", "--system", help="System prompt (new conversations)."),
     model: Optional[str] = ModelOpt,
     max_tokens: int = typer.Option(512, "-n", "--max-tokens", help="Most tokens to generate."),
     temperature: float = typer.Option(0.8, "-t", "--temperature", help="Sampling temperature; 0 = greedy."),
@@ -91,26 +131,23 @@ def run(
     no_stream: bool = typer.Option(False, "--no-stream", help="Print the reply only when it is complete."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text, counts, timings, KV use."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Timings and KV use on stderr."),
+    cont: bool = ContinueOpt,
+    cid: Optional[str] = CidOpt,
+    no_save: bool = SaveOpt,
+    no_cache: bool = CacheOpt,
+    disk_cache_size: str = DiskCacheSizeOpt,
     block_size: int = BlockSizeOpt,
     kv_mem: str = KvMemOpt,
     threads: Optional[int] = ThreadsOpt,
 ):
-    """Generate a reply to PROMPT and stream it to stdout."""
-    from .engine import Engine
-    from .sampling import SamplingParams
+    """Generate a reply to PROMPT and stream it to stdout; the exchange is saved in the conversation log."""
+    from .conversation import plan_turn
 
-    params = SamplingParams(temperature, top_k, top_p, seed)
-    params.validate()  # before the model loads: bad flags fail fast
-    if max_tokens < 1:
-        raise LocalkvError(f"invalid --max-tokens {max_tokens}: must be >= 1")
+    params = _sampling(temperature, top_k, top_p, seed, max_tokens)
     text = _read_prompt(prompt)
-    engine = Engine(model, block_size=block_size, kv_mem=kv_mem, threads=threads, progress=sys.stderr.isatty())
-    tok = engine.tokenizer
-    if raw:
-        ids = tok.encode(text)
-    else:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        ids = tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+    turn = plan_turn(not no_save, cont, cid, None, system, text)
+    engine = _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size)
+    ids = _prompt_ids(engine, turn, text, raw)
     gen = engine.generate(ids, params, max_tokens=max_tokens, ignore_eos=ignore_eos)
     stream = not (no_stream or as_json)
     try:
@@ -121,17 +158,106 @@ def run(
     except KeyboardInterrupt:
         pass  # keep what was generated; the result says "interrupted"
     r = gen.result
+    _, reply_ids = turn.save(engine.cfg.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens,
+                             _sampling_dict(params, max_tokens))
     if as_json:
-        print(json.dumps(_result_json(engine, r), ensure_ascii=False))
+        out = _result_json(engine, r)
+        if turn.store is not None:
+            out["conversation_id"] = turn.store.short_id(turn.conversation_id)
+            out["message_id"] = turn.store.short_id(reply_ids[0])
+        print(json.dumps(out, ensure_ascii=False))
     else:
         if not stream:
             sys.stdout.write(r.text)
         sys.stdout.write("\n")
         sys.stdout.flush()
+    _warn_disk(engine)
     if verbose:
         _print_verbose(engine, r)
+        if turn.store is not None:
+            _err(f"conversation:         {turn.store.short_id(turn.conversation_id)} "
+                 f"(message {turn.store.short_id(reply_ids[0])})")
     if r.finish_reason == "interrupted":
         raise typer.Exit(130)
+
+
+def _sampling_dict(params, max_tokens) -> dict:
+    return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed,
+            "max_tokens": max_tokens}
+
+
+@app.command()
+def fork(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt. Text piped on stdin is put before it. "
+                                                     "Optional with --from: re-sample that message's reply."),
+    branches: int = typer.Option(4, "-b", "--branches", help="How many alternative replies to sample."),
+    from_msg: Optional[str] = typer.Option(None, "--from", help="Branch at this earlier message (see `localkv log "
+                                                                 "ID --tree`)."),
+    cont: bool = ContinueOpt,
+    cid: Optional[str] = CidOpt,
+    system: Optional[str] = typer.Option(None, "-s", "--system", help="System prompt (new conversations)."),
+    model: Optional[str] = ModelOpt,
+    max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Most tokens per branch."),
+    temperature: float = typer.Option(0.8, "-t", "--temperature", help="Sampling temperature; 0 = greedy."),
+    top_k: int = typer.Option(40, "--top-k", help="Sample from the k most likely tokens; 0 = all."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold, in (0, 1]."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Branch i samples with seed + i: reproducible."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object: branches and KV use."),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="Timings on stderr."),
+    no_save: bool = SaveOpt,
+    no_cache: bool = CacheOpt,
+    disk_cache_size: str = DiskCacheSizeOpt,
+    block_size: int = BlockSizeOpt,
+    kv_mem: str = KvMemOpt,
+    threads: Optional[int] = ThreadsOpt,
+):
+    """Sample N alternative replies that share the prompt's KV blocks (best-of-N), decoded as one batch,
+    and save them as sibling branches. All branches must fit the KV pool at once; the command says so
+    before any work when they do not."""
+    from .branches import generate_branches
+    from .conversation import plan_turn
+
+    params = _sampling(temperature, top_k, top_p, seed, max_tokens)
+    if branches < 1:
+        raise LocalkvError(f"invalid --branches {branches}: must be >= 1")
+    text = _read_prompt(prompt, required=not from_msg)
+    turn = plan_turn(not no_save, cont, cid, from_msg, system, text)
+    engine = _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size)
+    ids = _prompt_ids(engine, turn, text, raw=False)
+    res = generate_branches(engine, ids, branches, params, max_tokens, ignore_eos)
+    _, reply_ids = turn.save(engine.cfg.name, text, [(b.text, len(b.tokens)) for b in res.branches],
+                             res.prompt_tokens, _sampling_dict(params, max_tokens))
+    short = (lambda i: turn.store.short_id(i)) if turn.store is not None else (lambda i: None)
+    bs = engine.block_size
+    kv = {"block_size": bs, "blocks_used": res.peak_blocks, "blocks_unshared": res.unshared_blocks,
+          "token_slots_used": res.peak_blocks * bs, "token_slots_unshared": res.unshared_blocks * bs,
+          "cow_copies": res.cow_copies}
+    if as_json:
+        out = {"prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
+               "branches": [{"id": short(reply_ids[i]) if reply_ids else None, "text": b.text,
+                             "completion_tokens": len(b.tokens), "finish_reason": b.finish_reason}
+                            for i, b in enumerate(res.branches)], "kv": kv}
+        if turn.store is not None:
+            out["conversation_id"] = short(turn.conversation_id)
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        for i, b in enumerate(res.branches):
+            label = f" {short(reply_ids[i])}" if reply_ids else ""
+            print(f"--- branch {i + 1}/{len(res.branches)}{label} ---")
+            print(b.text)
+        print(f"kv: {kv['blocks_used']} blocks ({kv['token_slots_used']} token slots) with sharing vs "
+              f"{kv['blocks_unshared']} blocks ({kv['token_slots_unshared']} slots) without; "
+              f"{kv['cow_copies']} copy-on-write copies")
+    _warn_disk(engine)
+    if verbose:
+        eval_tps = res.completion_tokens / res.eval_s if res.eval_s else 0.0
+        _err(f"prompt eval:          {res.prompt_tokens} tokens ({res.cached_tokens} from the prefix cache) "
+             f"in {res.prompt_s:.3f}s\n"
+             f"eval:                 {res.completion_tokens} tokens in {res.eval_s:.3f}s, {eval_tps:.2f} tokens/s "
+             f"across {len(res.branches)} branches")
+        if turn.store is not None:
+            _err(f"conversation:         {short(turn.conversation_id)}")
 
 
 def _result_json(engine, r) -> dict:
@@ -171,18 +297,22 @@ def _print_verbose(engine, r):
         f"of {engine.pool.num_blocks} blocks",
         f"finish reason:        {r.finish_reason}",
     ]
+    if engine.prefix_caching:
+        lines.insert(3, f"prefix cache:         {r.cached_tokens}/{r.prompt_tokens} prompt tokens reused")
     _err("\n".join(lines))
 
 
-def _register_bench():
-    try:
-        from .bench import bench_command
-    except ImportError:
-        return
+def _register():
+    from .bench import bench_command
+    from .cli_cache import cache_app
+    from .cli_log import log_command
+
     app.command("bench", help=bench_command.__doc__)(bench_command)
+    app.command("log", help=log_command.__doc__)(log_command)
+    app.add_typer(cache_app, name="cache", help="Inspect or clear the on-disk prefix cache.")
 
 
-_register_bench()
+_register()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         _err("error: out of memory (lower --kv-mem or use a smaller model)")
         return 1
+    except Exception as e:  # a bug, not bad input: still one line, the traceback on request
+        if os.environ.get("LOCALKV_DEBUG"):
+            raise
+        _err(f"error: internal error: {type(e).__name__}: {e} (set LOCALKV_DEBUG=1 for the traceback)")
+        return 70
 
 
 if __name__ == "__main__":

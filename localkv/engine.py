@@ -63,7 +63,7 @@ class Result:
 class Engine:
     def __init__(self, model: str | Path | None = None, block_size: int = 16, kv_mem: str | int = DEFAULT_KV_MEM,
                  threads: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = True,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, disk_cache: bool = True, disk_cache_size: str | int = "2GiB"):
         from .registry import resolve_model
 
         if block_size < 1 or block_size & (block_size - 1):
@@ -93,6 +93,11 @@ class Engine:
         self.kv = KVManager(self.pool, salt=f"{cfg.fingerprint}:{block_size}:float32".encode())
         self.prefill_chunk = prefill_chunk
         self.prefix_caching = prefix_caching
+        self.disk = None
+        if prefix_caching and disk_cache:
+            from .disk_store import DiskStore
+
+            self.disk = DiskStore(max_bytes=parse_size(disk_cache_size))
 
     @property
     def block_size(self) -> int:
@@ -110,6 +115,14 @@ class Engine:
         (with all_logits: [tokens processed, vocab], one row per token)."""
         tokens, positions, slots, spans, rows = [], [], [], [], []
         budget = max_tokens or sum(len(s.pending) for s in seqs)
+        counts, left = [], budget
+        for seq in seqs:
+            counts.append(min(len(seq.pending), left))
+            left -= counts[-1]
+        need = sum(self.kv.need(s, n) for s, n in zip(seqs, counts) if n)
+        if need > self.pool.num_free:  # before any sequence is touched: a failed step changes nothing
+            raise PoolExhausted(f"KV pool exhausted: this step needs {need} blocks, {self.pool.num_free} are free "
+                                "(raise --kv-mem)")
         for seq in seqs:
             chunk = seq.pending[:budget]
             if not chunk:
@@ -150,6 +163,37 @@ class Engine:
         """One token per sequence, all in one batched pass."""
         return self.step(seqs)
 
+    # ------------------------------------------------------------ prefix cache
+
+    def open_sequence(self, prompt_ids: list[int]) -> tuple[Sequence, int]:
+        """A fresh sequence for a prompt, its leading blocks taken from the prefix cache
+        (pool, then disk) when enabled. Returns it and the number of prompt tokens reused."""
+        seq = Sequence(list(prompt_ids))
+        if not self.prefix_caching:
+            return seq, 0
+        fp = self.cfg.fingerprint
+        get = (lambda h, toks: self.disk.get(fp, h, toks)) if self.disk else None
+        mem, disk = self.kv.match_prefix(seq, get)
+        if self.disk:
+            self.disk.record(len(prompt_ids), mem + disk)
+        return seq, mem + disk
+
+    def persist_prompt(self, seq: Sequence, n_prompt: int, n_cached: int = 0):
+        """Write the prompt's full blocks to the disk tier so a later process can skip their
+        prefill. Generated tokens are not written: the next turn's prompt carries them anyway.
+        Blocks past the cached prefix that the store already holds were never read back, so
+        they are checked (a corrupt entry is dropped by get) before being trusted."""
+        if not self.disk or not seq.hashable:
+            return
+        fp, name, bs = self.cfg.fingerprint, self.cfg.name, self.block_size
+        for i in range(n_cached // bs, min(n_prompt // bs, len(seq.block_hashes))):
+            h, toks = seq.block_hashes[i], tuple(seq.tokens[i * bs:(i + 1) * bs])
+            if self.disk.contains(fp, h) and self.disk.get(fp, h, toks) is not None:
+                continue
+            bid = seq.block_table[i]
+            if not self.disk.put(fp, name, h, toks, self.pool.k[:, bid], self.pool.v[:, bid]):
+                break  # disabled (unwritable, full): the warning says why
+
     # ------------------------------------------------------------ requests
 
     def check_fits(self, n_prompt: int, max_tokens: int, n_seqs: int = 1):
@@ -181,10 +225,8 @@ class Generation:
         self.sampler = Sampler(params)
         engine.check_fits(len(prompt_ids), max_tokens)
         self.engine, self.max_tokens, self.ignore_eos = engine, max_tokens, ignore_eos
-        self.seq = Sequence(list(prompt_ids))
-        self.result = Result(prompt_tokens=len(prompt_ids), load_s=engine.loaded.load_s)
-        if engine.prefix_caching:
-            self.result.cached_tokens = engine.kv.match_prefix(self.seq)
+        self.seq, cached = engine.open_sequence(prompt_ids)
+        self.result = Result(prompt_tokens=len(prompt_ids), cached_tokens=cached, load_s=engine.loaded.load_s)
 
     def __iter__(self):
         eng, r = self.engine, self.result
@@ -227,6 +269,7 @@ class Generation:
             raise
         finally:
             r.peak_blocks = max(r.peak_blocks, eng.blocks_used)
+            eng.persist_prompt(self.seq, r.prompt_tokens, r.cached_tokens)
             eng.kv.free(self.seq)
 
     def run(self) -> Result:

@@ -28,14 +28,22 @@ class KVManager:
         have = len(seq.block_table) * self.bs
         return max(0, -(-(seq.num_stored + n_new - have) // self.bs))
 
+    def _needs_cow(self, seq: Sequence) -> bool:
+        return bool(seq.num_stored % self.bs) and self.pool.blocks[seq.block_table[-1]].ref_count > 1
+
+    def need(self, seq: Sequence, n_new: int) -> int:
+        """Free blocks that appending n_new tokens takes, a copy-on-write included."""
+        return self.blocks_needed(seq, n_new) + self._needs_cow(seq)
+
     def append_slots(self, seq: Sequence, n_new: int) -> np.ndarray:
         """Slots (block * block_size + offset) for the next n_new tokens of seq; takes blocks as needed."""
-        need = self.blocks_needed(seq, n_new)
+        start = seq.num_stored
+        cow = self._needs_cow(seq)
+        need = self.need(seq, n_new)  # checked up front: a failed call changes nothing
         if need > self.pool.num_free:
             raise PoolExhausted(f"KV pool exhausted: {n_new} more tokens need {need} blocks, "
                                 f"{self.pool.num_free} are free (raise --kv-mem)")
-        start = seq.num_stored
-        if start % self.bs and self.pool.blocks[seq.block_table[-1]].ref_count > 1:
+        if cow:
             self._copy_on_write(seq)
         while len(seq.block_table) * self.bs < start + n_new:
             seq.block_table.append(self.pool.allocate())
@@ -62,24 +70,36 @@ class KVManager:
             hashes.append(block_hash(self.salt, hashes[-1] if hashes else None, tokens[i * self.bs:(i + 1) * self.bs]))
         return hashes
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks for the leading full blocks of a fresh sequence's prompt.
-        The last prompt token is never matched: its logits are needed. Returns tokens hit."""
+    def match_prefix(self, seq: Sequence, disk_get=None) -> tuple[int, int]:
+        """Attach cached blocks for the leading full blocks of a fresh sequence's prompt: first
+        from the pool, then (disk_get(hash, tokens) -> (k, v) | None) from the disk tier into
+        fresh blocks. The last prompt token is never matched: its logits are needed.
+        Returns (tokens hit in memory, tokens loaded from disk)."""
         assert not seq.block_table, "prefix matching is for fresh sequences"
         n_full = (len(seq.tokens) - 1) // self.bs
         hashes = self.chain(seq.tokens, n_full)
+        disk = 0
         for i, h in enumerate(hashes):
-            bid = self.pool.lookup(h, tuple(seq.tokens[i * self.bs:(i + 1) * self.bs]))
-            if bid is None:
+            toks = tuple(seq.tokens[i * self.bs:(i + 1) * self.bs])
+            bid = self.pool.lookup(h, toks)
+            if bid is not None:
+                self.pool.incref(bid)
+            elif disk_get is None or not self.pool.num_free or (kv := disk_get(h, toks)) is None:
                 break
-            self.pool.incref(bid)
+            else:
+                bid = self.pool.allocate()
+                self.pool.k[:, bid], self.pool.v[:, bid] = kv
+                self.pool.register(bid, h, toks)
+                disk += 1
             seq.block_table.append(bid)
         hit = len(seq.block_table)
         seq.block_hashes = hashes[:hit]
         seq.num_computed = seq.num_stored = hit * self.bs
-        self.pool.stats.prefix_queries += len(seq.tokens)
-        self.pool.stats.prefix_hits += seq.num_stored
-        return seq.num_stored
+        stats = self.pool.stats
+        stats.prefix_queries += len(seq.tokens)
+        stats.prefix_hits += seq.num_stored
+        stats.disk_hits += disk * self.bs
+        return (hit - disk) * self.bs, disk * self.bs
 
     def register_full_blocks(self, seq: Sequence):
         """After a step: give the sequence's newly full blocks their chain hash."""

@@ -1,6 +1,12 @@
 import importlib.util
+import os
+from pathlib import Path
 
 import pytest
+
+# The real model lives in the user's LOCALKV_HOME (pulled once, kept between runs); every
+# test otherwise gets a private, empty LOCALKV_HOME so caches and databases never leak.
+REAL_HOME = os.environ.get("LOCALKV_HOME") or str(Path.home() / ".cache" / "localkv")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -10,9 +16,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="llama-cpp-python not installed (pip install -e '.[peer]')"))
 
 
+@pytest.fixture(autouse=True)
+def private_home(tmp_path, monkeypatch):
+    home = tmp_path / "localkv-home"
+    monkeypatch.setenv("LOCALKV_HOME", str(home))
+    return home
+
+
 @pytest.fixture(scope="session")
 def real_model_path():
-    """The real SmolLM2-135M GGUF, pulled into LOCALKV_HOME on first use."""
+    """The real SmolLM2-135M GGUF, pulled into the user's LOCALKV_HOME on first use."""
     from localkv.pull import ensure_model
 
-    return ensure_model("smollm2-135m", progress=False)
+    saved = os.environ.get("LOCALKV_HOME")
+    os.environ["LOCALKV_HOME"] = REAL_HOME
+    try:
+        return ensure_model("smollm2-135m", progress=False)
+    finally:
+        if saved is None:
+            del os.environ["LOCALKV_HOME"]
+        else:
+            os.environ["LOCALKV_HOME"] = saved

@@ -119,11 +119,11 @@ def test_help_explains_commands():
 
 @pytest.mark.model
 def test_run_real_model_mentions_paris(real_model_path):
-    p = localkv("run", "What is the capital of France?", "-t", "0", "-n", "24")
+    p = localkv("run", "What is the capital of France?", "-t", "0", "-n", "24", "-m", str(real_model_path))
     assert p.returncode == 0 and "Paris" in p.stdout
 
 
 @pytest.mark.model
 def test_models_lists_the_pulled_default(real_model_path):
-    rows = json.loads(localkv("models", "--json").stdout)
+    rows = json.loads(localkv("models", "--json", env_home=real_model_path.parent.parent).stdout)
     assert any(r["name"] == "smollm2-135m" and r["quant"] == "Q4_1" for r in rows)

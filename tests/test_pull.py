@@ -189,7 +189,8 @@ def test_real_catalog():
 
 
 @pytest.mark.model
-def test_real_default_model(real_model_path):
+def test_real_default_model(real_model_path, monkeypatch):
+    monkeypatch.setenv("LOCALKV_HOME", str(real_model_path.parent.parent))
     e = registry.catalog()[DEFAULT_MODEL]
     assert real_model_path.name == e.file and real_model_path.stat().st_size == e.size
     assert pull_mod._sha256(real_model_path) == e.sha256

@@ -1,0 +1,443 @@
+// Paged attention over localkv's block pool (fp16 K/V, fp32 accumulation).
+//
+// NVRTC-compatible: device code only, no system headers beyond cuda_fp16.h, every
+// kernel extern "C" so CuPy's RawModule finds it by name. Loaded by localkv/ops_cupy.py.
+//
+// Layouts (element strides, all row-major):
+//   K/V pool of one layer  [num_blocks, block_size, kv_heads, HD]  (__half)
+//   block table            [B, bt_stride] int32, row b = sequence b's physical block ids
+//   q                      token t, head h at q + t * q_tok_stride + h * HD (__half)
+//   out                    [T, H, HD] contiguous (__half)
+//   lse                    [T, H] float: log-sum-exp of each query row's scaled scores
+//
+// Head dim is a template parameter instantiated for HD in {32, 64, 96, 128, 256}
+// (kernel names end in _hd<HD>); block size is a runtime argument (any value >= 1).
+// Grouped-query attention: a thread block handles up to GMAX query heads that share
+// one KV head, so each K/V row is read once for the whole group.
+//
+// Kernels:
+//   paged_decode_hd*       one query token per sequence (batched over sequences);
+//                          split-K over the context ("flash decoding"): grid.z walks
+//                          partitions of part_size tokens, each writes an unnormalised
+//                          partial (acc, max, sum) unless num_parts == 1, in which case
+//                          it writes the final output directly.
+//   paged_decode_reduce    merges the partials of paged_decode into out and lse.
+//   paged_prefill_hd*      a chunk of T query tokens of one sequence (the last T of an
+//                          n_ctx context): causal within the chunk, attends to every
+//                          cached token before it; K/V tiles staged in shared memory.
+//   attention_mass_hd*     adds, for each key of an n_ctx context, the attention weight
+//                          it received summed over all T queries and H heads (H2O),
+//                          using the lse written by the attention kernels.
+//
+// The -inf handling: a warp that saw no key keeps m = -inf, l = 0, acc = 0 and is given
+// weight 0 when partials are merged; every (query, partition) that is written saw >= 1 key.
+
+#include <cuda_fp16.h>
+
+#ifndef LKV_DECODE_WARPS
+#define LKV_DECODE_WARPS 4
+#endif
+#ifndef LKV_PREFILL_WARPS
+#define LKV_PREFILL_WARPS 8
+#endif
+#ifndef LKV_PREFILL_TILE
+#define LKV_PREFILL_TILE 32
+#endif
+#ifndef LKV_MASS_WARPS
+#define LKV_MASS_WARPS 4
+#endif
+
+#define LKV_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float lkv_neg_inf() { return __int_as_float((int)0xff800000u); }
+
+__device__ __forceinline__ float lkv_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(LKV_FULL_MASK, v, o);
+  return v;
+}
+
+// Offset (in elements) of token t's row for kv head kh, read through a block table.
+__device__ __forceinline__ long long lkv_slot_offset(const int* __restrict__ bt, int t, int bs, int kvh, int kh,
+                                                     int hd) {
+  const int bi = t / bs;
+  const long long blk = (long long)bt[bi];
+  const int off = t - bi * bs;
+  return ((blk * bs + off) * kvh + kh) * (long long)hd;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One online-softmax step for GMAX heads of one warp: score s_j = q_j . k, then
+// m, l, acc updated with v. Lane `lane` owns half2 pairs lane + 32 * i of the head dim.
+
+template <int HD, int GMAX>
+__device__ __forceinline__ void lkv_online_step(const float (&qr)[GMAX][(HD / 2 + 31) / 32][2],
+                                                const float (&kf)[(HD / 2 + 31) / 32][2],
+                                                const float (&vf)[(HD / 2 + 31) / 32][2], int ng,
+                                                float (&m)[GMAX], float (&l)[GMAX],
+                                                float (&acc)[GMAX][(HD / 2 + 31) / 32][2]) {
+  constexpr int PPL = (HD / 2 + 31) / 32;
+#pragma unroll
+  for (int j = 0; j < GMAX; ++j) {
+    if (j < ng) {  // ng is uniform across the block: no divergence around the shuffles
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < PPL; ++i) s += qr[j][i][0] * kf[i][0] + qr[j][i][1] * kf[i][1];
+      s = lkv_warp_sum(s);
+      const float mn = fmaxf(m[j], s);
+      const float alpha = __expf(m[j] - mn);  // m = -inf -> 0
+      const float p = __expf(s - mn);
+      l[j] = l[j] * alpha + p;
+#pragma unroll
+      for (int i = 0; i < PPL; ++i) {
+        acc[j][i][0] = acc[j][i][0] * alpha + p * vf[i][0];
+        acc[j][i][1] = acc[j][i][1] * alpha + p * vf[i][1];
+      }
+      m[j] = mn;
+    }
+  }
+}
+
+template <int HD, int GMAX>
+__device__ __forceinline__ void lkv_load_q(const __half* __restrict__ qtok, int h0, int ng, float scale,
+                                           float (&qr)[GMAX][(HD / 2 + 31) / 32][2]) {
+  constexpr int NP = HD / 2;
+  constexpr int PPL = (NP + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  const __half2* q2 = reinterpret_cast<const __half2*>(qtok);
+#pragma unroll
+  for (int j = 0; j < GMAX; ++j) {
+#pragma unroll
+    for (int i = 0; i < PPL; ++i) {
+      const int p = lane + 32 * i;
+      float2 f = make_float2(0.f, 0.f);
+      if (j < ng && p < NP) f = __half22float2(q2[(h0 + j) * NP + p]);
+      qr[j][i][0] = f.x * scale;
+      qr[j][i][1] = f.y * scale;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode: grid (kv_heads * head_chunks, B, num_parts), block LKV_DECODE_WARPS * 32 threads.
+
+template <int HD, int GMAX>
+__device__ __forceinline__ void lkv_paged_decode(
+    __half* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    const __half* __restrict__ q, long long q_tok_stride, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, const int* __restrict__ block_tables, int bt_stride,
+    const int* __restrict__ ctx_lens, int ctx_fixed, int H, int kvh, int bs, int part_size, int num_parts,
+    float scale) {
+  constexpr int NP = HD / 2;
+  constexpr int PPL = (NP + 31) / 32;
+  constexpr int NW = LKV_DECODE_WARPS;
+  __shared__ float sm_m[NW][GMAX];
+  __shared__ float sm_l[NW][GMAX];
+  __shared__ float sm_acc[NW][GMAX][HD];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = H / kvh;
+  const int hchunks = (g + GMAX - 1) / GMAX;
+  const int kh = blockIdx.x / hchunks;
+  const int hc = blockIdx.x - kh * hchunks;
+  const int h0 = kh * g + hc * GMAX;
+  const int ng = min(GMAX, g - hc * GMAX);
+  const int b = blockIdx.y, part = blockIdx.z;
+  const int ctx = ctx_fixed > 0 ? ctx_fixed : ctx_lens[b];
+  const int start = part * part_size;
+  const int end = min(start + part_size, ctx);
+  if (start >= end) return;  // partition past this sequence's context: the reduce skips it
+  const int* bt = block_tables + (long long)b * bt_stride;
+
+  float qr[GMAX][PPL][2];
+  lkv_load_q<HD, GMAX>(q + (long long)b * q_tok_stride, h0, ng, scale, qr);
+
+  float m[GMAX], l[GMAX], acc[GMAX][PPL][2];
+#pragma unroll
+  for (int j = 0; j < GMAX; ++j) {
+    m[j] = lkv_neg_inf();
+    l[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < PPL; ++i) acc[j][i][0] = acc[j][i][1] = 0.f;
+  }
+
+  for (int t = start + warp; t < end; t += NW) {
+    const long long base = lkv_slot_offset(bt, t, bs, kvh, kh, HD);
+    const __half2* k2 = reinterpret_cast<const __half2*>(kc + base);
+    const __half2* v2 = reinterpret_cast<const __half2*>(vc + base);
+    float kf[PPL][2], vf[PPL][2];
+#pragma unroll
+    for (int i = 0; i < PPL; ++i) {
+      const int p = lane + 32 * i;
+      float2 a = make_float2(0.f, 0.f), c = make_float2(0.f, 0.f);
+      if (p < NP) {
+        a = __half22float2(k2[p]);
+        c = __half22float2(v2[p]);
+      }
+      kf[i][0] = a.x; kf[i][1] = a.y;
+      vf[i][0] = c.x; vf[i][1] = c.y;
+    }
+    lkv_online_step<HD, GMAX>(qr, kf, vf, ng, m, l, acc);
+  }
+
+  // merge the warps of this block
+#pragma unroll
+  for (int j = 0; j < GMAX; ++j) {
+    if (j < ng) {
+      if (lane == 0) {
+        sm_m[warp][j] = m[j];
+        sm_l[warp][j] = l[j];
+      }
+#pragma unroll
+      for (int i = 0; i < PPL; ++i) {
+        const int p = lane + 32 * i;
+        if (p < NP) {
+          sm_acc[warp][j][2 * p] = acc[j][i][0];
+          sm_acc[warp][j][2 * p + 1] = acc[j][i][1];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < ng * HD; idx += blockDim.x) {
+    const int j = idx / HD, d = idx - j * HD;
+    float M = lkv_neg_inf();
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][j]);
+    float L = 0.f, A = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = sm_m[w][j];
+      const float e = (mw == lkv_neg_inf()) ? 0.f : __expf(mw - M);
+      L += sm_l[w][j] * e;
+      A += sm_acc[w][j][d] * e;
+    }
+    const long long bh = (long long)b * H + h0 + j;
+    if (num_parts == 1) {
+      out[bh * HD + d] = __float2half(A / L);
+      if (d == 0) lse[bh] = M + __logf(L);
+    } else {
+      const long long pi = bh * num_parts + part;
+      part_acc[pi * HD + d] = A;
+      if (d == 0) {
+        part_ml[2 * pi] = M;
+        part_ml[2 * pi + 1] = L;
+      }
+    }
+  }
+}
+
+#define LKV_DECODE_KERNEL(HDV, GMAXV)                                                                          \
+  extern "C" __global__ void __launch_bounds__(LKV_DECODE_WARPS * 32) paged_decode_hd##HDV(                    \
+      __half* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,                        \
+      float* __restrict__ part_ml, const __half* __restrict__ q, long long q_tok_stride,                      \
+      const __half* __restrict__ kc, const __half* __restrict__ vc, const int* __restrict__ block_tables,    \
+      int bt_stride, const int* __restrict__ ctx_lens, int ctx_fixed, int H, int kvh, int bs, int part_size, \
+      int num_parts, float scale) {                                                                            \
+    lkv_paged_decode<HDV, GMAXV>(out, lse, part_acc, part_ml, q, q_tok_stride, kc, vc, block_tables,          \
+                                 bt_stride, ctx_lens, ctx_fixed, H, kvh, bs, part_size, num_parts, scale);    \
+  }
+
+LKV_DECODE_KERNEL(32, 8)
+LKV_DECODE_KERNEL(64, 8)
+LKV_DECODE_KERNEL(96, 8)
+LKV_DECODE_KERNEL(128, 8)
+LKV_DECODE_KERNEL(256, 4)
+
+// Merge split-K partials: grid (H, B), any block size. part_acc [B, H, num_parts, HD],
+// part_ml [B, H, num_parts, 2] (max, sum) as written by paged_decode_hd*.
+extern "C" __global__ void paged_decode_reduce(__half* __restrict__ out, float* __restrict__ lse,
+                                               const float* __restrict__ part_acc,
+                                               const float* __restrict__ part_ml, const int* __restrict__ ctx_lens,
+                                               int ctx_fixed, int H, int HD, int part_size, int num_parts) {
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int ctx = ctx_fixed > 0 ? ctx_fixed : ctx_lens[b];
+  const int np = min(num_parts, (ctx + part_size - 1) / part_size);
+  const long long bh = (long long)b * H + h;
+  const long long base = bh * num_parts;
+  float M = lkv_neg_inf();
+  for (int p = 0; p < np; ++p) M = fmaxf(M, part_ml[2 * (base + p)]);
+  float L = 0.f;
+  for (int p = 0; p < np; ++p) L += part_ml[2 * (base + p) + 1] * __expf(part_ml[2 * (base + p)] - M);
+  const float inv = 1.f / L;
+  for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+    float A = 0.f;
+    for (int p = 0; p < np; ++p) A += part_acc[(base + p) * HD + d] * __expf(part_ml[2 * (base + p)] - M);
+    out[bh * HD + d] = __float2half(A * inv);
+  }
+  if (threadIdx.x == 0) lse[bh] = M + __logf(L);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill: grid (ceil(T / LKV_PREFILL_WARPS), kv_heads * head_chunks), block LKV_PREFILL_WARPS * 32.
+// Warp w of block x owns query i = x * LKV_PREFILL_WARPS + w, which sits at context index
+// n_ctx - T + i and sees keys [0, n_ctx - T + i]. The block stages LKV_PREFILL_TILE keys at a
+// time in shared memory, up to the last visible key of its last query.
+
+template <int HD, int GMAX>
+__device__ __forceinline__ void lkv_paged_prefill(__half* __restrict__ out, float* __restrict__ lse,
+                                                  const __half* __restrict__ q, long long q_tok_stride,
+                                                  const __half* __restrict__ kc, const __half* __restrict__ vc,
+                                                  const int* __restrict__ bt, int n_ctx, int T, int H, int kvh,
+                                                  int bs, float scale) {
+  constexpr int NP = HD / 2;
+  constexpr int PPL = (NP + 31) / 32;
+  constexpr int NW = LKV_PREFILL_WARPS;
+  constexpr int TK = LKV_PREFILL_TILE;
+  __shared__ __half2 sk[TK][NP];
+  __shared__ __half2 sv[TK][NP];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = H / kvh;
+  const int hchunks = (g + GMAX - 1) / GMAX;
+  const int kh = blockIdx.y / hchunks;
+  const int hc = blockIdx.y - kh * hchunks;
+  const int h0 = kh * g + hc * GMAX;
+  const int ng = min(GMAX, g - hc * GMAX);
+
+  const int past = n_ctx - T;
+  const int first_q = blockIdx.x * NW;
+  const int last_q = min(T - 1, first_q + NW - 1);
+  const int i = first_q + warp;
+  const bool valid = i < T;
+  const int my_lim = valid ? past + i + 1 : 0;  // keys [0, my_lim)
+  const int blk_lim = past + last_q + 1;
+
+  float qr[GMAX][PPL][2];
+  lkv_load_q<HD, GMAX>(q + (long long)(valid ? i : 0) * q_tok_stride, h0, valid ? ng : 0, scale, qr);
+  float m[GMAX], l[GMAX], acc[GMAX][PPL][2];
+#pragma unroll
+  for (int j = 0; j < GMAX; ++j) {
+    m[j] = lkv_neg_inf();
+    l[j] = 0.f;
+#pragma unroll
+    for (int x = 0; x < PPL; ++x) acc[j][x][0] = acc[j][x][1] = 0.f;
+  }
+
+  for (int t0 = 0; t0 < blk_lim; t0 += TK) {
+    for (int idx = threadIdx.x; idx < TK * NP; idx += blockDim.x) {
+      const int r = idx / NP, c = idx - r * NP;
+      const int t = t0 + r;
+      __half2 kv = __float2half2_rn(0.f), vv = __float2half2_rn(0.f);
+      if (t < blk_lim) {
+        const long long base = lkv_slot_offset(bt, t, bs, kvh, kh, HD);
+        kv = reinterpret_cast<const __half2*>(kc + base)[c];
+        vv = reinterpret_cast<const __half2*>(vc + base)[c];
+      }
+      sk[r][c] = kv;
+      sv[r][c] = vv;
+    }
+    __syncthreads();
+    const int rmax = min(TK, my_lim - t0);  // <= 0 for an invalid warp or a fully masked tile
+    for (int r = 0; r < rmax; ++r) {
+      float kf[PPL][2], vf[PPL][2];
+#pragma unroll
+      for (int x = 0; x < PPL; ++x) {
+        const int p = lane + 32 * x;
+        float2 a = make_float2(0.f, 0.f), c = make_float2(0.f, 0.f);
+        if (p < NP) {
+          a = __half22float2(sk[r][p]);
+          c = __half22float2(sv[r][p]);
+        }
+        kf[x][0] = a.x; kf[x][1] = a.y;
+        vf[x][0] = c.x; vf[x][1] = c.y;
+      }
+      lkv_online_step<HD, GMAX>(qr, kf, vf, ng, m, l, acc);
+    }
+    __syncthreads();
+  }
+
+  if (!valid) return;
+#pragma unroll
+  for (int j = 0; j < GMAX; ++j) {
+    if (j < ng) {
+      const long long row = (long long)i * H + h0 + j;
+      const float inv = 1.f / l[j];
+      __half2* o2 = reinterpret_cast<__half2*>(out + row * HD);
+#pragma unroll
+      for (int x = 0; x < PPL; ++x) {
+        const int p = lane + 32 * x;
+        if (p < NP) o2[p] = __floats2half2_rn(acc[j][x][0] * inv, acc[j][x][1] * inv);
+      }
+      if (lane == 0) lse[row] = m[j] + __logf(l[j]);
+    }
+  }
+}
+
+#define LKV_PREFILL_KERNEL(HDV, GMAXV)                                                                          \
+  extern "C" __global__ void __launch_bounds__(LKV_PREFILL_WARPS * 32) paged_prefill_hd##HDV(                   \
+      __half* __restrict__ out, float* __restrict__ lse, const __half* __restrict__ q, long long q_tok_stride, \
+      const __half* __restrict__ kc, const __half* __restrict__ vc, const int* __restrict__ bt, int n_ctx,     \
+      int T, int H, int kvh, int bs, float scale) {                                                            \
+    lkv_paged_prefill<HDV, GMAXV>(out, lse, q, q_tok_stride, kc, vc, bt, n_ctx, T, H, kvh, bs, scale);         \
+  }
+
+LKV_PREFILL_KERNEL(32, 8)
+LKV_PREFILL_KERNEL(64, 8)
+LKV_PREFILL_KERNEL(96, 8)
+LKV_PREFILL_KERNEL(128, 8)
+LKV_PREFILL_KERNEL(256, 4)
+
+// ---------------------------------------------------------------------------------------------
+// Attention mass (H2O): grid ceil(n_ctx / LKV_MASS_WARPS), block LKV_MASS_WARPS * 32. Warp w
+// owns key t and adds sum over visible queries i and heads h of exp(q_ih . k_t * scale - lse_ih)
+// to mass[t]. One warp per key: no atomics, deterministic.
+
+template <int HD>
+__device__ __forceinline__ void lkv_attention_mass(float* __restrict__ mass, const float* __restrict__ lse,
+                                                   const __half* __restrict__ q, long long q_tok_stride,
+                                                   const __half* __restrict__ kc, const int* __restrict__ bt,
+                                                   int n_ctx, int T, int H, int kvh, int bs, float scale) {
+  constexpr int NP = HD / 2;
+  constexpr int PPL = (NP + 31) / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = blockIdx.x * LKV_MASS_WARPS + warp;
+  if (t >= n_ctx) return;  // whole warp leaves together
+  const int g = H / kvh;
+  const int past = n_ctx - T;
+  const int i0 = max(0, t - past);  // first query that sees key t
+  float total = 0.f;
+  for (int kh = 0; kh < kvh; ++kh) {
+    const __half2* k2 = reinterpret_cast<const __half2*>(kc + lkv_slot_offset(bt, t, bs, kvh, kh, HD));
+    float kf[PPL][2];
+#pragma unroll
+    for (int x = 0; x < PPL; ++x) {
+      const int p = lane + 32 * x;
+      float2 a = make_float2(0.f, 0.f);
+      if (p < NP) a = __half22float2(k2[p]);
+      kf[x][0] = a.x * scale;
+      kf[x][1] = a.y * scale;
+    }
+    for (int i = i0; i < T; ++i) {
+      for (int h = kh * g; h < (kh + 1) * g; ++h) {
+        const __half2* q2 = reinterpret_cast<const __half2*>(q + (long long)i * q_tok_stride + (long long)h * HD);
+        float s = 0.f;
+#pragma unroll
+        for (int x = 0; x < PPL; ++x) {
+          const int p = lane + 32 * x;
+          if (p < NP) {
+            const float2 a = __half22float2(q2[p]);
+            s += a.x * kf[x][0] + a.y * kf[x][1];
+          }
+        }
+        s = lkv_warp_sum(s);
+        total += __expf(s - lse[(long long)i * H + h]);
+      }
+    }
+  }
+  if (lane == 0) mass[t] += total;
+}
+
+#define LKV_MASS_KERNEL(HDV)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(LKV_MASS_WARPS * 32) attention_mass_hd##HDV(                    \
+      float* __restrict__ mass, const float* __restrict__ lse, const __half* __restrict__ q,                  \
+      long long q_tok_stride, const __half* __restrict__ kc, const int* __restrict__ bt, int n_ctx, int T,    \
+      int H, int kvh, int bs, float scale) {                                                                   \
+    lkv_attention_mass<HDV>(mass, lse, q, q_tok_stride, kc, bt, n_ctx, T, H, kvh, bs, scale);                 \
+  }
+
+LKV_MASS_KERNEL(32)
+LKV_MASS_KERNEL(64)
+LKV_MASS_KERNEL(96)
+LKV_MASS_KERNEL(128)
+LKV_MASS_KERNEL(256)

@@ -1,0 +1,65 @@
+"""Which op set the model runs on: ops_numpy on the CPU, ops_cupy on an NVIDIA GPU.
+
+select(device) returns the backend module (ops_numpy or ops_cupy); the model, the block pool
+(xp=ops.xp, dtype=ops.kv_dtype) and the weights (ops_cupy.upload_weights) follow from it.
+"""
+
+import importlib
+
+from . import ops_numpy
+from .errors import LocalkvError
+
+DEVICES = ("auto", "cpu", "cuda")
+_NEED_CUPY = "--device cuda needs CuPy: pip install -e '.[gpu]' (CUDA 12) or '.[gpu13]' (CUDA 13)"
+
+
+def select(device: str = "auto"):
+    """The backend module for a --device value: "cpu", "cuda", or "auto" (cuda when CuPy
+    imports and sees a GPU, else cpu). Raises LocalkvError with the reason when cuda cannot run."""
+    d = (device or "auto").strip().lower()
+    if d == "cpu":
+        return ops_numpy
+    if d == "cuda":
+        return _cuda()
+    if d == "auto":
+        try:
+            return _cuda()
+        except LocalkvError:
+            return ops_numpy
+    raise LocalkvError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
+
+
+def available_devices() -> list[str]:
+    """The devices select() can run here, "cpu" first."""
+    try:
+        _cuda()
+    except LocalkvError:
+        return ["cpu"]
+    return ["cpu", "cuda"]
+
+
+def _cuda():
+    try:
+        cupy = importlib.import_module("cupy")
+    except ImportError:
+        raise LocalkvError(_NEED_CUPY) from None
+    except Exception as e:  # installed but broken (e.g. a CUDA library it needs is missing)
+        raise LocalkvError(f"--device cuda: CuPy failed to import ({type(e).__name__}: {_first_line(e)})") from None
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, driver too old, no device
+        raise LocalkvError(f"--device cuda: no CUDA GPU visible ({_first_line(e)}; check nvidia-smi and "
+                           "CUDA_VISIBLE_DEVICES)") from None
+    if n < 1:
+        raise LocalkvError("--device cuda: no CUDA GPU visible (0 devices; check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+    try:
+        from . import ops_cupy
+    except Exception as e:
+        raise LocalkvError(f"--device cuda: the CuPy backend failed to load ({type(e).__name__}: "
+                           f"{_first_line(e)})") from None
+    return ops_cupy
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,162 @@
+"""The GPU backend's kernels (cuda/*.cu) compile for sm_80 and sm_90, no GPU needed:
+- with nvcc when it is on PATH (skipped otherwise);
+- with NVRTC, the compiler CuPy's RawModule uses at run time, when libnvrtc can be found (skipped
+  otherwise), with the options ops_cupy passes; and every kernel name ops_cupy launches is in the
+  compiled code, unmangled (extern "C")."""
+
+import ast
+import ctypes
+import ctypes.util
+import glob
+import os
+import shutil
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = sorted((ROOT / "cuda").glob("*.cu"))
+ARCHS = ("sm_80", "sm_90")
+NVCC = shutil.which("nvcc")
+
+
+def _ops_cupy_constant(name: str):
+    """A literal module constant of localkv/ops_cupy.py, read without importing it (no CuPy here)."""
+    tree = ast.parse((ROOT / "localkv" / "ops_cupy.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"ops_cupy.{name} not found")
+
+
+KERNELS = _ops_cupy_constant("KERNELS")
+
+
+def _cuda_roots() -> list[Path]:
+    roots = [Path(os.environ[v]) for v in ("CUDA_PATH", "CUDA_HOME") if os.environ.get(v)]
+    if NVCC:
+        roots.append(Path(NVCC).resolve().parent.parent)
+    roots.append(Path("/usr/local/cuda"))
+    for sp in [*site.getsitepackages(), site.getusersitepackages(), *sys.path]:
+        roots += [Path(p) for p in glob.glob(os.path.join(sp, "nvidia", "*"))]  # pip CUDA wheels
+    return [r for r in roots if r.is_dir()]
+
+
+def _include_dir() -> Path | None:
+    for r in _cuda_roots():
+        for inc in (r / "include", r / "targets" / "x86_64-linux" / "include"):
+            if (inc / "cuda_fp16.h").is_file():
+                return inc
+    return None
+
+
+def test_every_source_is_listed():
+    assert {p.name for p in SOURCES} == set(KERNELS), "cuda/*.cu and ops_cupy.KERNELS disagree"
+
+
+# ---------------------------------------------------------------- nvcc
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+def test_nvcc_compiles(src, arch, tmp_path):
+    inc = _include_dir()
+    cmd = [NVCC, "-std=c++17", f"-arch={arch}", "-c", str(src), "-o", str(tmp_path / f"{src.stem}.o"),
+           "-Werror", "all-warnings", *(["-I", str(inc)] if inc else [])]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
+    assert (tmp_path / f"{src.stem}.o").stat().st_size > 0
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+def test_nvcc_ptx_has_every_kernel(src, tmp_path):
+    inc = _include_dir()
+    ptx = tmp_path / f"{src.stem}.ptx"
+    cmd = [NVCC, "-std=c++17", "-arch=sm_80", "--ptx", str(src), "-o", str(ptx), *(["-I", str(inc)] if inc else [])]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    entries = {line.split()[2].split("(")[0] for line in ptx.read_text().splitlines()
+               if line.startswith(".visible .entry")}
+    missing = set(KERNELS[src.name]) - entries
+    assert not missing, f"{src.name}: kernels ops_cupy launches are not in the PTX: {sorted(missing)}"
+
+
+# ---------------------------------------------------------------- NVRTC (what CuPy runs)
+
+
+def _nvrtc():
+    names = []
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        names.append(found)
+    for r in _cuda_roots():
+        for lib in ("lib64", "lib", "targets/x86_64-linux/lib"):
+            names += sorted(glob.glob(str(r / lib / "libnvrtc.so*")))
+    for n in names:
+        if "builtins" in n or ".alt." in n:
+            continue
+        try:
+            # libnvrtc dlopens its builtins library by name: load the one beside it first
+            for b in sorted(glob.glob(os.path.join(os.path.dirname(n), "libnvrtc-builtins.so*"))):
+                if ".alt." not in b:
+                    ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(n)
+        except OSError:
+            continue
+    return None
+
+
+NVRTC = _nvrtc()
+
+
+def _nvrtc_compile(src: Path, arch: str) -> bytes:
+    lib = NVRTC
+    prog = ctypes.c_void_p()
+    code = src.read_bytes()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), code, src.name.encode(), 0, None, None)
+    assert rc == 0, f"nvrtcCreateProgram: {rc}"
+    try:
+        inc = _include_dir()
+        defines = [o for o in _ops_cupy_constant_defines()]
+        opts = ["--std=c++17", f"-arch={arch}", "--device-as-default-execution-space", *defines,
+                *([f"-I{inc}"] if inc else [])]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        assert rc == 0, f"NVRTC failed on {src.name} for {arch} ({' '.join(opts)}):\n{log.value.decode(errors='replace')}"
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        assert lib.nvrtcGetCUBIN(prog, cubin) == 0
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _ops_cupy_constant_defines() -> list[str]:
+    """ops_cupy's -D options, rebuilt from its constants."""
+    tree = ast.parse((ROOT / "localkv" / "ops_cupy.py").read_text(encoding="utf-8"))
+    vals = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple):
+            names = [t.id for t in node.targets[0].elts]
+            if "DECODE_WARPS" in names:
+                vals = dict(zip(names, ast.literal_eval(node.value)))
+    assert vals, "ops_cupy's warp/tile constants not found"
+    return [f"-DLKV_{k}={v}" for k, v in vals.items()]
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (CUDA toolkit or the nvidia-cuda-nvrtc wheel)")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+def test_nvrtc_compiles_with_ops_cupy_options(src, arch):
+    cubin = _nvrtc_compile(src, arch)
+    missing = [k for k in KERNELS[src.name] if k.encode() + b"\0" not in cubin]
+    assert not missing, f"{src.name}: kernels not in the NVRTC cubin: {missing}"

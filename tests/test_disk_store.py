@@ -1,0 +1,349 @@
+"""The on-disk KV block store: round trips, corruption, LRU cap, concurrency, the cache CLI."""
+
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from localkv import disk_store as ds
+from localkv.cli_cache import cache_app
+from localkv.disk_store import DiskStore
+
+FP = "ab" * 32  # a sha256-like model fingerprint
+FP2 = "cd" * 32
+SHAPE = (2, 4, 2, 8)  # layers, block_size, kv_heads, head_dim
+
+
+def block(seed: int):
+    """(hash, tokens, k, v) of a distinct block."""
+    rng = np.random.default_rng(seed)
+    tokens = tuple(int(t) for t in rng.integers(0, 50000, SHAPE[1]))
+    h = int.from_bytes(rng.bytes(16), "little")
+    return h, tokens, rng.standard_normal(SHAPE).astype(np.float32), rng.standard_normal(SHAPE).astype(np.float32)
+
+
+def put(store, seed, fp=FP, name="tiny"):
+    h, t, k, v = block(seed)
+    return store.put(fp, name, h, t, k, v)
+
+
+def entries(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvb"))
+
+
+def test_round_trip_fp16_within_tolerance_and_fp32_exact(tmp_path):
+    h, t, k, v = block(0)
+    for dtype, tol in (("float16", 2e-3), ("float32", 0)):
+        store = DiskStore(tmp_path / dtype, dtype=dtype)
+        assert store.put(FP, "tiny", h, t, k, v)
+        assert store.contains(FP, h)
+        k2, v2 = store.get(FP, h, t)
+        assert k2.dtype == v2.dtype == np.float32 and k2.shape == v2.shape == SHAPE
+        np.testing.assert_allclose(k2, k, rtol=tol, atol=tol)
+        np.testing.assert_allclose(v2, v, rtol=tol, atol=tol)
+        if tol == 0:
+            assert np.array_equal(k2, k) and np.array_equal(v2, v)
+    # fp16 halves the payload
+    for d, itemsize in (("float16", 2), ("float32", 4)):
+        data = entries(tmp_path / d)[0].read_bytes()
+        assert len(data) - ds.FIXED.size - ds.FIXED.unpack_from(data)[2] == 2 * k.size * itemsize
+
+
+def test_entry_path_layout_and_skip_if_present(tmp_path):
+    store = DiskStore(tmp_path)
+    h, t, k, v = block(1)
+    assert store.put(FP, "tiny", h, t, k, v)
+    x = f"{h:032x}"
+    assert entries(tmp_path) == [tmp_path / FP[:16] / x[:2] / f"{x}.kvb"]
+    assert not store.put(FP, "tiny", h, t, k + 1, v)  # present: not rewritten
+    assert np.allclose(store.get(FP, h, t)[0], k, atol=2e-3)
+
+
+def test_fp16_overflow_falls_back_to_fp32(tmp_path):
+    store = DiskStore(tmp_path)
+    h, t, k, v = block(2)
+    k[0, 0, 0, 0] = 1e6  # beyond fp16 range
+    assert store.put(FP, "tiny", h, t, k, v)
+    assert store.get(FP, h, t)[0][0, 0, 0, 0] == 1e6
+
+
+def test_wrong_tokens_fingerprint_or_hash_is_a_miss_and_keeps_the_entry(tmp_path):
+    store = DiskStore(tmp_path)
+    h, t, k, v = block(3)
+    store.put(FP, "tiny", h, t, k, v)
+    assert store.get(FP, h, t[:-1] + (t[-1] + 1,)) is None
+    assert store.get(FP, h, t[:-1]) is None
+    assert store.get(FP, h ^ 1, t) is None
+    assert store.get(FP2, h, t) is None  # other namespace
+    # same namespace prefix, different full fingerprint: the header catches it
+    assert store.get(FP[:16] + "0" * 48, h, t) is None
+    assert store.get(FP, h, t) is not None, "a valid entry must survive misses"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "truncate_header", "empty", "flip_payload", "flip_header",
+                                    "flip_last"])
+def test_damaged_file_is_a_miss_and_removed(tmp_path, damage):
+    store = DiskStore(tmp_path)
+    h, t, k, v = block(4)
+    store.put(FP, "tiny", h, t, k, v)
+    (p,) = entries(tmp_path)
+    data = bytearray(p.read_bytes())
+    n = ds.FIXED.size + ds.FIXED.unpack_from(data)[2]
+    if damage == "truncate":
+        data = data[:len(data) // 2]
+    elif damage == "truncate_header":
+        data = data[:n - 5]
+    elif damage == "empty":
+        data = b""
+    elif damage == "flip_payload":
+        data[n + 7] ^= 0x10
+    elif damage == "flip_header":  # a token digit: still valid JSON, caught by the checksum
+        i = data.index(str(t[0]).encode(), ds.FIXED.size)
+        data[i] = ord("1") if data[i] != ord("1") else ord("2")
+    else:
+        data[-1] ^= 0x01
+    p.write_bytes(bytes(data))
+    assert store.get(FP, h, t) is None
+    assert not p.exists()
+    assert store.put(FP, "tiny", h, t, k, v), "a removed entry gets rewritten"
+    assert store.get(FP, h, t) is not None
+
+
+def test_other_format_version_is_a_miss_but_kept(tmp_path):
+    store = DiskStore(tmp_path)
+    h, t, k, v = block(5)
+    store.put(FP, "tiny", h, t, k, v)
+    (p,) = entries(tmp_path)
+    data = bytearray(p.read_bytes())
+    data[4] = ds.VERSION + 1
+    p.write_bytes(bytes(data))
+    assert store.get(FP, h, t) is None
+    assert p.exists()
+
+
+def test_foreign_files_are_ignored_and_kept(tmp_path):
+    store = DiskStore(tmp_path, max_bytes=1)  # every put evicts: foreign files must survive it
+    h, t, k, v = block(6)
+    x = f"{h:032x}"
+    sub = tmp_path / FP[:16] / x[:2]
+    sub.mkdir(parents=True)
+    foreign = [tmp_path / "README.txt", sub / "notes.kvb", sub / "notes.txt", tmp_path / FP[:16] / "x.kvb",
+               sub / f"{x}.kvb.bak", tmp_path / ".hidden.tmp", sub / ".other.tmp"]
+    for f in foreign:
+        f.write_bytes(b"not ours")
+    lookalike = sub / f"{x}.kvb"  # named like the entry, but without our magic
+    lookalike.write_bytes(b"GIF89a" + b"\0" * 100)
+    old = 1_000_000_000
+    for f in foreign + [lookalike]:
+        os.utime(f, (old, old))  # old enough for both the temp sweep and the LRU
+    assert store.get(FP, h, t) is None
+    assert not store.put(FP, "tiny", h, t, k, v)  # the name is taken: nothing overwritten
+    assert put(store, 7)
+    store.prune()
+    assert store.stats()["entries"] <= 1 and len(store.ls()) == store.stats()["entries"]
+    store.clear()
+    assert all(f.exists() for f in foreign + [lookalike])
+    assert lookalike.read_bytes().startswith(b"GIF89a")
+
+
+def test_lru_cap_evicts_least_recently_used(tmp_path):
+    store = DiskStore(tmp_path)
+    for i in range(5):
+        put(store, 10 + i)
+    size = max(p.stat().st_size for p in entries(tmp_path))
+    paths = {i: store.path(FP, block(10 + i)[0]) for i in range(5)}
+    for i, p in paths.items():  # ages: 10 is the oldest ... 14 the newest
+        os.utime(p, (1_000_000 + i, 1_000_000 + i))
+    h, t, _, _ = block(10)
+    assert store.get(FP, h, t) is not None  # a hit makes 10 the most recently used
+    # a new store (a new process) with room for 5.5 entries: the 6th put evicts down to 90% of
+    # the cap (4.95 entries), so the two least recently used go: 1 and 2, not 0 (just read)
+    small = DiskStore(tmp_path, max_bytes=int(size * 5.5))
+    assert put(small, 20)
+    left = {i for i, p in paths.items() if p.exists()}
+    assert left == {0, 3, 4}, left
+    assert small.contains(FP, block(20)[0])
+    assert sum(p.stat().st_size for p in entries(tmp_path)) <= small.max_bytes * ds.LOW_WATER
+
+
+def test_running_total_is_tracked_without_rescanning(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path)
+    put(store, 30)
+    scans = []
+    real = DiskStore._scan
+    monkeypatch.setattr(DiskStore, "_scan", lambda self, *a: scans.append(1) or real(self, *a))
+    for i in range(5):
+        put(store, 31 + i)
+    assert scans == []
+    assert store._total == sum(p.stat().st_size for p in entries(tmp_path))
+
+
+def test_prune_removes_stale_temp_files_only(tmp_path):
+    store = DiskStore(tmp_path)
+    put(store, 40)
+    sub = entries(tmp_path)[0].parent
+    stale, fresh = sub / ".lkv-aa-1.tmp", sub / ".lkv-bb-2.tmp"
+    stale.write_bytes(b"half a block")
+    fresh.write_bytes(b"being written")
+    os.utime(stale, (1_000_000, 1_000_000))
+    assert store.prune() == 1
+    assert not stale.exists() and fresh.exists()
+    assert len(entries(tmp_path)) == 1
+
+
+def _worker(root, seeds, barrier, cap):
+    store = DiskStore(Path(root), max_bytes=cap)
+    barrier.wait()
+    for s in seeds:
+        h, t, k, v = block(s)
+        store.put(FP, "tiny", h, t, k, v)
+        got = store.get(FP, h, t)
+        assert got is None or np.allclose(got[0], k, atol=2e-3)
+    assert store.warning is None, store.warning
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_two_processes_at_once_leave_only_valid_entries(tmp_path, capped):
+    one = DiskStore(tmp_path / "probe")
+    put(one, 0)
+    size = entries(tmp_path / "probe")[0].stat().st_size
+    cap = size * 8 if capped else 2 << 30
+    shared = list(range(100, 130))
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_worker, args=(str(tmp_path / "c"), shared + list(range(200 + 100 * i, 230 + 100 * i)),
+                                               barrier, cap)) for i in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    root = tmp_path / "c"
+    files = entries(root)
+    assert not [p for p in root.rglob("*") if p.is_file() and p.suffix != ".kvb"], "temp files left behind"
+    store = DiskStore(root)
+    seeds = shared + list(range(200, 230)) + list(range(300, 330))
+    present = 0
+    for s in seeds:
+        h, t, k, v = block(s)
+        if store.contains(FP, h):
+            present += 1
+            got = store.get(FP, h, t)
+            assert got is not None, f"entry {s} is not valid"
+            np.testing.assert_allclose(got[1], v, atol=2e-3)
+    assert present == len(files)
+    if capped:
+        assert 0 < present and sum(p.stat().st_size for p in files) <= cap + 2 * size
+    else:
+        assert present == len(seeds)
+
+
+def test_unwritable_root_disables_writes_with_one_warning(tmp_path):
+    root = tmp_path / "not-a-dir"
+    root.write_text("a regular file where the cache directory should be")
+    store = DiskStore(root)
+    assert put(store, 50) is False
+    assert store.disabled and store.warning.startswith("disk cache disabled: ")
+    w = store.warning
+    assert put(store, 51) is False
+    store.record(10, 5)
+    assert store.warning == w
+    assert store.get(FP, block(50)[0], block(50)[1]) is None
+    assert root.read_text().startswith("a regular file")
+
+
+def test_disk_full_mid_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path)
+    put(store, 60)
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ds.os, "replace", full)
+    assert put(store, 61) is False
+    assert "No space left on device" in store.warning
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [entries(tmp_path)[0].name]
+    monkeypatch.undo()
+    assert put(store, 62) is False, "stays disabled for the process"
+
+
+def test_stats_ls_clear_per_model(tmp_path):
+    store = DiskStore(tmp_path, max_bytes=10 << 20)
+    for i in range(3):
+        put(store, 70 + i, FP, "alpha")
+    for i in range(2):
+        put(store, 80 + i, FP2, "beta")
+    s = store.stats()
+    a, b = (sum(p.stat().st_size for p in entries(tmp_path / f[:16])) for f in (FP, FP2))
+    assert (s["entries"], s["bytes"], s["max_bytes"]) == (5, a + b, 10 << 20)
+    assert s["models"] == [{"name": "alpha", "fingerprint": FP[:16], "entries": 3, "bytes": a},
+                           {"name": "beta", "fingerprint": FP2[:16], "entries": 2, "bytes": b}]
+    rows = store.ls()
+    assert len(rows) == 5 and set(rows[0]) == {"model", "fingerprint", "hash", "tokens", "dtype", "bytes",
+                                               "last_used"}
+    assert rows[0]["tokens"] == SHAPE[1] and len(rows[0]["hash"]) == 12
+    assert [r["last_used"] for r in rows] == sorted((r["last_used"] for r in rows), reverse=True)
+    assert store.clear("beta") == 2 and store.cleared_bytes == b
+    assert store.clear(FP[:6]) == 3  # a fingerprint prefix
+    assert store.clear() == 0 and store.stats()["entries"] == 0
+    put(store, 90, FP, "alpha")
+    put(store, 91, FP2, "beta")
+    assert store.clear("gamma") == 0 and store.clear() == 2
+    assert not any(tmp_path.iterdir()), "emptied directories are removed"
+
+
+def test_lifetime_counters_accumulate_across_instances(tmp_path):
+    DiskStore(tmp_path).record(100, 64)
+    b = DiskStore(tmp_path)
+    b.record(50, 16)
+    b.record(0, 0)
+    s = DiskStore(tmp_path).stats()
+    assert (s["query_tokens"], s["hit_tokens"]) == (150, 80)
+    (tmp_path / "stats.json").write_text("{garbage")
+    DiskStore(tmp_path).record(1, 1)  # a damaged counter file restarts, never crashes
+    assert json.loads((tmp_path / "stats.json").read_text()) == {"hit_tokens": 1, "query_tokens": 1}
+
+
+def _count(root, n):
+    for _ in range(n):
+        DiskStore(Path(root)).record(2, 1)
+
+
+def test_counters_from_two_processes_are_merged(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_count, args=(str(tmp_path), 40)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert DiskStore(tmp_path).stats()["query_tokens"] == 160
+
+
+def test_cache_cli(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALKV_HOME", str(tmp_path))
+    store = DiskStore()
+    assert store.root == tmp_path / "kvcache"
+    put(store, 100, FP, "alpha")
+    put(store, 101, FP2, "beta")
+    store.record(10, 4)
+    run = CliRunner().invoke
+    r = run(cache_app, ["stats", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["entries"] == 2 and s["hit_tokens"] == 4 and {m["name"] for m in s["models"]} == {"alpha", "beta"}
+    r = run(cache_app, ["stats"])
+    assert r.exit_code == 0 and "alpha" in r.stdout and "4 of 10 prompt tokens" in r.stdout
+    r = run(cache_app, ["ls", "--json", "--model", "beta"])
+    assert r.exit_code == 0 and [x["model"] for x in json.loads(r.stdout)] == ["beta"]
+    r = run(cache_app, ["ls"])
+    assert r.exit_code == 0 and "alpha" in r.stdout and "beta" in r.stdout
+    r = run(cache_app, ["clear", "--model", "alpha"])
+    assert r.exit_code == 0 and "removed 1 entry" in r.stdout
+    r = run(cache_app, ["clear"])
+    assert r.exit_code == 0 and "removed 1 entry" in r.stdout
+    assert DiskStore().stats()["entries"] == 0

@@ -1,0 +1,361 @@
+"""The eviction / offload policy layer on a small synthetic pool (no model)."""
+
+import numpy as np
+import pytest
+
+from localkv.block_pool import BlockPool
+from localkv.errors import LocalkvError
+from localkv.evict import (EvictConfig, Evictor, OffloadTier, SeqKV, apply_eviction, choose_victims, quest_bound,
+                           ref_counts, select_recalls)
+from localkv.kv_manager import KVManager
+from localkv.ops_numpy import paged_attention
+from localkv.sequence import Sequence
+
+BS, LAYERS, KVH, HEADS, HD = 4, 2, 2, 4, 8
+
+
+def make(num_blocks=64, block_size=BS):
+    pool = BlockPool(n_layers=LAYERS, num_blocks=num_blocks, block_size=block_size, n_kv_heads=KVH, head_dim=HD)
+    return pool, KVManager(pool)
+
+
+def append(kv, seq, n, rng=None):
+    """append_slots plus K/V content: key[..., 0] = the token's position, the rest random."""
+    slots = kv.append_slots(seq, n)
+    pos = np.arange(seq.num_computed - n, seq.num_computed)
+    rng = rng or np.random.default_rng(seq.num_computed)
+    for arr in (kv.pool.k, kv.pool.v):
+        flat = arr.reshape(LAYERS, -1, KVH, HD)
+        flat[:, slots] = rng.standard_normal((LAYERS, n, KVH, HD)).astype(np.float32)
+        flat[:, slots, :, :1] = pos[None, :, None, None]
+    return slots
+
+
+def new_seq(kv, n, rng=None):
+    seq = Sequence(list(range(n)))
+    append(kv, seq, n, rng)
+    return seq
+
+
+def positions_held(pool, seq):
+    """The first position each table entry holds, read back from the keys themselves."""
+    return [int(pool.k[0, b, 0, 0, 0]) for b in seq.block_table]
+
+
+def block_mass(state, per_block):
+    """A mass array [num_stored] giving each table entry the listed total (unit 1)."""
+    return np.repeat(np.asarray(per_block, np.float32) / state.block_size, state.block_size)[:state.stored]
+
+
+def events(pool, kind):
+    return [e for e in pool.stats.events if e.kind == kind]
+
+
+# ------------------------------------------------------------ config
+
+def test_validation_errors():
+    with pytest.raises(LocalkvError, match="unknown KV policy 'lru'"):
+        EvictConfig("lru", 64).validate(BS)
+    with pytest.raises(LocalkvError, match=r"too small.*need 8"):
+        EvictConfig("sliding", budget=7, sinks=4).validate(BS)  # sinks 4 + one block 4
+    with pytest.raises(LocalkvError, match=r"too small.*need 8"):
+        EvictConfig("h2o", budget=7, sinks=1).validate(BS)  # 1 sink rounds up to a block
+    with pytest.raises(LocalkvError, match=r"too small.*need 20"):
+        EvictConfig("h2o", budget=16, sinks=4, recent=9).validate(BS)  # 4 + 12 (9 in blocks) + 4
+    with pytest.raises(LocalkvError, match="invalid KV recent -1"):
+        EvictConfig("sliding", budget=64, recent=-1).validate(BS)
+    with pytest.raises(LocalkvError, match="invalid KV sinks -4"):
+        EvictConfig("sliding", budget=64, sinks=-4).validate(BS)
+    with pytest.raises(LocalkvError, match="invalid KV budget -1"):
+        EvictConfig("sliding", budget=-1).validate(BS)
+    with pytest.raises(LocalkvError, match="needs a budget"):
+        EvictConfig("h2o").validate(BS)
+    pool, _ = make()
+    with pytest.raises(LocalkvError, match="unknown KV policy"):
+        Evictor(EvictConfig("LRU", 64), pool)
+    # the boundaries themselves are valid
+    EvictConfig().validate(BS)
+    EvictConfig("sliding", budget=8, sinks=4).validate(BS)
+    EvictConfig("h2o", budget=16, sinks=4, recent=8).validate(BS)
+    EvictConfig("h2o", budget=8, sinks=0, recent=0).validate(BS)
+
+
+def test_default_recent_window():
+    assert EvictConfig("sliding", budget=32, sinks=4).recent_tokens(BS) == 32 - 4 - BS
+    assert EvictConfig("h2o", budget=32, sinks=4).recent_tokens(BS) == 16
+    assert EvictConfig("offload", budget=12, sinks=4).recent_tokens(BS) == 4  # half is 6: clamped to the room
+    assert EvictConfig("h2o", budget=32, recent=3).recent_tokens(BS) == 3
+    assert EvictConfig("h2o", budget=32, recent=3).chunk_limit(BS) == 3
+    assert EvictConfig().chunk_limit(BS) is None
+
+
+# ------------------------------------------------------------ choosing victims
+
+def test_sliding_keeps_sinks_and_recent_and_drops_oldest_first():
+    pool, kv = make()
+    ev = Evictor(EvictConfig("sliding", budget=16, sinks=4), pool)  # recent: 8
+    seq = Sequence([])
+    for t in range(60):
+        seq.tokens.append(t)
+        assert ev.make_room(seq, 1) == 0
+        append(kv, seq, 1)
+        held = positions_held(pool, seq)
+        assert held == ev.state(seq).start.tolist() and held == sorted(held)
+        assert held[0] == 0  # the sink block
+        covered = {p for s in held for p in range(s, s + BS)}
+        assert set(range(max(0, seq.num_computed - 8), seq.num_computed)) <= covered  # the recent window
+        assert len(seq.block_table) <= 4 and seq.num_stored <= 16
+        pool.check([seq.block_table])
+    evicted = [e.positions for e in events(pool, "evict")]
+    assert evicted == [(s, s + BS) for s in range(4, 4 + BS * len(evicted), BS)]  # oldest first, no gaps
+    assert len(evicted) == pool.stats.evictions == 60 // BS - 4
+    assert not seq.hashable
+
+
+def test_h2o_drops_the_lowest_scores_outside_sinks_and_recent():
+    pool, kv = make()
+    seq = new_seq(kv, 32)  # 8 full blocks
+    state = SeqKV(BS).sync(seq)
+    state.accumulate(block_mass(state, [0, 5, 1, 7, 2, 9, 0, 0]))
+    assert np.allclose(state.score, [0, 5, 1, 7, 2, 9, 0, 0])
+    cfg = EvictConfig("h2o", budget=24, sinks=4, recent=8)
+    rc = ref_counts(seq, pool)
+    assert choose_victims(state, 2, cfg, rc) == [2, 4]  # not the sink (0) nor the recent blocks (6, 7)
+    assert choose_victims(state, 10, cfg, rc) == [1, 2, 3, 4, 5]  # fewer than asked: all that may go
+    assert choose_victims(state, 2, EvictConfig("sliding", budget=24, sinks=4, recent=8), rc) == [1, 2]
+    bids = [seq.block_table[i] for i in (2, 4)]
+    apply_eviction(seq, state, [2, 4], pool, pool.stats, "test")
+    assert positions_held(pool, seq) == state.start.tolist() == [0, 4, 12, 20, 24, 28]
+    assert np.allclose(state.score, [0, 5, 7, 9, 0, 0])
+    assert seq.num_stored == 24 and len(seq.block_table) == 6 and not seq.hashable
+    assert all(pool.blocks[b].ref_count == 0 for b in bids)
+    pool.check([seq.block_table])
+    # a later mass array indexes the shorter table: scores stay with their blocks
+    state.accumulate(block_mass(state, [0, 0, 1, 0, 0, 0]))
+    assert np.allclose(state.score, [0, 5, 8, 9, 0, 0])
+    ev = events(pool, "evict")
+    assert [(e.block, e.positions, e.score) for e in ev] == [(bids[0], (8, 12), 1.0), (bids[1], (16, 20), 2.0)]
+    assert pool.stats.evictions == 2 and all(e.seq == seq.id and e.reason == "test" for e in ev)
+
+
+def test_partial_last_block_is_never_taken():
+    pool, kv = make()
+    seq = new_seq(kv, 10)  # blocks of 4, 4, 2
+    state = SeqKV(BS).sync(seq)
+    state.accumulate(block_mass(state, [3, 2, 1]))
+    cfg = EvictConfig("h2o", budget=8, sinks=0, recent=0)
+    assert choose_victims(state, 3, cfg, ref_counts(seq, pool)) == [0, 1]
+    # even when the incoming tokens would fill it and put it wholly behind the recent window
+    assert choose_victims(state, 3, cfg, ref_counts(seq, pool), incoming=6) == [0, 1]
+
+
+def test_shared_blocks_are_never_chosen():
+    pool, kv = make()
+    parent = new_seq(kv, 12)
+    child = kv.fork(parent)  # blocks 0-2 now have ref_count 2
+    parent.tokens += [0] * 12
+    append(kv, parent, 12)
+    state = SeqKV(BS).sync(parent)
+    state.accumulate(block_mass(state, [0, 0, 0, 5, 6, 0]))  # the shared ones score lowest
+    cfg = EvictConfig("h2o", budget=8, sinks=0, recent=4)
+    assert choose_victims(state, 5, cfg, ref_counts(parent, pool)) == [3, 4]
+    # the child holds only shared blocks: nothing may go, the shortfall is reported
+    ev = Evictor(EvictConfig("h2o", budget=8, sinks=0, recent=0), pool)
+    table = list(child.block_table)
+    assert ev.make_room(child, 1) == 2
+    assert child.block_table == table and child.hashable
+    assert pool.stats.evictions == 0
+    pool.check([parent.block_table, child.block_table])
+
+
+def test_policy_none_never_evicts():
+    pool, kv = make()
+    ev = Evictor(EvictConfig(), pool)
+    seq = Sequence([])
+    for t in range(40):
+        seq.tokens.append(t)
+        assert ev.make_room(seq, 1) == 0
+        append(kv, seq, 1)
+        assert ev.mass_for(seq) is None
+    assert len(seq.block_table) == 10 and not pool.stats.events
+
+
+# ------------------------------------------------------------ the engine's loop
+
+CONFIGS = [
+    (EvictConfig("sliding", budget=16, sinks=4), 4),
+    (EvictConfig("sliding", budget=40, sinks=1, recent=13), 4),
+    (EvictConfig("h2o", budget=32, sinks=4), 4),
+    (EvictConfig("h2o", budget=24, sinks=0, recent=0), 4),
+    (EvictConfig("h2o", budget=64, sinks=4, recent=20), 16),
+    (EvictConfig("offload", budget=32, sinks=4, recent=9), 4),
+]
+
+
+@pytest.mark.parametrize("cfg,bs", CONFIGS, ids=lambda c: c.policy if isinstance(c, EvictConfig) else str(c))
+def test_budget_never_exceeded_and_tables_stay_aligned(cfg, bs):
+    rng = np.random.default_rng(bs + cfg.budget)
+    pool = BlockPool(LAYERS, 64, bs, KVH, HD)
+    kv = KVManager(pool)
+    ev = Evictor(cfg, pool, n_heads=HEADS)
+    seq, limit = Sequence([]), cfg.chunk_limit(bs)
+    recent, sinks = cfg.recent_tokens(bs), cfg.sink_tokens(bs)
+    while seq.num_computed < 400:
+        n = int(rng.integers(1, limit + 1)) if seq.num_computed < 100 else 1  # "prefill" chunks, then decode
+        seq.tokens += [0] * n
+        assert ev.make_room(seq, n) == 0
+        slots = kv.append_slots(seq, n)
+        pos = np.arange(seq.num_computed - n, seq.num_computed)
+        pool.k.reshape(LAYERS, -1, KVH, HD)[:, slots] = rng.standard_normal((LAYERS, n, KVH, HD))
+        pool.k.reshape(LAYERS, -1, KVH, HD)[:, slots, :, :1] = pos[None, :, None, None]
+        mass = ev.mass_for(seq)
+        if mass is not None:
+            mass += rng.random(len(mass)).astype(np.float32)
+        ev.observe(seq, mass)
+        if cfg.policy == "offload":
+            ev.maybe_recall(seq, rng.standard_normal((LAYERS, HEADS, HD)), k=2)
+        assert len(seq.block_table) * bs <= cfg.budget
+        held = positions_held(pool, seq)
+        assert held == ev.state(seq).start.tolist() == sorted(held)
+        assert held[:sinks // bs] == list(range(0, sinks, bs))
+        covered = {p for s in held for p in range(s, s + bs)}
+        assert set(range(max(0, seq.num_computed - recent), seq.num_computed)) <= covered
+        assert seq.num_stored == (len(held) - 1) * bs + (seq.num_computed - held[-1])
+        pool.check([seq.block_table])
+    gone = pool.stats.evictions + pool.stats.offloads - pool.stats.recalls
+    assert gone == seq.num_computed // bs - seq.num_stored // bs > 0
+    ev.free(seq)
+    kv.free(seq)
+    assert pool.num_free == pool.num_blocks and not ev.states
+    assert ev.tier is None or not ev.tier.entries
+
+
+def test_scores_are_normalised_per_query():
+    """Real attention mass from paged_attention over every layer: each query hands out one unit."""
+    pool, kv = make()
+    ev = Evictor(EvictConfig("h2o", budget=64, sinks=4), pool, n_heads=HEADS)
+    rng = np.random.default_rng(1)
+    seq = Sequence([0] * 10)
+    for n in (10, 1, 1):  # a 10-token prefill, then two decode steps
+        ev.make_room(seq, n)
+        append(kv, seq, n, rng)
+        mass = ev.mass_for(seq)
+        q = rng.standard_normal((n, HEADS, HD)).astype(np.float32)
+        for layer in range(LAYERS):
+            paged_attention(q, pool.k[layer], pool.v[layer], np.asarray(seq.block_table), seq.num_stored, 0.3, mass)
+        ev.observe(seq, mass)
+        seq.tokens.append(0)
+    assert np.isclose(ev.state(seq).score.sum(), 12.0, rtol=1e-5)
+
+
+# ------------------------------------------------------------ offload tier
+
+@pytest.mark.parametrize("spill", [False, True], ids=["ram", "memmap"])
+def test_offload_and_recall_round_trip_bit_exactly(spill, tmp_path):
+    pool, kv = make()
+    rng = np.random.default_rng(7)
+    seq = new_seq(kv, 24, rng)  # 6 blocks
+    state = SeqKV(BS).sync(seq)
+    state.accumulate(block_mass(state, [1, 2, 3, 4, 5, 6]))
+    tier = OffloadTier((LAYERS, BS, KVH, HD), pool.k.dtype, tmp_path / "spill" if spill else None, capacity=1)
+    saved = {i: (pool.k[:, seq.block_table[i]].copy(), pool.v[:, seq.block_table[i]].copy()) for i in (1, 3)}
+    bids = [seq.block_table[i] for i in (3, 1)]
+    tier.offload(seq, state, 3, pool, pool.stats)
+    tier.offload(seq, state, 1, pool, pool.stats)  # grows the tier past its capacity of 1
+    assert tier.capacity >= 2 and tier.blocks_of(seq.id) == sorted((s, slot) for s, slot in tier.blocks_of(seq.id))
+    assert positions_held(pool, seq) == state.start.tolist() == [0, 8, 16, 20]
+    assert seq.num_stored == 16 and not seq.hashable and all(pool.blocks[b].ref_count == 0 for b in bids)
+    pool.check([seq.block_table])
+    pool.k[:, bids], pool.v[:, bids] = np.nan, np.nan  # whatever block recall gets, it must be filled by the copy
+    for start in (12, 4):
+        tier.recall(seq, state, start, pool, pool.stats)
+    assert positions_held(pool, seq) == state.start.tolist() == [0, 4, 8, 12, 16, 20]
+    assert np.allclose(state.score, [1, 2, 3, 4, 5, 6]) and seq.num_stored == 24
+    for i, (k, v) in saved.items():
+        assert np.array_equal(pool.k[:, seq.block_table[i]], k) and np.array_equal(pool.v[:, seq.block_table[i]], v)
+    assert [e.kind for e in pool.stats.events] == ["offload", "offload", "recall", "recall"]
+    assert [e.positions for e in pool.stats.events] == [(12, 16), (4, 8), (12, 16), (4, 8)]
+    assert [e.score for e in pool.stats.events] == [4.0, 2.0, 4.0, 2.0]
+    assert pool.stats.offloads == 2 and pool.stats.recalls == 2 and pool.stats.evictions == 0
+    assert not tier.entries and tier.nbytes == 0
+    pool.check([seq.block_table])
+    if spill:
+        assert list((tmp_path / "spill").iterdir()) == []  # the spill file leaves nothing behind
+        tier.close()
+
+
+def test_unwritable_offload_path_fails_at_construction(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(LocalkvError, match="cannot write the KV offload file"):
+        OffloadTier((LAYERS, BS, KVH, HD), np.float32, blocker / "spill")
+    pool, _ = make()
+    with pytest.raises(LocalkvError, match="cannot write the KV offload file"):
+        Evictor(EvictConfig("offload", budget=32), pool, offload_dir=blocker)
+
+
+def test_quest_bound_is_an_upper_bound_and_tight_for_constant_blocks():
+    pool, kv = make()
+    rng = np.random.default_rng(3)
+    seq = new_seq(kv, 28, rng)
+    pool.k[:] *= rng.uniform(0.1, 5, (1, pool.num_blocks, 1, KVH, 1)).astype(np.float32)
+    const = seq.block_table[5]
+    pool.k[:, const] = rng.standard_normal((LAYERS, 1, KVH, HD))  # every token of this block has the same key
+    keys = {i: pool.k[:, seq.block_table[i]].copy() for i in range(7)}  # [L, bs, kvh, hd]
+    state = SeqKV(BS).sync(seq)
+    tier = OffloadTier.for_pool(pool)
+    for i in range(6, -1, -1):
+        tier.offload(seq, state, i, pool, pool.stats)
+    slots = [slot for _, slot in tier.blocks_of(seq.id)]
+    for _ in range(20):
+        q = rng.standard_normal((LAYERS, HEADS, HD)).astype(np.float32)
+        per_head = quest_bound(q, tier.kmin[slots], tier.kmax[slots], per_head=True)  # [n, L, H]
+        g = HEADS // KVH
+        true = np.stack([np.einsum("lhd,lthd->lth", q, np.repeat(keys[i], g, axis=2)).max(axis=1) for i in range(7)])
+        assert np.all(per_head >= true - 1e-4)
+        assert np.allclose(per_head[5], true[5], atol=1e-4)  # exact when min == max
+        assert np.allclose(quest_bound(q, tier.kmin[slots], tier.kmax[slots]), per_head.sum(axis=(1, 2)))
+
+
+def test_select_recalls_swaps_a_strong_offloaded_block_for_the_weakest_active_one():
+    pool, kv = make()
+    seq = new_seq(kv, 32)  # 8 blocks; key dim 0 holds the position, dim 1 the signal
+    pool.k[..., 1:] = 0.0
+    pool.k[:, seq.block_table[3], :, :, 1] = 1.0  # positions 12-15: aligned with q
+    pool.k[:, seq.block_table[2], :, :, 1] = -1.0  # positions 8-11: anti-aligned
+    strong = pool.k[:, seq.block_table[3]].copy()
+    cfg = EvictConfig("offload", budget=32, sinks=4, recent=8)
+    ev = Evictor(cfg, pool, n_heads=HEADS)
+    state = ev.state(seq)
+    ev.tier.offload(seq, state, 3, pool, pool.stats)
+    q = np.zeros((LAYERS, HEADS, HD), np.float32)
+    q[..., 1] = 10.0
+    assert select_recalls(q, ev.tier, seq, state, pool, cfg, k=2) == [(12, 2)]  # table: 0 4 8 16 20 24 28
+    assert select_recalls(q[1:], ev.tier, seq, state, pool, cfg, k=2, layers=[1]) == [(12, 2)]
+    assert select_recalls(-q, ev.tier, seq, state, pool, cfg, k=2) == []  # offloaded bound is the lowest
+    assert ev.maybe_recall(seq, -q) == 0
+    assert ev.maybe_recall(seq, q) == 1
+    assert positions_held(pool, seq) == state.start.tolist() == [0, 4, 12, 16, 20, 24, 28]
+    assert np.array_equal(pool.k[:, seq.block_table[2]], strong)
+    assert [start for start, _ in ev.tier.blocks_of(seq.id)] == [8]
+    assert [e.kind for e in pool.stats.events] == ["offload", "offload", "recall"]
+    pool.check([seq.block_table])
+
+
+def test_fork_copies_scores_and_free_forgets():
+    pool, kv = make()
+    ev = Evictor(EvictConfig("offload", budget=32, sinks=4), pool)
+    parent = new_seq(kv, 16)
+    ev.state(parent).accumulate(np.arange(16, dtype=np.float32))
+    child = kv.fork(parent)
+    ev.fork(parent, child)
+    assert np.array_equal(ev.state(child).score, ev.state(parent).score)
+    ev.state(child).score[0] = -1
+    assert ev.state(parent).score[0] != -1
+    parent.tokens += [0] * 8
+    append(kv, parent, 8)  # two unshared blocks
+    ev.tier.offload(parent, ev.state(parent), 4, pool, pool.stats)
+    ev.free(child)
+    assert child.id not in ev.states and parent.id in ev.states and len(ev.tier.entries) == 1
+    ev.free(parent)
+    assert not ev.states and not ev.tier.entries
