@@ -65,7 +65,7 @@ def generate_branches(engine, prompt_ids: list[int], n: int, params: SamplingPar
         logits = engine.prefill(root)
         result.prompt_s = time.perf_counter() - t0
         engine.persist_prompt(root, len(prompt_ids), cached)
-        seqs = [root] + [engine.kv.fork(root) for _ in range(n - 1)]
+        seqs = [root] + [engine.fork(root) for _ in range(n - 1)]
         for i, seq in enumerate(seqs):
             seed = None if params.seed is None else params.seed + i
             p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
@@ -104,6 +104,6 @@ def generate_branches(engine, prompt_ids: list[int], n: int, params: SamplingPar
         return result
     finally:
         for b in result.branches:
-            engine.kv.free(b.seq)
+            engine.free(b.seq)
         if not result.branches:
-            engine.kv.free(root)
+            engine.free(root)

@@ -84,14 +84,23 @@ DiskCacheSizeOpt = typer.Option("2GiB", "--disk-cache-size", help="Size cap of t
 SaveOpt = typer.Option(False, "--no-save", help="Do not save this exchange in the conversation log.")
 ContinueOpt = typer.Option(False, "-c", "--continue", help="Continue the latest conversation.")
 CidOpt = typer.Option(None, "--cid", help="Continue the conversation with this id (see `localkv log`).")
+BudgetOpt = typer.Option(None, "--kv-budget", help="Most tokens of KV one sequence may hold; past it --evict decides.")
+EvictOpt = typer.Option("none", "--evict", help="When the budget is full: none (stop), sliding (attention sinks + "
+                                                "recent window), h2o (+ heavy hitters), offload (move blocks to "
+                                                "host memory and recall them when the query needs them).")
+SinksOpt = typer.Option(4, "--sinks", help="Attention-sink tokens always kept (rounded up to whole blocks).")
+OffloadDirOpt = typer.Option(None, "--offload-dir", help="Spill offloaded blocks to a file here instead of RAM.")
 
 
-def _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size):
+def _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget=None, evict="none", sinks=4,
+            offload_dir=None):
     from .engine import Engine
+    from .evict import EvictConfig
 
-    eng = Engine(model, block_size=block_size, kv_mem=kv_mem, threads=threads, progress=sys.stderr.isatty(),
-                 prefix_caching=not no_cache, disk_cache_size=disk_cache_size)
-    return eng
+    policy = EvictConfig(policy=evict, budget=kv_budget, sinks=sinks)
+    policy.validate(block_size)  # before the model loads
+    return Engine(model, block_size=block_size, kv_mem=kv_mem, threads=threads, progress=sys.stderr.isatty(),
+                  prefix_caching=not no_cache, disk_cache_size=disk_cache_size, evict=policy, offload_dir=offload_dir)
 
 
 def _warn_disk(engine):
@@ -136,6 +145,10 @@ def run(
     no_save: bool = SaveOpt,
     no_cache: bool = CacheOpt,
     disk_cache_size: str = DiskCacheSizeOpt,
+    kv_budget: Optional[int] = BudgetOpt,
+    evict: str = EvictOpt,
+    sinks: int = SinksOpt,
+    offload_dir: Optional[str] = OffloadDirOpt,
     block_size: int = BlockSizeOpt,
     kv_mem: str = KvMemOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -146,7 +159,8 @@ def run(
     params = _sampling(temperature, top_k, top_p, seed, max_tokens)
     text = _read_prompt(prompt)
     turn = plan_turn(not no_save, cont, cid, None, system, text)
-    engine = _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size)
+    engine = _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget, evict, sinks,
+                     offload_dir)
     ids = _prompt_ids(engine, turn, text, raw)
     gen = engine.generate(ids, params, max_tokens=max_tokens, ignore_eos=ignore_eos)
     stream = not (no_stream or as_json)
@@ -172,6 +186,8 @@ def run(
         sys.stdout.write("\n")
         sys.stdout.flush()
     _warn_disk(engine)
+    if r.finish_reason == "kv_budget" and not as_json:
+        _err(f"stopped: {r.stop_detail}")
     if verbose:
         _print_verbose(engine, r)
         if turn.store is not None:
@@ -208,6 +224,10 @@ def fork(
     no_save: bool = SaveOpt,
     no_cache: bool = CacheOpt,
     disk_cache_size: str = DiskCacheSizeOpt,
+    kv_budget: Optional[int] = BudgetOpt,
+    evict: str = EvictOpt,
+    sinks: int = SinksOpt,
+    offload_dir: Optional[str] = OffloadDirOpt,
     block_size: int = BlockSizeOpt,
     kv_mem: str = KvMemOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -223,7 +243,8 @@ def fork(
         raise LocalkvError(f"invalid --branches {branches}: must be >= 1")
     text = _read_prompt(prompt, required=not from_msg)
     turn = plan_turn(not no_save, cont, cid, from_msg, system, text)
-    engine = _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size)
+    engine = _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget, evict, sinks,
+                     offload_dir)
     ids = _prompt_ids(engine, turn, text, raw=False)
     res = generate_branches(engine, ids, branches, params, max_tokens, ignore_eos)
     _, reply_ids = turn.save(engine.cfg.name, text, [(b.text, len(b.tokens)) for b in res.branches],
@@ -275,6 +296,10 @@ def _result_json(engine, r) -> dict:
             "token_slots": r.peak_blocks * engine.block_size,
             "pool_blocks": engine.pool.num_blocks,
             "cow_copies": engine.stats.cow_copies,
+            "evictions": engine.stats.evictions,
+            "offloads": engine.stats.offloads,
+            "recalls": engine.stats.recalls,
+            "peak_active_tokens": r.peak_active_tokens,
         },
     }
 
@@ -299,6 +324,14 @@ def _print_verbose(engine, r):
     ]
     if engine.prefix_caching:
         lines.insert(3, f"prefix cache:         {r.cached_tokens}/{r.prompt_tokens} prompt tokens reused")
+    s = engine.stats
+    if engine.evict.policy != "none":
+        lines.append(f"kv policy:            {engine.evict.policy}, budget {engine.evict.budget} tokens; peak "
+                     f"{r.peak_active_tokens} active; {s.evictions} evictions, {s.offloads} offloads, "
+                     f"{s.recalls} recalls")
+        for e in list(s.events)[-5:]:
+            lines.append(f"  {e.kind:<8} block {e.block:<5} positions {e.positions[0]}-{e.positions[1]} "
+                         f"score {e.score:.3f}  {e.reason}")
     _err("\n".join(lines))
 
 

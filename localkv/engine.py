@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from .block_pool import BlockPool
-from .errors import ContextOverflow, LocalkvError, PoolExhausted
+from .errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
+from .evict import EvictConfig, Evictor
 from .kv_manager import KVManager
 from .loader import load_model
 from .model import Llama, Span
@@ -43,6 +44,8 @@ class Result:
     prompt_s: float = 0.0
     eval_s: float = 0.0
     peak_blocks: int = 0
+    peak_active_tokens: int = 0  # most tokens of K/V the sequence held at once
+    stop_detail: str = ""
 
     @property
     def completion_tokens(self) -> int:
@@ -63,7 +66,8 @@ class Result:
 class Engine:
     def __init__(self, model: str | Path | None = None, block_size: int = 16, kv_mem: str | int = DEFAULT_KV_MEM,
                  threads: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = True,
-                 prefix_caching: bool = True, disk_cache: bool = True, disk_cache_size: str | int = "2GiB"):
+                 prefix_caching: bool = True, disk_cache: bool = True, disk_cache_size: str | int = "2GiB",
+                 evict: EvictConfig | None = None, offload_dir: str | Path | None = None):
         from .registry import resolve_model
 
         if block_size < 1 or block_size & (block_size - 1):
@@ -90,6 +94,9 @@ class Engine:
         self.stats = Stats()
         self.pool = BlockPool(cfg.n_layers, kv_bytes // per_block, block_size, cfg.n_kv_heads, cfg.head_dim,
                               stats=self.stats)
+        self.evict = evict or EvictConfig()
+        # validates the policy and opens the offload tier before any generation starts
+        self.evictor = Evictor(self.evict, self.pool, self.stats, cfg.n_heads, offload_dir)
         self.kv = KVManager(self.pool, salt=f"{cfg.fingerprint}:{block_size}:float32".encode())
         self.prefill_chunk = prefill_chunk
         self.prefix_caching = prefix_caching
@@ -115,33 +122,67 @@ class Engine:
         (with all_logits: [tokens processed, vocab], one row per token)."""
         tokens, positions, slots, spans, rows = [], [], [], [], []
         budget = max_tokens or sum(len(s.pending) for s in seqs)
+        limit = self.evict.chunk_limit(self.block_size)
         counts, left = [], budget
         for seq in seqs:
-            counts.append(min(len(seq.pending), left))
+            counts.append(min(len(seq.pending), left, limit or left))
             left -= counts[-1]
+        self._enforce_budget(seqs, counts)
         need = sum(self.kv.need(s, n) for s, n in zip(seqs, counts) if n)
         if need > self.pool.num_free:  # before any sequence is touched: a failed step changes nothing
             raise PoolExhausted(f"KV pool exhausted: this step needs {need} blocks, {self.pool.num_free} are free "
                                 "(raise --kv-mem)")
-        for seq in seqs:
-            chunk = seq.pending[:budget]
-            if not chunk:
+        recall = self.evictor.tier is not None
+        for seq, n in zip(seqs, counts):
+            if not n:
                 raise LocalkvError("internal: step on a sequence with no pending tokens")
-            budget -= len(chunk)
+            chunk = seq.pending[:n]
             start = len(tokens)
-            positions.extend(range(seq.num_computed, seq.num_computed + len(chunk)))
-            slots.append(self.kv.append_slots(seq, len(chunk)))
+            positions.extend(range(seq.num_computed, seq.num_computed + n))
+            slots.append(self.kv.append_slots(seq, n))
             tokens.extend(chunk)
-            spans.append(Span(start, len(chunk), np.asarray(seq.block_table), seq.num_stored))
+            spans.append(Span(start, n, np.asarray(seq.block_table), seq.num_stored, self.evictor.mass_for(seq),
+                              [] if recall else None))
             rows.append(len(tokens) - 1)
         if all_logits:
             rows = list(range(len(tokens)))
+        self.model.ensure_positions(max(positions) + 1)
         logits = self.model.forward(np.asarray(tokens), np.asarray(positions), np.concatenate(slots), spans,
                                     self.pool, rows)
-        if self.prefix_caching:
-            for seq in seqs:
+        for seq, sp in zip(seqs, spans):
+            self.evictor.observe(seq, sp.mass)
+            if recall:  # the last query estimates the next one (InfiniGen/Quest-style speculation)
+                self.evictor.maybe_recall(seq, np.stack(sp.queries)[self._probe_layers], self._probe_layers)
+            if self.prefix_caching:
                 self.kv.register_full_blocks(seq)
         return logits
+
+    @property
+    def _probe_layers(self) -> list[int]:
+        return [self.cfg.n_layers // 2]
+
+    def _enforce_budget(self, seqs: list[Sequence], counts: list[int]):
+        """Make room under each sequence's KV budget before its tokens are appended."""
+        ev = self.evict
+        if ev.budget is None:
+            return
+        for seq, n in zip(seqs, counts):
+            if ev.policy == "none":
+                if seq.num_stored + n > ev.budget:
+                    raise BudgetReached(f"KV budget of {ev.budget} tokens is full (policy none; choose --evict "
+                                        "sliding, h2o or offload to keep going)")
+            elif self.evictor.make_room(seq, n) > 0:
+                raise BudgetReached(f"KV budget of {ev.budget} tokens is full and the remaining blocks are shared "
+                                    "with another sequence")
+
+    def fork(self, seq: Sequence) -> Sequence:
+        child = self.kv.fork(seq)
+        self.evictor.fork(seq, child)
+        return child
+
+    def free(self, seq: Sequence):
+        self.evictor.free(seq)
+        self.kv.free(seq)
 
     def prefill(self, seq: Sequence) -> np.ndarray:
         """Run all pending tokens of seq in chunks; logits of the last one."""
@@ -157,7 +198,7 @@ class Engine:
             return np.concatenate([self.step([seq], self.prefill_chunk, all_logits=True) for _ in
                                    range(-(-len(tokens) // self.prefill_chunk))])
         finally:
-            self.kv.free(seq)
+            self.free(seq)
 
     def decode(self, seqs: list[Sequence]) -> np.ndarray:
         """One token per sequence, all in one batched pass."""
@@ -197,13 +238,18 @@ class Engine:
     # ------------------------------------------------------------ requests
 
     def check_fits(self, n_prompt: int, max_tokens: int, n_seqs: int = 1):
-        ctx = self.cfg.ctx_len
+        ctx, ev = self.cfg.ctx_len, self.evict
         if n_prompt == 0:
             raise LocalkvError("empty prompt: nothing to run")
         if n_prompt >= ctx:
             raise ContextOverflow(f"prompt is {n_prompt} tokens; the model's context holds {ctx} "
                                   "(shorten the prompt)")
-        total = min(n_prompt + max_tokens, ctx)
+        if ev.policy == "none" and ev.budget is not None and n_prompt > ev.budget:
+            raise BudgetReached(f"prompt is {n_prompt} tokens, more than the KV budget of {ev.budget} "
+                                "(raise --kv-budget or choose an --evict policy)")
+        total = n_prompt + max_tokens if ev.policy != "none" else min(n_prompt + max_tokens, ctx)
+        if ev.budget is not None:
+            total = min(total, ev.budget + self.block_size)
         need = -(-total // self.block_size) * n_seqs
         if need > self.pool.num_free:
             raise PoolExhausted(f"request needs {need} KV blocks ({total} tokens), the pool has {self.pool.num_free} "
@@ -235,6 +281,7 @@ class Generation:
         t0 = time.perf_counter()
         try:
             logits = eng.prefill(self.seq)
+            r.peak_active_tokens = self.seq.num_stored
             r.prompt_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             while True:
@@ -254,10 +301,15 @@ class Generation:
                 if len(r.tokens) >= self.max_tokens:
                     r.finish_reason = "length"
                     break
-                if len(self.seq.tokens) >= eng.cfg.ctx_len:
+                if len(self.seq.tokens) >= eng.cfg.ctx_len and eng.evict.policy == "none":
                     r.finish_reason = "context"
                     break
-                logits = eng.decode([self.seq])[0]
+                try:
+                    logits = eng.decode([self.seq])[0]
+                except BudgetReached as e:
+                    r.finish_reason, r.stop_detail = "kv_budget", str(e)
+                    break
+                r.peak_active_tokens = max(r.peak_active_tokens, self.seq.num_stored)
             r.eval_s = time.perf_counter() - t1
             tail = streamer.flush()
             r.text += tail
@@ -270,7 +322,7 @@ class Generation:
         finally:
             r.peak_blocks = max(r.peak_blocks, eng.blocks_used)
             eng.persist_prompt(self.seq, r.prompt_tokens, r.cached_tokens)
-            eng.kv.free(self.seq)
+            eng.free(self.seq)
 
     def run(self) -> Result:
         for _ in self:

@@ -17,3 +17,7 @@ class PoolExhausted(LocalkvError):
 
 class ContextOverflow(LocalkvError):
     """The prompt (plus generation) does not fit the model's context."""
+
+
+class BudgetReached(LocalkvError):
+    """A sequence's KV budget is full and its policy cannot make room."""

@@ -19,6 +19,7 @@ class Span:
     block_table: np.ndarray
     n_ctx: int
     mass: np.ndarray | None = None  # accumulates attention mass per context token, if set
+    queries: list | None = None  # if set, receives the span's last query [H, hd] of every layer
 
 
 class Llama:
@@ -27,6 +28,12 @@ class Llama:
         self.cos, self.sin = ops.rope_tables(cfg.head_dim, cfg.ctx_len, cfg.rope_theta)
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))
         self.output = weights["output"] if "output" in weights else weights["tok_embd"].T
+
+    def ensure_positions(self, n: int):
+        """RoPE tables for positions up to n (past the context: eviction lets a sequence run on)."""
+        if n > len(self.cos):
+            self.cos, self.sin = self.ops.rope_tables(self.cfg.head_dim, max(n, 2 * len(self.cos)),
+                                                      self.cfg.rope_theta)
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, spans: list[Span],
                 pool: BlockPool, logit_rows: list[int]) -> np.ndarray:
@@ -48,6 +55,8 @@ class Llama:
             attn = xp.empty((T, H, hd), dtype=x.dtype)
             for sp in spans:
                 rows = slice(sp.start, sp.start + sp.length)
+                if sp.queries is not None:
+                    sp.queries.append(ops.to_host(q[sp.start + sp.length - 1]).copy())
                 attn[rows] = ops.paged_attention(q[rows], kl, vl, xp.asarray(sp.block_table), sp.n_ctx, self.scale,
                                                  sp.mass)
             x += attn.reshape(T, H * hd) @ w[f"{i}.wo"]

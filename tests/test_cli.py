@@ -127,3 +127,24 @@ def test_run_real_model_mentions_paris(real_model_path):
 def test_models_lists_the_pulled_default(real_model_path):
     rows = json.loads(localkv("models", "--json", env_home=real_model_path.parent.parent).stdout)
     assert any(r["name"] == "smollm2-135m" and r["quant"] == "Q4_1" for r in rows)
+
+
+def test_eviction_flags_bound_memory_and_report_it(tiny):
+    p = localkv("run", "x" * 20, "-m", tiny, "-n", "80", "--ignore-eos", "--raw", "--json", "--no-save",
+                "--kv-budget", "48", "--evict", "sliding", "--block-size", "8")
+    out = json.loads(p.stdout)
+    assert out["completion_tokens"] == 80 and out["kv"]["peak_active_tokens"] <= 48 and out["kv"]["evictions"] > 0
+
+
+def test_policy_none_reports_why_it_stopped(tiny):
+    p = localkv("run", "x" * 20, "-m", tiny, "-n", "80", "--ignore-eos", "--raw", "--no-save", "--kv-budget", "32",
+                "--block-size", "8")
+    assert p.returncode == 0 and "stopped: KV budget of 32 tokens is full" in p.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--evict", "lru", "--kv-budget", "64"], "unknown KV policy 'lru'"),
+    (["--evict", "sliding", "--kv-budget", "8"], "too small"),
+])
+def test_bad_eviction_flags(tiny, args, needle):
+    assert_one_line_error(localkv("run", "x", "-m", tiny, *args), needle)

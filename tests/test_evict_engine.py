@@ -1,0 +1,76 @@
+"""Eviction policies wired into the engine: bounded memory, runs past the context, clear stops."""
+
+import numpy as np
+import pytest
+
+from localkv.branches import generate_branches
+from localkv.engine import Engine
+from localkv.errors import BudgetReached, LocalkvError
+from localkv.evict import EvictConfig
+from localkv.sampling import SamplingParams
+from tiny_model import write_gguf
+
+PROMPT = list(map(int, np.random.default_rng(11).integers(3, 261, 40)))
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("ev") / "tiny.gguf", ctx=128)
+
+
+def engine(path, policy="none", budget=None, **kw):
+    return Engine(path, progress=False, block_size=8, prefix_caching=False,
+                  evict=EvictConfig(policy=policy, budget=budget), **kw)
+
+
+@pytest.mark.parametrize("policy", ["sliding", "h2o", "offload"])
+def test_budget_holds_and_generation_runs_past_the_context(tiny, policy):
+    eng = engine(tiny, policy, budget=48)
+    r = eng.generate(PROMPT, GREEDY, 200, ignore_eos=True).run()
+    assert r.completion_tokens == 200 and r.finish_reason == "length"  # 240 tokens > 128 context
+    assert r.peak_active_tokens <= 48
+    moved = eng.stats.evictions + eng.stats.offloads
+    assert moved >= (240 - 48) // 8 - 1
+    kinds = {e.kind for e in eng.stats.events}
+    assert kinds >= ({"offload"} if policy == "offload" else {"evict"})
+    assert eng.pool.num_free == eng.pool.num_blocks  # everything released, offload tier included
+
+
+def test_policy_changes_nothing_while_the_budget_is_not_reached(tiny):
+    ref = engine(tiny).generate(PROMPT, GREEDY, 30, True).run().tokens
+    for policy in ("sliding", "h2o", "offload"):
+        assert engine(tiny, policy, budget=96).generate(PROMPT, GREEDY, 30, True).run().tokens == ref
+
+
+def test_policy_none_stops_with_a_clear_reason(tiny):
+    eng = engine(tiny, "none", budget=48)
+    r = eng.generate(PROMPT, GREEDY, 50, True).run()
+    assert r.finish_reason == "kv_budget" and "budget of 48" in r.stop_detail
+    assert r.prompt_tokens + r.completion_tokens <= 49
+    with pytest.raises(BudgetReached, match="more than the KV budget"):
+        eng.generate(PROMPT * 2, GREEDY, 5)
+
+
+def test_shared_blocks_are_never_evicted_from_under_a_fork(tiny):
+    eng = engine(tiny, "sliding", budget=48)
+    with pytest.raises(BudgetReached, match="shared"):
+        generate_branches(eng, PROMPT, 2, GREEDY, 30, ignore_eos=True)  # the 40-token prompt is shared by both
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.parametrize("cfg,msg", [
+    (EvictConfig(policy="lru", budget=64), "unknown"),
+    (EvictConfig(policy="sliding", budget=8), "budget"),
+])
+def test_bad_policy_settings_fail_before_generation(tiny, cfg, msg):
+    with pytest.raises(LocalkvError, match=msg):
+        Engine(tiny, progress=False, block_size=8, evict=cfg)
+
+
+def test_unwritable_offload_dir(tiny, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(LocalkvError):
+        Engine(tiny, progress=False, block_size=8, evict=EvictConfig(policy="offload", budget=64),
+               offload_dir=blocker / "sub")
