@@ -152,14 +152,10 @@ class Engine:
         for seq, sp in zip(seqs, spans):
             self.evictor.observe(seq, sp.mass)
             if recall:  # the last query estimates the next one (InfiniGen/Quest-style speculation)
-                self.evictor.maybe_recall(seq, np.stack(sp.queries)[self._probe_layers], self._probe_layers)
+                self.evictor.maybe_recall(seq, np.stack(sp.queries), None, self.evict.recall_k)
             if self.prefix_caching:
                 self.kv.register_full_blocks(seq)
         return logits
-
-    @property
-    def _probe_layers(self) -> list[int]:
-        return [self.cfg.n_layers // 2]
 
     def _enforce_budget(self, seqs: list[Sequence], counts: list[int]):
         """Make room under each sequence's KV budget before its tokens are appended."""

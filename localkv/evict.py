@@ -60,6 +60,8 @@ class EvictConfig:
     budget: int | None = None  # tokens of KV one sequence may hold in the pool
     sinks: int = 4  # leading tokens always kept (rounded up to whole blocks)
     recent: int | None = None  # trailing tokens always kept; None: see recent_tokens()
+    decay: float = 1.0  # h2o/offload: scores fade by this factor per query (1.0: plain H2O sums)
+    recall_k: int = 8  # offload: most blocks swapped back in per step
 
     def validate(self, block_size: int) -> "EvictConfig":
         if self.policy not in POLICIES:
@@ -109,6 +111,7 @@ class SeqKV:
     score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     next_pos: int = 0  # seq.num_computed at the last sync
     stored: int = 0  # seq.num_stored at the last sync
+    decay: float = 1.0  # per query
 
     def sync(self, seq: Sequence) -> "SeqKV":
         """Take in blocks that append_slots added at the end of the table."""
@@ -131,7 +134,10 @@ class SeqKV:
             raise ValueError(f"mass covers {len(mass)} tokens, the table holds {n}")
         padded = np.zeros(n)
         padded[:len(mass)] = mass
-        self.score += padded.reshape(-1, self.block_size).sum(axis=1) / self.unit
+        new = padded.reshape(-1, self.block_size).sum(axis=1) / self.unit
+        if self.decay != 1.0:
+            self.score *= self.decay ** new.sum()  # each query hands out one unit: the sum counts queries
+        self.score += new
 
     def positions(self, i: int) -> tuple[int, int]:
         s = int(self.start[i])
@@ -146,7 +152,8 @@ class SeqKV:
         return i
 
     def copy(self) -> "SeqKV":
-        return SeqKV(self.block_size, self.unit, self.start.copy(), self.score.copy(), self.next_pos, self.stored)
+        return SeqKV(self.block_size, self.unit, self.start.copy(), self.score.copy(), self.next_pos, self.stored,
+                     self.decay)
 
 
 def ref_counts(seq: Sequence, pool: BlockPool) -> list[int]:
@@ -360,6 +367,43 @@ def select_recalls(q, tier: OffloadTier, seq: Sequence, state: SeqKV, pool: Bloc
     return pairs
 
 
+def speculate(q, tier: OffloadTier, seq: Sequence, state: SeqKV, pool: BlockPool, cfg: EvictConfig, k: int = 1,
+              layers=None) -> list[tuple[int, int]]:
+    """Swaps worth making, as select_recalls returns them, from the attention the last query
+    q [L, H, hd] would pay every block (active and offloaded) if all were present: the
+    softmax over all their keys, per layer and head, summed to one number per block. The
+    next query is taken to look like the last one (InfiniGen-style speculation; exact keys
+    from the host tier instead of partial channels, which costs L*H*hd per stored token).
+    Among the evictable active blocks and the offloaded ones, the top len(evictable) by that
+    mass should be active; up to k offloaded blocks of that top set swap with the active
+    blocks outside it, weakest first."""
+    mine = tier.blocks_of(seq.id)
+    cand = candidates(state, cfg, ref_counts(seq, pool))
+    if not mine or not len(cand) or k <= 0:
+        return []
+    L, bs, kvh, hd = tier.block_shape
+    layers = np.arange(L) if layers is None else np.atleast_1d(layers)
+    q = np.asarray(q, np.float32).reshape(len(layers), kvh, -1, hd)
+    act = _host(pool.k[np.ix_(layers, np.asarray(seq.block_table))])  # [l, n_act, bs, kvh, hd]
+    off = tier.kv[[slot for _, slot in mine], 0][:, layers].swapaxes(0, 1)  # [l, n_off, bs, kvh, hd]
+    keys = np.concatenate([act, off], axis=1)
+    logits = np.einsum("lkgd,lnbkd->lkgnb", q, keys) / np.sqrt(hd)
+    valid = np.ones(keys.shape[1:3], bool)
+    filled = seq.num_stored - (len(seq.block_table) - 1) * bs  # the last active block may be partial
+    valid[len(seq.block_table) - 1, filled:] = False
+    logits = np.where(valid, logits, -np.inf)
+    logits -= logits.max(axis=(-2, -1), keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=(-2, -1), keepdims=True)
+    mass = p.sum(axis=(0, 1, 2, 4))  # [n_act + n_off]
+    n_act = len(seq.block_table)
+    pool_idx = np.concatenate([cand, n_act + np.arange(len(mine))])
+    top = set(pool_idx[np.argsort(-mass[pool_idx], kind="stable")[:len(cand)]].tolist())
+    ins = [j - n_act for j in sorted(top, key=lambda j: -mass[j]) if j >= n_act]
+    outs = [int(i) for i in sorted(cand, key=lambda i: mass[i]) if int(i) not in top]
+    return [(mine[j][0], i) for j, i in zip(ins[:k], outs[:k])]
+
+
 # ------------------------------------------------------------ what the engine holds
 
 class Evictor:
@@ -384,7 +428,7 @@ class Evictor:
     def state(self, seq: Sequence) -> SeqKV:
         st = self.states.get(seq.id)
         if st is None:
-            st = self.states[seq.id] = SeqKV(self.pool.block_size, self.unit)
+            st = self.states[seq.id] = SeqKV(self.pool.block_size, self.unit, decay=self.cfg.decay)
         return st.sync(seq)
 
     def make_room(self, seq: Sequence, n_new: int) -> int:
@@ -418,11 +462,11 @@ class Evictor:
         if self.tier is None:
             return 0
         st = self.state(seq)
-        pairs = select_recalls(q, self.tier, seq, st, self.pool, self.cfg, k, layers)
+        pairs = speculate(q, self.tier, seq, st, self.pool, self.cfg, k, layers)
         for _, i in sorted(pairs, key=lambda p: -p[1]):
             self.tier.offload(seq, st, i, self.pool, self.stats, "swapped out for a recall")
         for start, _ in pairs:
-            self.tier.recall(seq, st, start, self.pool, self.stats, "quest bound above an active block")
+            self.tier.recall(seq, st, start, self.pool, self.stats, "speculated attention above an active block")
         return len(pairs)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -94,10 +94,27 @@ def _include_options() -> tuple[str, ...]:
         pass
     dirs += [os.path.join(os.environ.get(v, ""), "include") for v in ("CUDA_PATH", "CUDA_HOME")]
     dirs.append("/usr/local/cuda/include")
+    try:
+        major = cp.cuda.runtime.runtimeGetVersion() // 1000  # CuPy's CUDA major version
+    except Exception:
+        major = None
     for d in dirs:
-        if d and os.path.isfile(os.path.join(d, "cuda_fp16.h")):
+        if d and os.path.isfile(os.path.join(d, "cuda_fp16.h")) and _headers_major(d) in (major, None):
             return (f"-I{d}",)
     return ()  # rely on the include path CuPy adds itself
+
+
+def _headers_major(include_dir: str) -> int | None:
+    """The CUDA major version of a toolkit include folder (from cuda.h), None when unknown: a
+    CUDA 13 cuda_fp16.h does not belong in a CUDA 12 NVRTC compile."""
+    try:
+        with open(os.path.join(include_dir, "cuda.h"), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("#define CUDA_VERSION"):
+                    return int(line.split()[2]) // 1000
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @cache

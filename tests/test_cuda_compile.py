@@ -122,8 +122,7 @@ def _nvrtc_compile(src: Path, arch: str) -> bytes:
     assert rc == 0, f"nvrtcCreateProgram: {rc}"
     try:
         inc = _include_dir()
-        defines = [o for o in _ops_cupy_constant_defines()]
-        opts = ["--std=c++17", f"-arch={arch}", "--device-as-default-execution-space", *defines,
+        opts = ["--std=c++17", f"-arch={arch}", "--device-as-default-execution-space", *_ops_cupy_constant_defines(),
                 *([f"-I{inc}"] if inc else [])]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
@@ -131,7 +130,8 @@ def _nvrtc_compile(src: Path, arch: str) -> bytes:
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
-        assert rc == 0, f"NVRTC failed on {src.name} for {arch} ({' '.join(opts)}):\n{log.value.decode(errors='replace')}"
+        log_text = log.value.decode(errors="replace")
+        assert rc == 0, f"NVRTC failed on {src.name} for {arch} ({' '.join(opts)}):\n{log_text}"
         lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
         cubin = ctypes.create_string_buffer(size.value)
         assert lib.nvrtcGetCUBIN(prog, cubin) == 0
