@@ -5,6 +5,7 @@ select(device) returns the backend module (ops_numpy or ops_cupy); the model, th
 """
 
 import importlib
+import sys
 
 from . import ops_numpy
 from .errors import LocalkvError
@@ -41,8 +42,13 @@ def available_devices() -> list[str]:
 def _cuda():
     try:
         cupy = importlib.import_module("cupy")
-    except ImportError:
-        raise LocalkvError(_NEED_CUPY) from None
+    except ImportError as e:
+        if e.name in (None, "cupy"):
+            raise LocalkvError(_NEED_CUPY) from None
+        shadow = getattr(sys.modules.get("cuda"), "__file__", None) if e.name.startswith("cuda") else None
+        raise LocalkvError(f"--device cuda: CuPy failed to import ({_first_line(e)})"
+                           + (f"; {shadow} shadows NVIDIA's 'cuda' package: run from another folder or "
+                              "set PYTHONSAFEPATH=1" if shadow else "")) from None
     except Exception as e:  # installed but broken (e.g. a CUDA library it needs is missing)
         raise LocalkvError(f"--device cuda: CuPy failed to import ({type(e).__name__}: {_first_line(e)})") from None
     try:

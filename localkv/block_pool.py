@@ -32,6 +32,7 @@ class BlockPool:
             raise PoolExhausted("the KV memory budget is too small for even one block")
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
         # zeros are mapped lazily: a large pool costs memory only as it fills
+        self.xp = xp
         self.k = xp.zeros(shape, dtype)
         self.v = xp.zeros(shape, dtype)
         self.block_size = block_size

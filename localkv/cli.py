@@ -30,6 +30,7 @@ ModelOpt = typer.Option(None, "-m", "--model",
 BlockSizeOpt = typer.Option(16, "--block-size", help="Tokens per KV block.")
 KvMemOpt = typer.Option("1GiB", "--kv-mem", help="Memory for the KV block pool, e.g. 512MiB or 2GiB.")
 ThreadsOpt = typer.Option(None, "--threads", help="CPU threads for matrix math (default: all cores).")
+DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when CuPy sees a GPU, else CPU), cpu or cuda.")
 
 
 def _err(msg: str):
@@ -93,14 +94,15 @@ OffloadDirOpt = typer.Option(None, "--offload-dir", help="Spill offloaded blocks
 
 
 def _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget=None, evict="none", sinks=4,
-            offload_dir=None):
+            offload_dir=None, device="auto"):
     from .engine import Engine
     from .evict import EvictConfig
 
     policy = EvictConfig(policy=evict, budget=kv_budget, sinks=sinks)
     policy.validate(block_size)  # before the model loads
     return Engine(model, block_size=block_size, kv_mem=kv_mem, threads=threads, progress=sys.stderr.isatty(),
-                  prefix_caching=not no_cache, disk_cache_size=disk_cache_size, evict=policy, offload_dir=offload_dir)
+                  prefix_caching=not no_cache, disk_cache_size=disk_cache_size, evict=policy, offload_dir=offload_dir,
+                  device=device)
 
 
 def _warn_disk(engine):
@@ -152,6 +154,7 @@ def run(
     block_size: int = BlockSizeOpt,
     kv_mem: str = KvMemOpt,
     threads: Optional[int] = ThreadsOpt,
+    device: str = DeviceOpt,
 ):
     """Generate a reply to PROMPT and stream it to stdout; the exchange is saved in the conversation log."""
     from .conversation import plan_turn
@@ -160,7 +163,7 @@ def run(
     text = _read_prompt(prompt)
     turn = plan_turn(not no_save, cont, cid, None, system, text)
     engine = _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget, evict, sinks,
-                     offload_dir)
+                     offload_dir, device)
     ids = _prompt_ids(engine, turn, text, raw)
     gen = engine.generate(ids, params, max_tokens=max_tokens, ignore_eos=ignore_eos)
     stream = not (no_stream or as_json)
@@ -231,6 +234,7 @@ def fork(
     block_size: int = BlockSizeOpt,
     kv_mem: str = KvMemOpt,
     threads: Optional[int] = ThreadsOpt,
+    device: str = DeviceOpt,
 ):
     """Sample N alternative replies that share the prompt's KV blocks (best-of-N), decoded as one batch,
     and save them as sibling branches. All branches must fit the KV pool at once; the command says so
@@ -244,7 +248,7 @@ def fork(
     text = _read_prompt(prompt, required=not from_msg)
     turn = plan_turn(not no_save, cont, cid, from_msg, system, text)
     engine = _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget, evict, sinks,
-                     offload_dir)
+                     offload_dir, device)
     ids = _prompt_ids(engine, turn, text, raw=False)
     res = generate_branches(engine, ids, branches, params, max_tokens, ignore_eos)
     _, reply_ids = turn.save(engine.cfg.name, text, [(b.text, len(b.tokens)) for b in res.branches],

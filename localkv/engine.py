@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import backend, ops_numpy
 from .block_pool import BlockPool
 from .errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
 from .evict import EvictConfig, Evictor
@@ -67,7 +68,7 @@ class Engine:
     def __init__(self, model: str | Path | None = None, block_size: int = 16, kv_mem: str | int = DEFAULT_KV_MEM,
                  threads: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = True,
                  prefix_caching: bool = True, disk_cache: bool = True, disk_cache_size: str | int = "2GiB",
-                 evict: EvictConfig | None = None, offload_dir: str | Path | None = None):
+                 evict: EvictConfig | None = None, offload_dir: str | Path | None = None, device: str = "auto"):
         from .registry import resolve_model
 
         if block_size < 1 or block_size & (block_size - 1):
@@ -81,23 +82,27 @@ class Engine:
 
             self._threads_limit = threadpool_limits(limits=threads)  # held for the engine's life
         self.threads = threads or _blas_threads()
+        self.ops = backend.select(device)  # before the model loads: a missing GPU fails fast
         self.path = resolve_model(None if model is None else str(model), progress=progress)
         loaded = load_model(self.path, progress=progress)
         self.loaded = loaded
         self.cfg, self.tokenizer = loaded.config, loaded.tokenizer
-        self.model = Llama(self.cfg, loaded.weights)
+        weights = loaded.weights if self.ops is ops_numpy else self.ops.upload_weights(loaded.weights)
+        self.model = Llama(self.cfg, weights, self.ops)
         cfg = self.cfg
-        per_block = 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * 4
+        kv_item = np.dtype(self.ops.kv_dtype).itemsize
+        per_block = 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * kv_item
         kv_bytes = parse_size(kv_mem)
         if kv_bytes < per_block:
             raise LocalkvError(f"--kv-mem {kv_mem} is smaller than one KV block ({per_block} bytes)")
         self.stats = Stats()
         self.pool = BlockPool(cfg.n_layers, kv_bytes // per_block, block_size, cfg.n_kv_heads, cfg.head_dim,
-                              stats=self.stats)
+                              dtype=self.ops.kv_dtype, xp=self.ops.xp, stats=self.stats)
         self.evict = evict or EvictConfig()
         # validates the policy and opens the offload tier before any generation starts
         self.evictor = Evictor(self.evict, self.pool, self.stats, cfg.n_heads, offload_dir)
-        self.kv = KVManager(self.pool, salt=f"{cfg.fingerprint}:{block_size}:float32".encode())
+        dtype = np.dtype(self.ops.kv_dtype).name  # fp16 GPU K/V must never be read as CPU fp32 K/V
+        self.kv = KVManager(self.pool, salt=f"{cfg.fingerprint}:{block_size}:{dtype}".encode())
         self.prefill_chunk = prefill_chunk
         self.prefix_caching = prefix_caching
         self.disk = None

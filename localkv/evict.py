@@ -465,8 +465,10 @@ class Evictor:
         pairs = speculate(q, self.tier, seq, st, self.pool, self.cfg, k, layers)
         for _, i in sorted(pairs, key=lambda p: -p[1]):
             self.tier.offload(seq, st, i, self.pool, self.stats, "swapped out for a recall")
+        hot = float(st.score.max()) if len(st.score) else 0.0
         for start, _ in pairs:
-            self.tier.recall(seq, st, start, self.pool, self.stats, "speculated attention above an active block")
+            i = self.tier.recall(seq, st, start, self.pool, self.stats, "speculated attention above an active block")
+            st.score[i] = hot  # wanted now: without this the next make_room would send it straight back
         return len(pairs)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

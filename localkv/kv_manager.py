@@ -88,7 +88,8 @@ class KVManager:
                 break
             else:
                 bid = self.pool.allocate()
-                self.pool.k[:, bid], self.pool.v[:, bid] = kv
+                xp = self.pool.xp
+                self.pool.k[:, bid], self.pool.v[:, bid] = (xp.asarray(a, dtype=self.pool.k.dtype) for a in kv)
                 self.pool.register(bid, h, toks)
                 disk += 1
             seq.block_table.append(bid)

@@ -65,16 +65,17 @@ _THREADS = 256
 
 
 def cuda_source_dir():
-    """The folder holding the .cu files: the installed package data (localkv.kernels), else the
-    cuda/ folder of a source checkout."""
-    try:
-        from importlib.resources import files
+    """The folder holding the .cu files: the installed package data (the repo's cuda/ folder
+    packaged as localkv.cuda), else the cuda/ folder of a source checkout."""
+    from importlib.resources import files
 
-        root = files("localkv.kernels")
-        if (root / "paged_attention.cu").is_file():
-            return root
-    except (ModuleNotFoundError, TypeError):
-        pass
+    for package in ("localkv.cuda", "localkv.kernels"):
+        try:
+            root = files(package)
+            if (root / "paged_attention.cu").is_file():
+                return root
+        except (ModuleNotFoundError, TypeError):
+            continue
     return Path(__file__).resolve().parent.parent / "cuda"
 
 

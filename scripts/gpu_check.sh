@@ -16,6 +16,9 @@ mkdir -p "$REPORT"
 REPORT="$(cd "$REPORT" && pwd)"
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
+# keep the repo root off sys.path (Python >= 3.11): a cuda/__init__.py there would shadow NVIDIA's
+# 'cuda' namespace package (cuda.pathfinder), which CuPy >= 14 imports
+export PYTHONSAFEPATH=1
 status=0
 
 {

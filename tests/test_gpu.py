@@ -69,8 +69,12 @@ def test_select_cuda_when_the_driver_is_missing(monkeypatch):
 def _gpu_skip_reason() -> str:
     try:
         import cupy
+    except ImportError as e:
+        if e.name == "cupy":
+            return "CuPy not installed: pip install -e '.[gpu]' (CUDA 12) or '.[gpu13]' (CUDA 13)"
+        return f"CuPy failed to import ({type(e).__name__}: {e})"
     except Exception as e:
-        return f"CuPy not installed ({type(e).__name__}); pip install -e '.[gpu]' (CUDA 12) or '.[gpu13]' (CUDA 13)"
+        return f"CuPy failed to import ({type(e).__name__}: {e})"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:

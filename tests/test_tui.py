@@ -1,0 +1,369 @@
+"""`localkv chat`: the Textual app driven by Pilot on a tiny random model (tests/tiny_model.py)."""
+
+import itertools
+from uuid import UUID
+
+import pytest
+
+from localkv.engine import Engine
+from localkv.errors import LocalkvError
+from localkv.sampling import SamplingParams
+from localkv.store import ConversationStore
+from localkv.tui.app import ChatApp
+from localkv.tui.kv_panel import KVPanel, bar_widths, fmt_bytes
+from localkv.tui.widgets import BranchTree, ChatMessage, Notice, clean
+from tiny_model import write_gguf
+
+GREEDY = SamplingParams(temperature=0, seed=0)
+SIZE = (100, 30)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    # untied output weights: a tied random model only repeats its last token ("\n")
+    return write_gguf(tmp_path_factory.mktemp("tui") / "tiny.gguf", ctx=4096, tied=False)
+
+
+@pytest.fixture
+def engine(model_path):
+    return Engine(model_path, progress=False, kv_mem="4MiB")
+
+
+@pytest.fixture
+def ids(monkeypatch):
+    """Deterministic message ids (for snapshots): 00000000..., 00000001..."""
+    counter = itertools.count()
+    monkeypatch.setattr("localkv.store.uuid4", lambda: UUID(int=next(counter) << 96))
+
+
+def fake_clock(step=0.01):
+    """Advances one step per reading: flush and rate decisions depend on the token count only."""
+    return itertools.count(0, step).__next__
+
+
+def make_app(engine, **kw):
+    kw.setdefault("sampling", GREEDY)
+    kw.setdefault("max_tokens", 24)
+    return ChatApp(engine, ConversationStore(), **kw)
+
+
+async def idle(pilot, timeout=20.0):
+    """Wait until no reply is streaming and no engine is being built."""
+    for _ in range(int(timeout / 0.02)):
+        await pilot.pause(0.02)
+        if not pilot.app.busy:
+            await pilot.pause()
+            return
+    raise AssertionError("the app stayed busy")
+
+
+async def send(pilot, text):
+    pilot.app.prompt.focus()
+    pilot.app.prompt.value = text
+    await pilot.press("enter")
+    await idle(pilot)
+
+
+def messages(app):
+    return [(w.role, w.source) for w in app.transcript.query(ChatMessage)]
+
+
+def notices(app):
+    return [(str(n.content), n.has_class("error")) for n in app.transcript.query(Notice)]
+
+
+def expected_reply(model_path, history, max_tokens=24):
+    eng = Engine(model_path, progress=False, kv_mem="4MiB", disk_cache=False)
+    tok = eng.tokenizer
+    return eng.generate(tok.encode(tok.render_chat(history)), GREEDY, max_tokens).run()
+
+
+class Spy(ChatApp):
+    """Records every batch the worker pushes to the UI."""
+
+    async def _stream(self, view, text, tps):
+        self.chunks = getattr(self, "chunks", []) + [text]
+        await super()._stream(view, text, tps)
+
+
+@pytest.mark.asyncio
+async def test_reply_streams_into_transcript_and_is_saved(engine, model_path):
+    app = Spy(engine, ConversationStore(), sampling=GREEDY, max_tokens=24, clock=fake_clock(0.02))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press(*"hello", "enter")
+        await idle(pilot)
+        want = expected_reply(model_path, [{"role": "user", "content": "hello"}])
+        assert want.text and len(app.chunks) > 1  # batches, not one update at the end
+        assert messages(app) == [("user", "hello"), ("assistant", clean(want.text))]
+        path = app.store.path(app.at)
+        assert [(m.role, m.content) for m in path] == [("user", "hello"), ("assistant", want.text)]
+        assert path[1].completion_tokens == len(want.tokens) and path[1].sampling["temperature"] == 0
+        view = app.transcript.query(ChatMessage).last()
+        assert view.border_subtitle.endswith(want.finish_reason) and app.store.short_id(app.at) in view.border_title
+        assert app.title == "tiny-test" and app.sub_title.startswith("CPU")
+        # the second turn continues the same conversation and reuses the first prompt's blocks
+        await send(pilot, "again")
+        path = app.store.path(app.at)
+        assert [m.role for m in path] == ["user", "assistant", "user", "assistant"]
+        assert app.panel.last_turn[0] >= engine.block_size
+        # input history: up brings back the last lines sent
+        await pilot.press("up")
+        assert app.prompt.value == "again"
+        await pilot.press("up", "down", "down")
+        assert app.prompt.value == ""
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("key", ["escape", "ctrl+c"])
+async def test_stop_keeps_the_partial_reply(engine, key):
+    app = make_app(engine, max_tokens=3000, ignore_eos=True)
+    async with app.run_test(size=SIZE) as pilot:
+        app.prompt.value = "tell me everything"
+        await pilot.press("enter")
+        view = app.transcript.query(ChatMessage).last()
+        for _ in range(500):  # until the first batch is on screen
+            await pilot.pause(0.01)
+            if view.source:
+                break
+        assert app.busy and view.source
+        await pilot.press(key)
+        await idle(pilot)
+        reply = app.store.get_message(app.at)
+        assert reply.role == "assistant" and 0 < reply.completion_tokens < 3000
+        assert view.source == clean(reply.content) and view.border_subtitle.endswith("stopped")
+        assert engine.pool.usage()["used"] == 0  # the sequence was freed
+        await send(pilot, "/help")  # still responsive
+        assert "/regen" in notices(app)[-1][0]
+
+
+@pytest.mark.asyncio
+async def test_regen_fork_and_switch_branches(engine, model_path):
+    app = make_app(engine, sampling=SamplingParams(temperature=1.0, seed=3))
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "one")
+        first = app.at
+        user = app.store.get_message(first).parent_id
+        await send(pilot, "/regen")  # a sibling reply, seed + 1
+        second = app.at
+        kids = app.store.children(user)
+        assert [k.id for k in kids] == [first, second]
+        assert kids[0].content != kids[1].content
+        assert messages(app) == [("user", "one"), ("assistant", clean(kids[1].content))]
+
+        await send(pilot, "/branches")
+        tree = app.query_one(BranchTree)
+        assert app.show_tree and app.focused is tree
+        nodes = {n.data: n for n in _nodes(tree.root)}
+        assert set(nodes) >= {user, first, second}
+
+        # switch: Enter on the first reply shows its branch
+        tree.move_cursor(nodes[first])
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.at == first
+        assert messages(app) == [("user", "one"), ("assistant", clean(kids[0].content))]
+
+        # fork at the question: the next message is a new root, beside "one"
+        tree.move_cursor(nodes[user])
+        await pilot.press("f")
+        await pilot.pause()
+        assert app.at is None and messages(app) == [] and app.focused is app.prompt
+        await send(pilot, "two")
+        assert [c["preview"] for c in app.store.tree(app.cid)["children"]] == ["one", "two"]
+        assert [m for m, _ in messages(app)] == ["user", "assistant"] and messages(app)[0][1] == "two"
+
+        # back to the first branch and one more turn: its prompt starts with the cached blocks
+        nodes = {n.data: n for n in _nodes(tree.root)}
+        tree.focus()
+        tree.move_cursor(nodes[first])
+        await pilot.press("enter")
+        await pilot.pause()
+        await send(pilot, "three")
+        path = app.store.path(app.at)
+        assert [m.content for m in path[:3]] == ["one", kids[0].content, "three"]
+        cached, prompt = app.panel.last_turn
+        assert cached >= engine.block_size and app.panel.shown["reuse last"] == f"{cached}/{prompt} tok"
+
+        # r in the tree regenerates the reply under the cursor
+        nodes = {n.data: n for n in _nodes(tree.root)}
+        tree.focus()
+        tree.move_cursor(nodes[second])
+        await pilot.press("r")
+        await idle(pilot)
+        assert len(app.store.children(user)) == 3 and app.store.get_message(app.at).parent_id == user
+
+
+def _nodes(node):
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children)
+    return out
+
+
+@pytest.mark.asyncio
+async def test_slash_commands(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "/save")
+        assert "nothing to save" in notices(app)[-1][0]
+        await send(pilot, "/set temperature 0.5")
+        assert app.params.temperature == 0.5 and notices(app)[-1] == ("temperature = 0.5", False)
+        await send(pilot, "/set top_k 7")
+        await send(pilot, "/set seed none")
+        await send(pilot, "/set max_tokens 5")
+        assert (app.params.top_k, app.params.seed, app.max_tokens) == (7, None, 5)
+        for bad, why in [("/set bogus 1", "unknown setting 'bogus'"), ("/set top_p 2", "invalid top-p"),
+                         ("/set top_k many", "expected a number"), ("/set temperature", "needs a value"),
+                         ("/set max_tokens 0", "must be >= 1"), ("/set evict h2o", "needs a budget"),
+                         ("/set evict lru", "unknown KV policy"), ("/frobnicate", "unknown command")]:
+            await send(pilot, bad)
+            text, error = notices(app)[-1]
+            assert error and why in text and "\n" not in text, bad
+        assert app.params.top_p == 0.95 and app.engine is engine  # nothing changed by the bad ones
+
+        await send(pilot, "/system Be terse.")
+        assert app.system == "Be terse." and "Be terse." in app.sub_title
+        assert messages(app) == [("system", "Be terse.")]
+        await send(pilot, "hi")
+        path = app.store.path(app.at)
+        assert [(m.role, m.content) for m in path][:2] == [("system", "Be terse."), ("user", "hi")]
+        await send(pilot, "/save")
+        assert app.store.short_id(app.cid) in notices(app)[-1][0]
+
+        await send(pilot, "/set budget 64")
+        await send(pilot, "/set evict sliding")
+        assert app.engine is not engine and (app.engine.evict.policy, app.engine.evict.budget) == ("sliding", 64)
+        assert app.cid is not None  # the store and the conversation stay
+
+        await send(pilot, "/clear")
+        assert app.cid is None and app.at is None and messages(app) == [("system", "Be terse.")]
+        await send(pilot, "/help")
+        assert "/fork" in notices(app)[-1][0]
+        await pilot.press(*"/bye", "enter")
+        await pilot.pause()
+    assert app.return_code == 0
+
+
+@pytest.mark.asyncio
+async def test_panel_shows_the_engine_numbers(engine):
+    app = make_app(engine, max_tokens=120, ignore_eos=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        assert app.show_panel  # wide: shown by default
+        await send(pilot, "first")
+        await send(pilot, "/regen")
+        await send(pilot, "/set budget 64")
+        await send(pilot, "/set evict h2o")
+        await send(pilot, "a long one")
+        await pilot.pause(0.3)  # one panel tick
+        eng, panel = app.engine, app.query_one(KVPanel)
+        u, s = eng.pool.usage(), eng.stats
+        assert s.evictions > 0  # the budget was hit: the log has events
+        shown = panel.shown
+        assert shown["blocks"] == f"{u['blocks']} × {u['block_size']} tok"
+        assert [shown[k] for k in ("used", "shared", "cached", "free")] == \
+            [str(u[k]) for k in ("used", "shared", "cached_free", "free")]
+        assert shown["kv bytes"] == fmt_bytes(u["used"] * u["bytes_per_block"])
+        assert shown["cow copies"] == str(s.cow_copies)
+        assert shown["reuse total"].startswith(f"{s.prefix_hits}/{s.prefix_queries}")
+        assert [shown[k] for k in ("evictions", "offloads", "recalls")] == \
+            [str(s.evictions), str(s.offloads), str(s.recalls)]
+        assert shown["policy"] == "h2o, budget 64"
+        r = app.store.get_message(app.at)
+        assert shown["reuse last"].endswith(f"/{r.prompt_tokens} tok")
+        stats_text = str(panel.query_one("#kv-stats").content)
+        assert all(v in stats_text for v in shown.values())
+        events_text = str(panel.query_one("#kv-events").content)
+        assert events_text.count("\n") + 1 == min(6, len(s.events)) and "evict" in events_text
+        assert panel.query_one("Sparkline").data  # tokens/s samples
+
+        await pilot.press("f2")  # toggles: the layout keeps the transcript
+        assert not panel.display
+        await pilot.press("f2")
+        assert panel.display
+
+
+@pytest.mark.asyncio
+async def test_narrow_terminal_shows_one_side_panel(engine):
+    app = make_app(engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        assert not app.show_panel  # hidden by default when narrow
+        await pilot.press("f2")
+        assert app.show_panel
+        await pilot.press("f3")  # the tree replaces it: both would leave the chat too narrow
+        assert app.show_tree and not app.show_panel
+        await pilot.press(*"abc")  # typing letters never toggles anything
+        assert app.prompt.value == "abc" and app.show_tree
+
+
+@pytest.mark.asyncio
+async def test_refused_prompt_goes_back_to_the_input(model_path):
+    eng = Engine(model_path, progress=False, kv_mem="4MiB")
+    app = make_app(eng, max_tokens=10)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "x" * 5000)  # longer than the context: refused before any work
+        text, error = notices(app)[-1]
+        assert error and "context" in text and app.cid is None
+        assert messages(app) == [] and app.prompt.value == "x" * 5000
+
+
+def test_factory_and_bar_helpers(model_path):
+    app = ChatApp(lambda ev: Engine(model_path, progress=False, kv_mem="1MiB", evict=ev), ConversationStore())
+    assert app.engine is None and app.factory is not None
+    assert bar_widths([3, 0, 1, 20000], 30) == [1, 0, 1, 28]
+    assert sum(bar_widths([5, 5, 5, 5], 31)) == 31 and bar_widths([0, 0, 0, 0], 10) == [0, 0, 0, 0]
+    assert clean("a\x1bb\n\tc\x7f") == "a\u241bb\n\tc\u2421"
+
+
+@pytest.mark.asyncio
+async def test_app_from_factory_loads_in_the_background(model_path):
+    app = ChatApp(lambda ev: Engine(model_path, progress=False, kv_mem="1MiB", evict=ev), ConversationStore(),
+                  sampling=GREEDY, max_tokens=5)
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot)
+        assert app.engine is not None and app.title == "tiny-test"
+        await send(pilot, "hi")
+        assert app.at is not None
+
+
+def test_chat_command_checks_ids_before_the_ui(monkeypatch):
+    from localkv.tui.cli import chat_command
+
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    with pytest.raises(LocalkvError, match="no conversation matches 'abcdef'"):
+        chat_command(**_defaults(cid="abcdef"))
+    with pytest.raises(LocalkvError, match="no saved conversation"):
+        chat_command(**_defaults(cont=True))
+    with pytest.raises(LocalkvError, match="invalid temperature"):
+        chat_command(**_defaults(temperature=-1))
+
+
+def _defaults(**kw):
+    base = dict(model=None, system=None, cont=False, cid=None, temperature=0.8, top_k=40, top_p=0.95, seed=None,
+                max_tokens=512, kv_budget=None, evict="none", block_size=16, kv_mem="1GiB", no_cache=False)
+    return base | kw
+
+
+def _snapshot_app(engine):
+    return make_app(engine, system="You are a tiny test model.", clock=fake_clock())
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_snapshot_main_screen(engine, ids, snap_compare, size):
+    async def chat(pilot):
+        await send(pilot, "Hello! What can you do?")
+        await send(pilot, "/regen")
+        await pilot.pause(0.3)
+
+    assert snap_compare(_snapshot_app(engine), terminal_size=size, run_before=chat)
+
+
+def test_snapshot_branch_tree(engine, ids, snap_compare):
+    async def chat(pilot):
+        await send(pilot, "Hello!")
+        await send(pilot, "/regen")
+        await send(pilot, "/branches")
+
+    assert snap_compare(_snapshot_app(engine), terminal_size=(80, 24), run_before=chat)

@@ -1,0 +1,147 @@
+"""The live KV panel. It reads only engine.stats, engine.pool.usage() and Generation results:
+the numbers `localkv run --verbose` prints, so the two never disagree."""
+
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.reactive import reactive
+from textual.widget import Widget
+from textual.widgets import Label, Sparkline, Static
+
+SEGMENTS = (("used", "█"), ("shared", "▓"), ("cached", "▒"), ("free", "░"))
+# rows of the counter block: KVPanel.shown keys, a pair shares one row
+LINES = (("blocks",), ("used", "shared"), ("cached",), ("free",), ("kv bytes",), ("cow copies",), ("reuse last",),
+         ("reuse total",), ("disk hits",), ("policy",), ("evictions",),
+         ("offloads", "recalls"))
+
+
+@dataclass(frozen=True, slots=True)
+class KVSnapshot:
+    """Everything the panel shows, copied at one moment. Taken in the thread that runs the
+    engine (the generation worker), or on the UI thread while the engine is idle: the pool's
+    free queue and the event deque must not be iterated while another thread changes them."""
+
+    usage: dict
+    prefix_queries: int
+    prefix_hits: int
+    disk_hits: int
+    cow_copies: int
+    evictions: int
+    offloads: int
+    recalls: int
+    events: tuple
+    policy: str
+    budget: int | None
+
+    @classmethod
+    def of(cls, engine, n_events: int = 6) -> "KVSnapshot":
+        s = engine.stats
+        return cls(engine.pool.usage(), s.prefix_queries, s.prefix_hits, s.disk_hits, s.cow_copies, s.evictions,
+                   s.offloads, s.recalls, tuple(list(s.events)[-n_events:]), engine.evict.policy, engine.evict.budget)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def bar_widths(counts: list[int], width: int) -> list[int]:
+    """Cells per segment: proportional, but a non-empty segment always gets at least one cell
+    (3 used blocks of 22,000 must still show), taken from the widest."""
+    total = sum(counts)
+    if not total or width <= 0:
+        return [0] * len(counts)
+    cells = [max(1, round(c * width / total)) if c else 0 for c in counts]
+    while sum(cells) != width:
+        i = max(range(len(cells)), key=lambda j: cells[j])
+        if sum(cells) > width and cells[i] <= 1:
+            break
+        cells[i] += 1 if sum(cells) < width else -1
+    return cells
+
+
+class PoolBar(Widget):
+    """The block pool as used / shared / cached-free / free cells, and a legend under it."""
+
+    COMPONENT_CLASSES = {f"poolbar--{name}" for name, _ in SEGMENTS}
+    usage: reactive[dict | None] = reactive(None)
+
+    def render(self) -> Text:
+        u = self.usage or {"used": 0, "shared": 0, "cached_free": 0, "free": 0}
+        counts = [u["used"] - u["shared"], u["shared"], u["cached_free"], u["free"]]
+        styles = [self.get_component_rich_style(f"poolbar--{name}") for name, _ in SEGMENTS]
+        bar = Text.assemble(*((ch * n, st) for (_, ch), n, st in zip(SEGMENTS, bar_widths(counts, self.size.width),
+                                                                      styles)))
+        legend = Text.assemble(*(item for (name, ch), st in zip(SEGMENTS, styles) for item in ((ch, st), f"{name} ")))
+        return Text("\n").join([bar, legend])
+
+
+class KVPanel(VerticalScroll):
+    """Docked side panel. show() takes a snapshot; last_turn and rates come from the worker."""
+
+    snapshot: reactive[KVSnapshot | None] = reactive(None, init=False)
+    last_turn: reactive[tuple[int, int] | None] = reactive(None, init=False)  # (cached, prompt) tokens
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.shown: dict[str, str] = {}  # label -> the value as displayed (tests read it)
+        self.rate = ""
+
+    def compose(self) -> ComposeResult:
+        yield Label("KV cache", classes="title")
+        yield PoolBar()
+        yield Static(id="kv-stats", markup=False)
+        yield Label("events", classes="title")
+        yield Static("none yet", id="kv-events", markup=False)
+        yield Label("tokens/s", classes="title")
+        yield Static("-", id="kv-rate", markup=False)
+        yield Sparkline([], id="kv-spark")
+
+    def add_rate(self, tps: float) -> None:
+        spark = self.query_one(Sparkline)
+        spark.data = [*(spark.data or [])[-59:], tps]
+
+    def set_rate(self, text: str) -> None:
+        self.rate = text
+        self.query_one("#kv-rate", Static).update(text)
+
+    def watch_snapshot(self) -> None:
+        self._render_stats()
+
+    def watch_last_turn(self) -> None:
+        self._render_stats()
+
+    def _render_stats(self) -> None:
+        snap = self.snapshot
+        if snap is None:
+            return
+        u = snap.usage
+        self.query_one(PoolBar).usage = u
+        last = self.last_turn
+        hit_pct = f" ({100 * snap.prefix_hits / snap.prefix_queries:.0f}%)" if snap.prefix_queries else ""
+        self.shown = {
+            "blocks": f"{u['blocks']} × {u['block_size']} tok",
+            "used": str(u["used"]),
+            "shared": str(u["shared"]),
+            "cached": str(u["cached_free"]),
+            "free": str(u["free"]),
+            "kv bytes": fmt_bytes(u["used"] * u["bytes_per_block"]),
+            "cow copies": str(snap.cow_copies),
+            "reuse last": f"{last[0]}/{last[1]} tok" if last else "-",
+            "reuse total": f"{snap.prefix_hits}/{snap.prefix_queries}{hit_pct}",
+            "disk hits": str(snap.disk_hits),
+            "policy": snap.policy + (f", budget {snap.budget}" if snap.budget is not None else ""),
+            "evictions": str(snap.evictions),
+            "offloads": str(snap.offloads),
+            "recalls": str(snap.recalls),
+        }
+        self.query_one("#kv-stats", Static).update("\n".join(
+            "".join(f"{k:<12}{self.shown[k]}" if i == 0 else f"  {k} {self.shown[k]}" for i, k in enumerate(keys))
+            for keys in LINES))
+        self.query_one("#kv-events", Static).update("\n".join(
+            f"{e.kind:<8}blk {e.block} @{e.positions[0]}-{e.positions[1]}" + (f" {e.score:.2f}" if e.score else "")
+            for e in snap.events) or "none yet")
