@@ -1,9 +1,11 @@
-"""`localkv bench`: llama-bench style speed tests.
+"""`localkv bench [SUITE]`: the one place for measurements.
 
-pp N times a prefill of N random tokens into an empty sequence; tg N times N single-token
-decode steps after a 1-token prompt. Rows use llama-bench's JSON field names so results can
-sit next to llama-bench's. With --vs llama.cpp the same tests run on llama-cpp-python with the
-same GGUF and threads, reps interleaved (A B A B ...) so machine noise hits both alike.
+Suites (bench_suites.py): speed (default), memory, fork, cache, evict, and all of them in turn.
+This module holds the speed suite's core and the command. pp N times a prefill of N random
+tokens into an empty sequence; tg N times N single-token decode steps after a 1-token prompt.
+Rows use llama-bench's JSON field names so results can sit next to llama-bench's. With
+--vs llama.cpp the same tests run on llama-cpp-python with the same GGUF and threads, reps
+interleaved (A B A B ...) so machine noise hits both alike.
 """
 
 import json
@@ -19,12 +21,13 @@ from time import perf_counter
 import numpy as np
 import typer
 
+from .bench_report import OUTPUTS, check_output, cpu_info
 from .engine import DEFAULT_KV_MEM, Engine
 from .errors import LocalkvError
 from .sequence import Sequence
 
 PEERS = ("llama.cpp",)
-OUTPUTS = ("md", "json")
+SUITE_NAMES = ("speed", "memory", "fork", "cache", "evict", "all")
 
 
 @dataclass(slots=True, frozen=True)
@@ -166,19 +169,6 @@ def ratios(rows: list[dict], peer: str = "llama.cpp") -> dict[str, float]:
 # ------------------------------------------------------------------ output
 
 
-def cpu_info() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
 def hardware() -> str:
     return f"{cpu_info()}, {os.cpu_count()} cores"
 
@@ -194,6 +184,12 @@ def _params(n: int) -> str:
 def format_md(rows: list[dict], ratios: dict[str, float] | None = None, command: str | None = None) -> str:
     """llama-bench's markdown table; when llama.cpp rows are present an engine column leads and
     a ratio column (localkv t/s / llama.cpp t/s) ends each localkv row."""
+    head = [f"CPU: {hardware()}"] + ([f"command: `{command}`"] if command else [])
+    return "\n".join(head + ["", format_speed_table(rows, ratios)])
+
+
+def format_speed_table(rows: list[dict], ratios: dict[str, float] | None = None) -> str:
+    """The table part of format_md."""
     compared = any(r["engine"] != "localkv" for r in rows)
     ratios = ratios or {}
     cols = ["model", "size", "params", "backend", "threads", "test", "t/s"]
@@ -205,8 +201,7 @@ def format_md(rows: list[dict], ratios: dict[str, float] | None = None, command:
     fmt = lambda row: "| " + " | ".join(v.ljust(n) if c in left else v.rjust(n)
                                          for c, v, n in zip(cols, row, w)) + " |"
     rule = "| " + " | ".join("-" * n if c in left else "-" * (n - 1) + ":" for c, n in zip(cols, w)) + " |"
-    head = [f"CPU: {hardware()}"] + ([f"command: `{command}`"] if command else [])
-    return "\n".join(head + ["", fmt(table[0]), rule] + [fmt(r) for r in table[1:]]) + "\n"
+    return "\n".join([fmt(table[0]), rule] + [fmt(r) for r in table[1:]]) + "\n"
 
 
 def _cell(r: dict, col: str, ratios: dict[str, float]) -> str:
@@ -237,49 +232,75 @@ def _check_vs(vs: str | None):
 
 
 def _check_output(output: str):
-    if output not in OUTPUTS:
-        raise LocalkvError(f"unknown --output {output!r}: use md or json")
+    check_output(output)
+
+
+def _check_suite(suite: str):
+    if suite not in SUITE_NAMES:
+        raise LocalkvError(f"unknown bench suite {suite!r}: use one of {', '.join(SUITE_NAMES)}")
 
 
 def bench_command(
     model: str | None = typer.Option(None, "-m", "--model", help="Catalog name, .gguf file or model directory."),
-    n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="Prompt tokens of the pp test (0: skip it)."),
-    n_gen: int = typer.Option(128, "-n", "--n-gen", help="Generated tokens of the tg test (0: skip it)."),
-    repetitions: int = typer.Option(5, "-r", "--repetitions", help="Timed reps per test."),
+    n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="speed: prompt tokens of the pp test (0: skip it)."),
+    n_gen: int = typer.Option(128, "-n", "--n-gen", help="speed: generated tokens of the tg test (0: skip it)."),
+    repetitions: int | None = typer.Option(None, "-r", "--repetitions",
+                                           help="Timed reps (speed: 5, fork and cache: 1), interleaved with --vs."),
     threads: int | None = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores)."),
-    vs: str | None = typer.Option(None, "--vs", help="Also run llama.cpp (llama-cpp-python), reps interleaved."),
-    output: str = typer.Option("md", "-o", "--output", help="md or json."),
+    vs: str | None = typer.Option(None, "--vs", help="Also run llama.cpp (llama-cpp-python) on the same work, "
+                                                     "interleaved, with a ratio column (speed, fork, cache)."),
+    output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
-    kv_mem: str = typer.Option(DEFAULT_KV_MEM, "--kv-mem", help="KV pool size, e.g. 512MiB."),
-    quick: bool = typer.Option(False, "--quick", help="Smoke run: pp64, tg16, 1 rep."),
+    kv_mem: str = typer.Option(DEFAULT_KV_MEM, "--kv-mem", help="KV pool size, e.g. 512MiB (memory: the memory "
+                                                                  "both allocators share)."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke run of the suite at tiny sizes (seconds; CI)."),
+    plot: str | None = typer.Option(None, "--plot", help="Write PNG charts into this folder (needs matplotlib)."),
+    long: bool = typer.Option(False, "--long", help="evict: also a 10,000-token generation under a 1,024-token "
+                                                    "budget per policy."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the workloads, random tokens and sampling."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    suite: str = typer.Argument("speed", help="speed (pp/tg t/s), memory (paged vs contiguous KV use), fork "
+                                              "(best-of-8 sharing), cache (TTFT cold/warm, chat hit rate), evict "
+                                              "(perplexity under KV budgets), or all."),
 ):
-    """Measure prompt processing (pp) and generation (tg) speed, like llama-bench."""
+    """Measure localkv: speed (default; pp512/tg128 like llama-bench), memory, fork, cache, evict or all.
+
+    Each suite prints what it measured, the hardware and load, the command that reproduces it, and
+    the targets it checks. --vs llama.cpp runs llama-cpp-python on the same work in the same run."""
+    from . import bench_report as br
+    from .bench_suites import RUNNERS, SUITES, Options
+
+    _check_suite(suite)
     _check_vs(vs)
     _check_output(output)
-    if quick:
-        n_prompt, n_gen, repetitions = 64, 16, 1
-    if n_prompt < 0 or n_gen < 0 or not (n_prompt or n_gen):
+    if plot is not None:
+        br.require_matplotlib()
+    if suite in ("speed", "all") and not quick and (n_prompt < 0 or n_gen < 0 or not (n_prompt or n_gen)):
         raise LocalkvError("nothing to bench: give -p and/or -n a token count >= 1")
+    if repetitions is not None and repetitions < 1:
+        raise LocalkvError(f"invalid repetitions {repetitions}: must be >= 1")
     if vs:
         from .peer import INSTALL_HINT, peer_available
 
         if not peer_available():  # before the engine loads, so the error comes at once
             raise LocalkvError(f"--vs llama.cpp needs llama-cpp-python, which is not installed ({INSTALL_HINT})")
-    tests = [f"pp{n_prompt}"] * bool(n_prompt) + [f"tg{n_gen}"] * bool(n_gen)
-    engine = Engine(model, block_size=block_size, kv_mem=kv_mem, threads=threads, progress=True)
     say = lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True)
-    rows = speed_rows(engine, tests, reps=repetitions, vs=vs, progress=say)
+    opts = Options(model=model, threads=threads, vs=vs, block_size=block_size, kv_mem=kv_mem, quick=quick,
+                   long=long, seed=seed, reps=repetitions, n_prompt=n_prompt, n_gen=n_gen, device=device,
+                   progress=say)
+    names = SUITES if suite == "all" else (suite,)
+    reports = []
+    for i, name in enumerate(names):
+        rep = RUNNERS[name](opts)
+        reports.append(rep)
+        if output == "md":
+            sys.stdout.write(("\n" if i else "") + br.format_md(rep))
+        elif output == "csv":
+            sys.stdout.write(("\n" if i else "") + br.format_csv(rep))
+            say(f"{name}: {br.hardware_line(rep.hardware)}; {br.load_line(rep.hardware)}; command: {rep.command}")
+        sys.stdout.flush()
+        if plot is not None:
+            for path in br.plot(rep, plot):
+                say(f"wrote {path}")
     if output == "json":
-        sys.stdout.write(format_json(rows))
-    else:
-        cmd = _command(model, n_prompt, n_gen, repetitions, engine.threads, vs, block_size, kv_mem)
-        sys.stdout.write(format_md(rows, ratios(rows), cmd))
-
-
-def _command(model, n_prompt, n_gen, reps, threads, vs, block_size, kv_mem) -> str:
-    """The command line that reproduces this run, thread count pinned."""
-    args = ["localkv", "bench"] + (["-m", str(model)] if model else [])
-    args += ["-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps), "-t", str(threads)]
-    args += (["--vs", vs] if vs else []) + (["--block-size", str(block_size)] if block_size != 16 else [])
-    args += ["--kv-mem", kv_mem] if kv_mem != DEFAULT_KV_MEM else []
-    return shlex.join(args)
+        sys.stdout.write(br.format_json(reports, single=len(reports) == 1))

@@ -60,7 +60,7 @@ class EvictConfig:
     budget: int | None = None  # tokens of KV one sequence may hold in the pool
     sinks: int = 4  # leading tokens always kept (rounded up to whole blocks)
     recent: int | None = None  # trailing tokens always kept; None: see recent_tokens()
-    decay: float = 1.0  # h2o/offload: scores fade by this factor per query (1.0: plain H2O sums)
+    decay: float = 0.99  # h2o/offload: scores fade by this factor per query (1.0: plain H2O sums)
     recall_k: int = 8  # offload: most blocks swapped back in per step
 
     def validate(self, block_size: int) -> "EvictConfig":
@@ -89,11 +89,16 @@ class EvictConfig:
 
     def recent_tokens(self, block_size: int) -> int:
         """Explicit, or: sliding keeps all the budget past sinks and one spare block; h2o and
-        offload keep half the budget (clamped to that room)."""
+        offload keep 90% of that room as a recent window (whole blocks) and spend the rest on
+        heavy hitters. Measured on GPL-3.0 with SmolLM2 (4096 tokens, blocks of 16): an H2O-style
+        half/half split loses to sliding at every budget, because language modelling leans on
+        contiguous recent text and a block spends 16 slots on each heavy token it keeps."""
         if self.recent is not None:
             return self.recent
         room = max(0, (self.budget_blocks(block_size) - 1) * block_size - self.sink_tokens(block_size))
-        return room if self.policy == "sliding" else min((self.budget or 0) // 2, room)
+        if self.policy == "sliding":
+            return room
+        return min(room, max(block_size, int(room * 0.9) // block_size * block_size))
 
     def chunk_limit(self, block_size: int) -> int | None:
         """The most tokens one step may append to a sequence and still end within budget."""

@@ -1,7 +1,9 @@
 """llama.cpp (through llama-cpp-python) as the reference engine for `localkv bench --vs llama.cpp`.
 
 It runs the same GGUF with the same thread count and exposes the same pp/tg timers as
-bench.LocalRunner, so the two can be interleaved rep by rep.
+bench.LocalRunner, so the two can be interleaved rep by rep; branches() is best-of-N the way
+llama.cpp's Python API does it (the fork suite), and TTFT_CHILD is the script the cache suite
+spawns to time a first token in a fresh process, with or without LlamaDiskCache.
 """
 
 import importlib.util
@@ -59,5 +61,73 @@ class PeerRunner:
             self.llm.eval([self._argmax()])
         return perf_counter() - t0
 
+    def branches(self, prompt: list[int], n: int, max_tokens: int, temperature: float = 0.8, top_k: int = 40,
+                 top_p: float = 0.95, seed: int = 0) -> dict:
+        """n replies to one prompt, one after another, reusing the prompt's state: eval the prompt
+        once, save_state(), then per branch load_state() and sample max_tokens tokens (EOS is not
+        a stop: every branch has max_tokens tokens). decode_s sums the sampling + eval loops only;
+        the prompt, the save and the restores are timed apart."""
+        llm = self.llm
+        self._reset()
+        t = perf_counter()
+        llm.eval(prompt)
+        prompt_s = perf_counter() - t
+        t = perf_counter()
+        state = llm.save_state()
+        save_s = perf_counter() - t
+        restore_s = decode_s = 0.0
+        outs = []
+        try:
+            for i in range(n):
+                t = perf_counter()
+                llm.load_state(state)
+                restore_s += perf_counter() - t
+                llm.set_seed(seed + i)
+                # one sampler per branch (sample() alone would build a new chain per token); min_p 0:
+                # the same top-k / top-p / temperature chain as localkv's sampler
+                llm._sampler = llm._init_sampler(top_k=top_k, top_p=top_p, min_p=0.0, temp=temperature)
+                out = []
+                t = perf_counter()
+                for j in range(max_tokens):
+                    tok = llm.sample()
+                    out.append(tok)
+                    if j + 1 < max_tokens:
+                        llm.eval([tok])
+                decode_s += perf_counter() - t
+                outs.append(out)
+        finally:
+            llm._sampler = None
+        return {"prompt_s": prompt_s, "save_s": save_s, "restore_s": restore_s, "decode_s": decode_s,
+                "state_bytes": int(state.llama_state_size), "tokens": outs}
+
     def close(self):
         self.llm.close()
+
+
+# Run as `python -c TTFT_CHILD` with a JSON request on stdin: {"model", "n_ctx", "threads", "ids",
+# "cache_dir" (null: no cache), "capacity"}. Times the first token of a greedy completion of ids in
+# this fresh process, through create_completion: with LlamaDiskCache set, that call looks up the
+# longest cached prefix, load_state()s it and evaluates the rest. Prints one JSON line.
+TTFT_CHILD = r"""
+import json, sys, time
+t_start = time.perf_counter()
+a = json.loads(sys.stdin.read())
+import llama_cpp
+llm = llama_cpp.Llama(model_path=a["model"], n_ctx=a["n_ctx"], n_threads=a["threads"],
+                      n_threads_batch=a["threads"], n_batch=512, n_ubatch=512, verbose=False)
+cached = 0
+if a["cache_dir"]:
+    llm.set_cache(llama_cpp.LlamaDiskCache(cache_dir=a["cache_dir"], capacity_bytes=a["capacity"]))
+    key = llm.cache._find_longest_prefix_key(tuple(a["ids"]))  # what the call below will load
+    cached = llama_cpp.Llama.longest_token_prefix(key, a["ids"]) if key else 0
+load_s = time.perf_counter() - t_start
+t0 = time.perf_counter()
+it = llm.create_completion(a["ids"], max_tokens=a.get("max_tokens", 1), temperature=0.0, stream=True)
+first = next(it)
+ttft = time.perf_counter() - t0
+for _ in it:  # the rest; with a cache the state is saved after the last token
+    pass
+done = time.perf_counter() - t0
+print(json.dumps({"engine": "llama.cpp", "ttft_s": ttft, "load_s": load_s, "request_s": done,
+                  "prompt_tokens": len(a["ids"]), "cached_tokens": cached, "first": first["choices"][0]["text"]}))
+"""

@@ -82,8 +82,8 @@ def test_validation_errors():
 
 def test_default_recent_window():
     assert EvictConfig("sliding", budget=32, sinks=4).recent_tokens(BS) == 32 - 4 - BS
-    assert EvictConfig("h2o", budget=32, sinks=4).recent_tokens(BS) == 16
-    assert EvictConfig("offload", budget=12, sinks=4).recent_tokens(BS) == 4  # half is 6: clamped to the room
+    assert EvictConfig("h2o", budget=32, sinks=4).recent_tokens(BS) == int((32 - 4 - BS) * 0.9) // BS * BS
+    assert EvictConfig("offload", budget=64, sinks=4).recent_tokens(BS) == int((64 - 4 - BS) * 0.9) // BS * BS
     assert EvictConfig("h2o", budget=32, recent=3).recent_tokens(BS) == 3
     assert EvictConfig("h2o", budget=32, recent=3).chunk_limit(BS) == 3
     assert EvictConfig().chunk_limit(BS) is None
@@ -233,7 +233,7 @@ def test_budget_never_exceeded_and_tables_stay_aligned(cfg, bs):
 def test_scores_are_normalised_per_query():
     """Real attention mass from paged_attention over every layer: each query hands out one unit."""
     pool, kv = make()
-    ev = Evictor(EvictConfig("h2o", budget=64, sinks=4), pool, n_heads=HEADS)
+    ev = Evictor(EvictConfig("h2o", budget=64, sinks=4, decay=1.0), pool, n_heads=HEADS)
     rng = np.random.default_rng(1)
     seq = Sequence([0] * 10)
     for n in (10, 1, 1):  # a 10-token prefill, then two decode steps
@@ -246,6 +246,14 @@ def test_scores_are_normalised_per_query():
         ev.observe(seq, mass)
         seq.tokens.append(0)
     assert np.isclose(ev.state(seq).score.sum(), 12.0, rtol=1e-5)
+
+
+def test_decay_fades_old_scores_per_query():
+    st = SeqKV(4, 1.0, decay=0.5)
+    st.start, st.score = np.array([0, 4]), np.zeros(2)
+    st.accumulate(np.array([1.0, 0, 0, 0, 0, 0, 0, 0]))  # one query, all on block 0
+    st.accumulate(np.array([0, 0, 0, 0, 2.0, 0, 0, 0]))  # two queries, all on block 1
+    np.testing.assert_allclose(st.score, [0.25, 2.0])
 
 
 # ------------------------------------------------------------ offload tier

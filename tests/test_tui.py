@@ -119,12 +119,13 @@ async def test_stop_keeps_the_partial_reply(engine, key):
     app = make_app(engine, max_tokens=3000, ignore_eos=True)
     async with app.run_test(size=SIZE) as pilot:
         app.prompt.value = "tell me everything"
-        await pilot.press("enter")
-        view = app.transcript.query(ChatMessage).last()
+        await app.prompt.action_submit()  # not pilot.press: it waits for the UI to go idle, i.e. the reply's end
         for _ in range(500):  # until the first batch is on screen
             await pilot.pause(0.01)
-            if view.source:
+            views = app.transcript.query(ChatMessage)
+            if len(views) == 2 and views.last().source:
                 break
+        view = views.last()
         assert app.busy and view.source
         await pilot.press(key)
         await idle(pilot)
@@ -353,6 +354,7 @@ def _snapshot_app(engine):
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
 def test_snapshot_main_screen(engine, ids, snap_compare, size):
     async def chat(pilot):
+        pilot.app.prompt.cursor_blink = False  # a blinking cursor is a coin flip in the screenshot
         await send(pilot, "Hello! What can you do?")
         await send(pilot, "/regen")
         await pilot.pause(0.3)
@@ -362,8 +364,10 @@ def test_snapshot_main_screen(engine, ids, snap_compare, size):
 
 def test_snapshot_branch_tree(engine, ids, snap_compare):
     async def chat(pilot):
+        pilot.app.prompt.cursor_blink = False
         await send(pilot, "Hello!")
         await send(pilot, "/regen")
+        await send(pilot, "More?")  # continues the second branch: no deeper nesting
         await send(pilot, "/branches")
 
     assert snap_compare(_snapshot_app(engine), terminal_size=(80, 24), run_before=chat)

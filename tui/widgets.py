@@ -84,24 +84,32 @@ class BranchTree(Tree[str]):
             self.post_message(self.Regen(self.cursor_node.data))
 
     def show(self, tree: dict, path: set[str], leaf: str | None) -> None:
-        """Rebuild from ConversationStore.tree(); the current branch is bold, its end marked."""
+        """Rebuild from ConversationStore.tree(). Like `localkv log --tree`, an only child continues
+        its parent's column and only a fork nests, so depth grows with forks, not with turns:
+        each child of a fork heads a branch, and the branch's later messages are its children.
+        The current branch is bold, its last message marked."""
         self.clear()
         self.root.set_label(Text(clean(tree["title"]) or "(untitled)"))
-        self.root.data = None
         cursor = None
-        # an explicit stack, not recursion: a long chat is a chain thousands of messages deep
-        stack = [(self.root, n) for n in reversed(tree["children"])]
+        # (tree node to add to, message, heads a branch); an explicit stack: chains run thousands deep
+        stack = [(self.root, n, len(tree["children"]) > 1) for n in reversed(tree["children"])]
         while stack:
-            parent, node = stack.pop()
-            mid = node["full_id"]
-            mark = " ◀" if mid == leaf else ""
-            label = f"{ROLE_TITLES[node['role']]}: {preview(clean(node['preview']), 40)}{mark}"
-            item = parent.add(Text.assemble((label, "bold" if mid in path else ""), " ", (node["id"], "dim")),
-                              data=mid, expand=True, allow_expand=bool(node["children"]))
+            box, node, head = stack.pop()
+            mid, kids = node["full_id"], node["children"]
+            label = f"{ROLE_TITLES[node['role']]}: {preview(clean(node['preview']), 40)}"
+            item = box.add(Text.assemble((node["id"], "dim"), " ", (label, "bold" if mid in path else ""),
+                                         " ◀" if mid == leaf else ""), data=mid, expand=True)
             if mid == leaf:
                 cursor = item
-            stack.extend((item, k) for k in reversed(node["children"]))
+            if len(kids) == 1:
+                stack.append((item if head else box, kids[0], False))
+            else:
+                stack.extend((item, k, True) for k in reversed(kids))
+        todo = list(self.root.children)
+        while todo:  # a fold arrow only where there is something to fold
+            node = todo.pop()
+            node.allow_expand = bool(node.children)
+            todo.extend(node.children)
         self.root.expand()
         if cursor is not None:
             self.call_after_refresh(self.move_cursor, cursor)
-
