@@ -11,7 +11,6 @@ interleaved (A B A B ...) so machine noise hits both alike.
 import json
 import os
 import re
-import shlex
 import statistics
 import sys
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from time import perf_counter
 import numpy as np
 import typer
 
-from .bench_report import OUTPUTS, check_output, cpu_info
+from .bench_report import OUTPUTS, check_output, cpu_info  # noqa: F401  (OUTPUTS, cpu_info: kept importable here)
 from .engine import DEFAULT_KV_MEM, Engine
 from .errors import LocalkvError
 from .sequence import Sequence

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .block_pool import BlockPool
-from .errors import LocalkvError, PoolExhausted
+from .errors import LocalkvError
 from .kv_manager import KVManager
 from .sequence import Sequence
 

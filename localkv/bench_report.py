@@ -148,7 +148,7 @@ class LoadMeter:
 def hardware_line(hw: dict) -> str:
     s = f"{hw.get('cpu', '?')}, {hw.get('cores', '?')} cores"
     if hw.get("threads"):
-        s += f", {hw['threads']} threads"
+        s += f", {hw['threads']} thread" + "s" * (hw["threads"] != 1)
     return s
 
 
@@ -310,8 +310,7 @@ def _plot_evict(plt, report: Report):
     if full is not None:
         ax.axhline(full, color="gray", ls="--", lw=1, label=f"full cache ({full:.2f})")
     ax.set_xlabel("KV budget (% of the text's tokens)")
-    ax.set_ylabel("perplexity")
-    ax.set_yscale("log")
+    ax.set_ylabel("perplexity (lower is better)")
     ax.set_title("perplexity vs KV budget", fontsize=9)
     ax.legend(fontsize=8)
     return fig

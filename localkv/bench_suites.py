@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .bench_report import Column, LoadMeter, Report, Target
@@ -21,8 +21,7 @@ from .engine import DEFAULT_KV_MEM, Engine, parse_size
 from .errors import LocalkvError
 from .sampling import SamplingParams
 
-SUITES = ("speed", "memory", "fork", "cache", "evict")
-ALL = "all"
+SUITES = ("speed", "memory", "fork", "cache", "evict")  # what `all` runs, in this order
 
 
 @dataclass
@@ -40,20 +39,14 @@ class Options:
     n_gen: int = 128  # speed only
     device: str = "auto"
     progress: object = None  # progress(msg) -> None
-    _engine: Engine | None = field(default=None, repr=False)
 
     def say(self, msg: str):
         if self.progress:
             self.progress(msg)
 
-    def engine(self) -> Engine:
-        """One engine for the suites that decode (speed, fork): prefix cache in memory only, so a
-        bench never writes into the user's disk cache."""
-        if self._engine is None:
-            self._engine = self.new_engine()
-        return self._engine
-
     def new_engine(self, **kw) -> Engine:
+        """An engine with the bench's options; never with the disk cache, so a bench does not write
+        into the user's LOCALKV_HOME (the cache suite's child processes get their own)."""
         args = dict(block_size=self.block_size, kv_mem=self.kv_mem, threads=self.threads,
                     progress=bool(self.progress) and sys.stderr.isatty(), disk_cache=False, device=self.device)
         return Engine(self.model, **(args | kw))
@@ -104,14 +97,14 @@ def run_speed(o: Options) -> Report:
     meter = LoadMeter()
     n_prompt, n_gen, reps = (64, 16, 1) if o.quick else (o.n_prompt, o.n_gen, o.reps or 5)
     tests = [f"pp{n_prompt}"] * bool(n_prompt) + [f"tg{n_gen}"] * bool(n_gen)
-    eng = o.engine()
+    eng = o.new_engine()
     rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say)
     r = ratios(rows)
     rep = Report("speed", f"prompt processing ({', '.join(tests)}) and generation speed, llama-bench style, "
                           f"{reps} rep(s)" + (", interleaved with llama.cpp" if o.vs else ""),
                  command=o.command("speed", eng.threads), rows=rows,
                  table_md=format_speed_table(rows, r))
-    rep.summary = {f"{t} localkv / llama.cpp": x for t, x in r.items()}
+    rep.summary = {f"{t} localkv / llama.cpp": f"{x:.2f}x" for t, x in r.items()}
     return meter.finish(rep, eng.threads)
 
 
@@ -188,7 +181,7 @@ def run_fork(o: Options) -> Report:
     meter = LoadMeter()
     size = FORK_QUICK if o.quick else FORK_FULL
     n, gen = size["n"], size["gen"]
-    eng = o.engine()
+    eng = o.new_engine(prefix_caching=False)  # every rep prefills its prompt: no hit from the rep before
     bs = eng.block_size
     n_prompt = min(size["prompt"], eng.cfg.ctx_len - gen - 1)
     prompt = _text_ids(eng, n_prompt)
@@ -236,7 +229,8 @@ def run_fork(o: Options) -> Report:
     rep.columns = [Column("engine", "engine", left=True), Column("method", "method", left=True),
                    Column("kv_slots", "KV slots (shared)", ","), Column("kv_slots_unshared", "KV slots (unshared)", ","),
                    Column("prompt_s", "prompt s", ".2f"), Column("decode_s", "decode s", ".2f"),
-                   Column("decode_tps", "decode t/s", ".1f"), Column("vs_llama_cpp", "vs llama.cpp", "x")]
+                   Column("decode_tps", "decode t/s", ".1f"), Column("vs_llama_cpp", "vs llama.cpp", "x"),
+                   Column("restore_s", "load_state s", ".2f"), Column("state_bytes", "saved state bytes", ",")]
     rep.summary = {"kv_slots_shared": shared, "kv_slots_unshared": unshared, "kv_saving": f"{unshared / shared:.2f}x",
                    "reps": reps, "decode_tps_localkv": our_tps}
     if their_tps:
@@ -249,8 +243,11 @@ def run_fork(o: Options) -> Report:
                shared <= (2900 if full else ideal)),
         Target(f"aggregate decode, {n} batched branches vs llama.cpp one after another",
                f"{ratio:.2f}x" if ratio else "n/a", ">= 1.3x",
-               None if ratio is None else ratio >= 1.3),
+               None if ratio is None or not full else ratio >= 1.3),
     ]
+    if o.quick:
+        rep.notes.append("--quick: a 64-token prompt and 8 tokens per branch; the throughput target is for the "
+                         "issue's sizes (the KV bound holds at any size)")
     if not o.vs:
         rep.notes.append("add --vs llama.cpp for the llama-cpp-python side (same prompt, same branch count)")
     rep.notes.append("decode time only on both sides: our prefill and llama.cpp's prompt eval, save_state and "
@@ -294,6 +291,7 @@ QUESTIONS = ["What does this license let me do?", "Can I sell copies?", "What is
              "What happens if I break it?", "Does it cover web services?", "Is there a warranty?",
              "How do I apply it to my program?"]
 CACHE_FULL = dict(system=2000, turns=10, reply=24)
+CHILD_TIMEOUT = 900
 CACHE_QUICK = dict(system=64, turns=3, reply=4)
 
 
@@ -313,8 +311,11 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _child(code: str, request: dict, env: dict | None = None, what: str = "") -> dict:
-    p = subprocess.run([sys.executable, "-c", code], input=json.dumps(request), capture_output=True, text=True,
-                       env=env, timeout=900)
+    try:
+        p = subprocess.run([sys.executable, "-c", code], input=json.dumps(request), capture_output=True, text=True,
+                           env=env, timeout=CHILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise LocalkvError(f"cache bench: the {what} process took over {CHILD_TIMEOUT}s and was stopped") from None
     if p.returncode != 0:
         tail = "; ".join(p.stderr.strip().splitlines()[-3:])
         raise LocalkvError(f"cache bench: the {what} process failed (exit {p.returncode}): {tail}")
@@ -437,7 +438,7 @@ def _chat(eng: Engine, system: str, turns: int, reply: int, o: Options) -> list[
 # ------------------------------------------------------------------ evict
 
 EVICT_FULL = dict(n_tokens=4096, budgets=(10, 20, 30, 50))
-EVICT_QUICK = dict(n_tokens=256, budgets=(25, 50))
+EVICT_QUICK = dict(n_tokens=128, budgets=(50,))
 LONG_FULL = dict(tokens=10_000, budget=1024)
 LONG_QUICK = dict(tokens=200, budget=64)
 POLICIES = ("sliding", "h2o", "offload")
@@ -445,7 +446,6 @@ POLICIES = ("sliding", "h2o", "offload")
 
 def run_evict(o: Options) -> Report:
     from . import bench_evict as be
-    from .evict import EvictConfig
 
     meter = LoadMeter()
     size = EVICT_QUICK if o.quick else EVICT_FULL

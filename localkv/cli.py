@@ -346,6 +346,9 @@ def _register():
 
     app.command("bench", help=bench_command.__doc__)(bench_command)
     app.command("log", help=log_command.__doc__)(log_command)
+    from .tui.cli import chat_command
+
+    app.command("chat", help=chat_command.__doc__)(chat_command)
     app.add_typer(cache_app, name="cache", help="Inspect or clear the on-disk prefix cache.")
 
 

@@ -27,7 +27,7 @@ from .config import ModelConfig
 from .errors import ModelError
 from .home import home
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: output [D, V] stored contiguous even when tied (decode reads it every token)
 SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K"}
 
 
@@ -122,9 +122,9 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 def _hf_weights(tensors: dict, cfg: ModelConfig, rows_gguf_order: bool) -> dict[str, np.ndarray]:
     """tensors: llama.cpp names -> fp32 [out, in] arrays. Returns the fused x @ W layout."""
     w = {"tok_embd": tensors["token_embd.weight"], "out_norm": tensors["output_norm.weight"]}
-    if "output.weight" in tensors:
-        w["output"] = np.ascontiguousarray(tensors["output.weight"].T)
-    cfg.tied_embeddings = "output" not in w
+    cfg.tied_embeddings = "output.weight" not in tensors
+    # x @ E.T through a transposed view runs 2x slower than over a contiguous [D, V] copy
+    w["output"] = np.ascontiguousarray(tensors.get("output.weight", w["tok_embd"]).T)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         q, k = tensors[p + "attn_q.weight"], tensors[p + "attn_k.weight"]
@@ -152,7 +152,7 @@ def _load_gguf(path: Path, progress: bool):
         weights, m = cached
         meta = json.loads(m["gguf_meta"])
         cfg = _config_from_gguf(meta, path, m["fingerprint"], int(m["n_params"]))
-        cfg.quant, cfg.tied_embeddings = m["quant"], "output" not in weights
+        cfg.quant, cfg.tied_embeddings = m["quant"], m.get("tied") == "1"
         return cfg, weights, Tokenizer.from_gguf_metadata(meta), True
 
     reader = _open_gguf(path)
@@ -173,6 +173,7 @@ def _load_gguf(path: Path, progress: bool):
     _write_safetensors(cache, weights, {
         "version": str(CACHE_VERSION), "source_size": str(st.st_size), "source_mtime_ns": str(st.st_mtime_ns),
         "fingerprint": cfg.fingerprint, "quant": cfg.quant, "n_params": str(n_params),
+        "tied": "1" if cfg.tied_embeddings else "0",
         "gguf_meta": json.dumps(meta, default=_jsonable),
     })
     return cfg, weights, tok, False
@@ -382,7 +383,7 @@ def _load_hf_dir(path: Path):
         file_size=sum(f.stat().st_size for f in files),
     )
     if hf.get("tie_word_embeddings", True) and "output.weight" in tensors:
-        tensors.pop("output.weight")
+        tensors.pop("output.weight")  # tied: the output matrix is the embedding
     try:
         weights = _hf_weights(tensors, cfg, rows_gguf_order=False)
     except KeyError as e:

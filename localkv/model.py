@@ -27,7 +27,7 @@ class Llama:
         self.cfg, self.w, self.ops = cfg, weights, ops
         self.cos, self.sin = ops.rope_tables(cfg.head_dim, cfg.ctx_len, cfg.rope_theta)
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))
-        self.output = weights["output"] if "output" in weights else weights["tok_embd"].T
+        self.output = weights["output"]
 
     def ensure_positions(self, n: int):
         """RoPE tables for positions up to n (past the context: eviction lets a sequence run on)."""

@@ -34,9 +34,15 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def silu_mul(gu: np.ndarray) -> np.ndarray:
+    """silu(gate) * up for gu = [gate | up]; in place in one temporary (prefill is memory-bound here)."""
     f = gu.shape[1] // 2
     g, u = gu[:, :f], gu[:, f:]
-    return g / (1.0 + np.exp(-g)) * u
+    t = np.negative(g)
+    np.exp(t, out=t)
+    t += 1.0
+    np.divide(g, t, out=t)
+    t *= u
+    return t
 
 
 def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarray):
@@ -46,9 +52,14 @@ def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.
     v_layer.reshape(nb * bs, *v_layer.shape[2:])[slots] = v
 
 
+Q_BLOCK = 128  # causal prefill runs in query blocks: each block scores only the keys it can see
+
+
 def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndarray:
-    """The first n_ctx tokens of a sequence's K or V [n_ctx, kvh, hd], read through its block table."""
-    return layer[block_table].reshape(-1, *layer.shape[2:])[:n_ctx]
+    """The first n_ctx tokens of a sequence's K or V, read through its block table, as
+    [kv_heads, n_ctx, hd]: one copy, contiguous per head (what the matmuls want)."""
+    nb, bs, kvh, hd = layer.shape
+    return layer.transpose(2, 0, 1, 3)[:, block_table].reshape(kvh, -1, hd)[:, :n_ctx]
 
 
 def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, block_table: np.ndarray,
@@ -59,22 +70,25 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
     T, H, hd = q.shape
     k = gather_kv(k_layer, block_table, n_ctx)
     v = gather_kv(v_layer, block_table, n_ctx)
-    kvh = k.shape[1]
-    g = H // kvh
-    qg = q.reshape(T, kvh, g, hd).transpose(1, 2, 0, 3).reshape(kvh, g * T, hd)
-    s = np.matmul(qg, k.transpose(1, 2, 0)) * scale  # [kvh, g*T, n_ctx]
-    if T > 1:
-        s = s.reshape(kvh, g, T, n_ctx)
-        # query i sits at context index n_ctx - T + i and sees keys up to there
-        s += np.triu(np.full((T, n_ctx), -np.inf, np.float32), k=n_ctx - T + 1)
-        s = s.reshape(kvh, g * T, n_ctx)
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    if mass is not None:
-        mass += s.sum(axis=(0, 1))
-    o = np.matmul(s, v.transpose(1, 0, 2))  # [kvh, g*T, hd]
-    return o.reshape(kvh, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H, hd)
+    kvh = k.shape[0]
+    g = H // kvh  # query heads h*g .. h*g+g-1 share kv head h
+    qg = q.reshape(T, kvh, g, hd).transpose(1, 2, 0, 3)  # [kvh, g, T, hd]
+    out = np.empty((T, kvh, g, hd), q.dtype)
+    past = n_ctx - T
+    for q0 in range(0, T, Q_BLOCK):
+        q1 = min(T, q0 + Q_BLOCK)
+        tq, kend = q1 - q0, past + q1  # keys past kend are in every query's future
+        s = np.matmul(qg[:, :, q0:q1].reshape(kvh, g * tq, hd), k[:, :kend].transpose(0, 2, 1))
+        s *= scale
+        if tq > 1:  # query i of the block sees keys up to past + q0 + i
+            s.reshape(kvh, g, tq, kend)[..., past + q0:] += np.triu(np.full((tq, tq), -np.inf, s.dtype), k=1)
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        if mass is not None:
+            mass[:kend] += s.sum(axis=(0, 1))
+        out[q0:q1] = np.matmul(s, v[:, :kend]).reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
+    return out.reshape(T, H, hd)
 
 
 def to_host(x) -> np.ndarray:

@@ -75,14 +75,35 @@ def _app():
     return app
 
 
-@pytest.mark.parametrize("args", [["--vs", "vllm"], ["-o", "csv"], ["-p", "0", "-n", "0"]])
+@pytest.mark.parametrize("args", [["--vs", "vllm"], ["-o", "xml"], ["-p", "0", "-n", "0"], ["nope"],
+                                  ["memory", "-o", "html"], ["fork", "-r", "0"], ["evict", "--vs", "vllm"]])
 def test_bad_options_raise_before_loading(args, monkeypatch):
+    from localkv import bench_suites
+
     def no_engine(*a, **k):
         raise AssertionError("engine loaded before the options were checked")
 
     monkeypatch.setattr(bench, "Engine", no_engine)
+    monkeypatch.setattr(bench_suites, "Engine", no_engine)
     res = CliRunner().invoke(_app(), args)
     assert isinstance(res.exception, LocalkvError), res.output
+
+
+def test_unknown_suite_names_the_suites():
+    res = CliRunner().invoke(_app(), ["speeed"])
+    assert isinstance(res.exception, LocalkvError)
+    assert "speed, memory, fork, cache, evict, all" in str(res.exception)
+
+
+def test_bad_output_names_the_formats():
+    with pytest.raises(LocalkvError, match="md, json or csv"):
+        bench._check_output("xml")
+
+
+def _call(**kw):
+    args = dict(model=None, n_prompt=16, n_gen=4, repetitions=1, threads=None, vs=None, output="md", block_size=16,
+                kv_mem="1GiB", quick=False, plot=None, long=False, seed=0, device="auto", suite="speed")
+    return bench.bench_command(**(args | kw))
 
 
 def test_vs_without_llama_cpp_says_how_to_install(monkeypatch):
@@ -90,7 +111,17 @@ def test_vs_without_llama_cpp_says_how_to_install(monkeypatch):
 
     monkeypatch.setattr(localkv.peer, "peer_available", lambda: False)
     with pytest.raises(LocalkvError, match=r"pip install -e '\.\[peer\]'"):
-        bench.bench_command(None, 16, 4, 1, None, "llama.cpp", "md", 16, "1GiB", False)
+        _call(vs="llama.cpp")
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(LocalkvError, match="pip install matplotlib") as e:
+        _call(suite="memory", quick=True, plot=str(tmp_path))
+    assert "\n" not in str(e.value)
+    assert not list(tmp_path.iterdir())  # failed before measuring anything
 
 
 def test_speed_rows_rejects_bad_vs():
@@ -102,14 +133,14 @@ def test_speed_rows_rejects_bad_vs():
 def engine(real_model_path):
     from localkv.engine import Engine
 
-    return Engine(real_model_path, threads=2, kv_mem="64MiB", progress=False)
+    return Engine(real_model_path, threads=1, kv_mem="64MiB", progress=False)  # 1: BLAS threads spin on a busy core
 
 
 def _check(rows, engines):
     assert [(r["engine"], r["test"]) for r in rows] == [(e, t) for t in ("pp16", "tg4") for e in engines]
     for r in rows:
         assert LLAMA_BENCH_KEYS <= r.keys()
-        assert r["backend"] == "CPU" and r["n_threads"] == 2 and r["model_size"] > 0 and r["model_n_params"] > 0
+        assert r["backend"] == "CPU" and r["n_threads"] == 1 and r["model_size"] > 0 and r["model_n_params"] > 0
         assert (r["n_prompt"], r["n_gen"]) == ((16, 0) if r["test"] == "pp16" else (0, 4))
         assert len(r["samples_ts"]) == 1 and r["avg_ts"] > 0
 

@@ -26,7 +26,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture
 def engine(model_path):
-    return Engine(model_path, progress=False, kv_mem="4MiB")
+    return Engine(model_path, progress=False, kv_mem="4MiB", device="cpu")  # fp32 K/V: the same text everywhere
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def notices(app):
 
 
 def expected_reply(model_path, history, max_tokens=24):
-    eng = Engine(model_path, progress=False, kv_mem="4MiB", disk_cache=False)
+    eng = Engine(model_path, progress=False, kv_mem="4MiB", disk_cache=False, device="cpu")
     tok = eng.tokenizer
     return eng.generate(tok.encode(tok.render_chat(history)), GREEDY, max_tokens).run()
 
@@ -270,7 +270,7 @@ async def test_panel_shows_the_engine_numbers(engine):
         assert shown["reuse total"].startswith(f"{s.prefix_hits}/{s.prefix_queries}")
         assert [shown[k] for k in ("evictions", "offloads", "recalls")] == \
             [str(s.evictions), str(s.offloads), str(s.recalls)]
-        assert shown["policy"] == "h2o, budget 64"
+        assert (shown["policy"], shown["budget"]) == ("h2o", "64 tok")
         r = app.store.get_message(app.at)
         assert shown["reuse last"].endswith(f"/{r.prompt_tokens} tok")
         stats_text = str(panel.query_one("#kv-stats").content)
@@ -294,13 +294,15 @@ async def test_narrow_terminal_shows_one_side_panel(engine):
         assert app.show_panel
         await pilot.press("f3")  # the tree replaces it: both would leave the chat too narrow
         assert app.show_tree and not app.show_panel
-        await pilot.press(*"abc")  # typing letters never toggles anything
-        assert app.prompt.value == "abc" and app.show_tree
+        assert app.focused is app.query_one(BranchTree)
+        app.prompt.focus()
+        await pilot.press(*"pbrf")  # typing letters in the input never toggles anything
+        assert app.prompt.value == "pbrf" and app.show_tree and not app.busy
 
 
 @pytest.mark.asyncio
 async def test_refused_prompt_goes_back_to_the_input(model_path):
-    eng = Engine(model_path, progress=False, kv_mem="4MiB")
+    eng = Engine(model_path, progress=False, kv_mem="4MiB", device="cpu")
     app = make_app(eng, max_tokens=10)
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "x" * 5000)  # longer than the context: refused before any work
@@ -309,8 +311,12 @@ async def test_refused_prompt_goes_back_to_the_input(model_path):
         assert messages(app) == [] and app.prompt.value == "x" * 5000
 
 
+def factory(model_path):
+    return lambda evict: Engine(model_path, progress=False, kv_mem="1MiB", evict=evict, device="cpu")
+
+
 def test_factory_and_bar_helpers(model_path):
-    app = ChatApp(lambda ev: Engine(model_path, progress=False, kv_mem="1MiB", evict=ev), ConversationStore())
+    app = ChatApp(factory(model_path), ConversationStore())
     assert app.engine is None and app.factory is not None
     assert bar_widths([3, 0, 1, 20000], 30) == [1, 0, 1, 28]
     assert sum(bar_widths([5, 5, 5, 5], 31)) == 31 and bar_widths([0, 0, 0, 0], 10) == [0, 0, 0, 0]
@@ -319,8 +325,7 @@ def test_factory_and_bar_helpers(model_path):
 
 @pytest.mark.asyncio
 async def test_app_from_factory_loads_in_the_background(model_path):
-    app = ChatApp(lambda ev: Engine(model_path, progress=False, kv_mem="1MiB", evict=ev), ConversationStore(),
-                  sampling=GREEDY, max_tokens=5)
+    app = ChatApp(factory(model_path), ConversationStore(), sampling=GREEDY, max_tokens=5)
     async with app.run_test(size=SIZE) as pilot:
         await idle(pilot)
         assert app.engine is not None and app.title == "tiny-test"
@@ -343,7 +348,8 @@ def test_chat_command_checks_ids_before_the_ui(monkeypatch):
 
 def _defaults(**kw):
     base = dict(model=None, system=None, cont=False, cid=None, temperature=0.8, top_k=40, top_p=0.95, seed=None,
-                max_tokens=512, kv_budget=None, evict="none", block_size=16, kv_mem="1GiB", no_cache=False)
+                max_tokens=512, kv_budget=None, evict="none", block_size=16, kv_mem="1GiB", no_cache=False,
+                device="cpu")
     return base | kw
 
 
@@ -371,3 +377,16 @@ def test_snapshot_branch_tree(engine, ids, snap_compare):
         await send(pilot, "/branches")
 
     assert snap_compare(_snapshot_app(engine), terminal_size=(80, 24), run_before=chat)
+
+
+@pytest.mark.asyncio
+async def test_escape_leaves_the_input_for_single_key_commands(engine):
+    app = make_app(engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        assert app.show_panel and app.focused is app.prompt
+        await pilot.press("p")  # typing: a letter, not a command
+        assert app.prompt.value == "p" and app.show_panel
+        await pilot.press("escape", "p", "b")
+        assert not app.show_panel and app.show_tree
+        await pilot.press("escape", "i")
+        assert app.focused is app.prompt

@@ -38,11 +38,12 @@ HELP = """\
 /set KEY VALUE  temperature top_p top_k max_tokens seed evict budget
 /fork [ID]      branch at the message picked in the tree (or ID)
 /branches       the tree: Enter switches branch, f forks, r regenerates
-/regen          regenerate the last reply as a sibling
+/regen [ID]     regenerate the last reply (or ID's) as a sibling
 /clear          start a new conversation
 /save           where this conversation is saved
 /help  /bye
-Esc stop a reply · F2/p KV panel · F3/b tree · ↑↓ history · Tab focus"""
+Esc stops a reply, else leaves the input for the keys: p panel, b tree, r regen, f fork, i input
+F2 KV panel · F3 tree · ↑↓ history · Tab focus · Ctrl-Q quit"""
 
 
 @dataclass(slots=True)
@@ -64,10 +65,12 @@ class Outcome:
 
 def default_factory(engine: Engine) -> Callable[[EvictConfig], Engine]:
     """Rebuild an engine like `engine` (same model file, pool size, caches) with another policy."""
+    device = "cuda" if getattr(getattr(engine, "ops", None), "name", "CPU") == "CUDA" else "cpu"
+
     def build(evict: EvictConfig) -> Engine:
         return Engine(engine.path, block_size=engine.block_size, kv_mem=engine.pool.num_blocks *
                       engine.pool.bytes_per_block, progress=False, prefix_caching=engine.prefix_caching,
-                      disk_cache=engine.disk is not None, evict=evict)
+                      disk_cache=engine.disk is not None, evict=evict, device=device)
     return build
 
 
@@ -85,11 +88,13 @@ class ChatApp(App):
     CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute: subclasses elsewhere keep it
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE, "-wide")]
     BINDINGS = [
-        Binding("escape,ctrl+c", "stop", "Stop reply", priority=True),  # only while busy: see check_action
+        Binding("escape", "stop", "Stop reply", priority=True),  # only while busy: see check_action
+        Binding("ctrl+c", "stop", "Stop reply", show=False, priority=True),
         Binding("f2,p", "toggle_panel", "KV panel"),
         Binding("f3,b", "toggle_tree", "Branches"),
         Binding("r", "regen", "Regenerate", show=False),
         Binding("f", "fork", "Fork", show=False),
+        Binding("i", "focus('prompt')", "Type", show=False),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
     busy = reactive(False, bindings=True)
@@ -148,17 +153,21 @@ class ChatApp(App):
         self.transcript.anchor()  # follow the reply as it grows, until the user scrolls up
         self.prompt.focus()
         self.set_interval(RATE_S, self._tick)
+        await self._show_branch()
         if self.engine is None:
             self.busy = True
             await self._say("loading the model…")
             self._rebuild(EvictConfig())
         else:
-            self._update_header()
             self._tick()
-        await self._show_branch()
+
+    def exit(self, *args, **kwargs) -> None:
+        self._closing = True  # from now on the worker stops and no longer calls into the UI
+        self._stop.set()
+        super().exit(*args, **kwargs)
 
     def on_unmount(self) -> None:
-        self._closing = True  # the worker must not wait on a UI that is gone
+        self._closing = True
         self._stop.set()
 
     def watch_show_panel(self, show: bool) -> None:
@@ -184,9 +193,10 @@ class ChatApp(App):
 
     def _update_header(self) -> None:
         eng = self.engine
-        device = getattr(eng, "device", None) or ("cpu" if isinstance(eng.pool.k, np.ndarray) else "gpu")
+        device = getattr(getattr(eng, "ops", None), "name", None) or ("CPU" if isinstance(eng.pool.k, np.ndarray)
+                                                                        else "GPU")
         self.title = eng.cfg.name
-        self.sub_title = f"{str(device).upper()} · system: {preview(self.system, 48) if self.system else 'none'}"
+        self.sub_title = f"{device} · system: {preview(self.system, 48) if self.system else 'none'}"
 
     # ------------------------------------------------------------ transcript and tree
 
@@ -260,7 +270,6 @@ class ChatApp(App):
         await self._say(HELP)
 
     async def _cmd_bye(self, arg: str) -> None:
-        self._stop.set()
         self.exit()
 
     async def _cmd_clear(self, arg: str) -> None:
@@ -343,11 +352,9 @@ class ChatApp(App):
         self.prompt.focus()
 
     async def _cmd_regen(self, arg: str) -> None:
-        if self.at is None:
+        mid = self.store.resolve_message(arg) if arg else self.at
+        if mid is None:
             raise LocalkvError("nothing to regenerate yet")
-        await self._regen(self.at)
-
-    async def _regen(self, mid: str) -> None:
         msg = self.store.get_message(mid)
         user = self.store.get_message(msg.parent_id) if msg.role == "assistant" and msg.parent_id else msg
         if user.role != "user":
@@ -388,6 +395,8 @@ class ChatApp(App):
 
     def action_toggle_tree(self) -> None:
         self.show_tree = not self.show_tree
+        if self.show_tree:
+            self.query_one(BranchTree).focus()
 
     async def action_regen(self) -> None:
         await self._command("/regen")
@@ -401,19 +410,16 @@ class ChatApp(App):
 
     @on(BranchTree.Regen)
     async def _tree_regen(self, event: BranchTree.Regen) -> None:
-        if self.busy:
-            await self._say("busy: wait for the reply, or press Esc to stop it", error=True)
-            return
-        try:
-            await self._regen(event.mid)
-        except LocalkvError as e:
-            await self._say(f"error: {e}", error=True)
+        await self._command(f"/regen {event.mid}")
 
     @on(Tree.NodeSelected)
     async def _switch(self, event: Tree.NodeSelected) -> None:
         """Switch to the branch through the chosen message: its newest descendant at each step."""
         mid = event.node.data
-        if not mid or self.busy:
+        if not mid:
+            return
+        if self.busy:
+            await self._say("busy: switch branches when the reply ends (Esc stops it)", error=True)
             return
         while kids := self.store.children(mid):
             mid = kids[-1].id
@@ -430,8 +436,14 @@ class ChatApp(App):
         self._generate(turn, prompt, params, view, user_view)
 
     def _ui(self, fn, *args) -> None:
-        if not self._closing:
+        if self._closing:
+            return
+        try:
             self.call_from_thread(fn, *args)
+        except Exception:
+            if not self._closing:
+                raise
+            # closing: the widgets may be gone already, and nobody is left to show it to
 
     @work(thread=True, exclusive=True, group="engine")
     def _generate(self, turn: Turn, prompt: str | None, params: SamplingParams, view: ChatMessage,
@@ -447,13 +459,17 @@ class ChatApp(App):
             self._ui(self._finish, out)
             return
         it, buf, r = iter(gen), [], gen.result
+        self._snap = KVSnapshot.of(eng)  # the prefix lookup is done: its reuse shows before the prefill ends
+        self._ui(self._started, view, r.cached_tokens, r.prompt_tokens)
         t_flush = t_rate = clock()
         t_first, n_rate = None, 0
         try:
             for piece in it:
                 buf.append(piece)
                 now = clock()
-                t_first = t_first if t_first is not None else now
+                if t_first is None:  # rates count decode only, not the prefill before the first piece
+                    t_first = t_rate = now
+                    n_rate = len(r.tokens)
                 if now - t_flush >= FLUSH_S:
                     tps = None
                     if now - t_rate >= RATE_S:
@@ -490,6 +506,11 @@ class ChatApp(App):
                 out.error = f"error: not saved: {e}"
         out.snap = KVSnapshot.of(eng)
         self._ui(self._finish, out)
+
+    def _started(self, view: ChatMessage, cached: int, prompt: int) -> None:
+        view.border_subtitle = f"{cached}/{prompt} cached · …"
+        self.panel.last_turn = (cached, prompt)
+        self._tick()
 
     async def _stream(self, view: ChatMessage, text: str, tps: float | None) -> None:
         await view.append(clean(text))
@@ -552,7 +573,7 @@ class ChatApp(App):
 
     def _tick(self) -> None:
         """Panel refresh: the worker's copy while it runs, else a fresh one (the engine is idle)."""
-        if not self.show_panel or (self.engine is None and self._snap is None):
+        if not self.show_panel or self._closing or (self.engine is None and self._snap is None):
             return
         snap = self._snap if self.busy else KVSnapshot.of(self.engine)
         if snap is not None:

@@ -5,16 +5,26 @@ from typing import Optional
 
 import typer
 
-from localkv.cli import (BlockSizeOpt, BudgetOpt, CacheOpt, CidOpt, ContinueOpt, EvictOpt, KvMemOpt, ModelOpt,
-                         _engine, _sampling)
 from localkv.errors import LocalkvError
+
+# Options as `localkv run` spells them. Defined here, not imported from localkv.cli: that module
+# imports this one while it registers its commands, so importing it back here would be circular.
+ModelOpt = typer.Option(None, "-m", "--model",
+                        help="Catalog name (see `localkv models`), a .gguf file, or a Hugging Face style "
+                             "directory (config.json + *.safetensors + tokenizer.json). Default: smollm2-135m.")
+BudgetOpt = typer.Option(None, "--kv-budget", help="Most tokens of KV one sequence may hold; past it --evict decides.")
+EvictOpt = typer.Option("none", "--evict", help="When the budget is full: none (stop), sliding (attention sinks + "
+                                                "recent window), h2o (+ heavy hitters), offload (move blocks to "
+                                                "host memory and recall them when the query needs them). "
+                                                "/set evict|budget change it in the chat.")
 
 
 def chat_command(
     model: Optional[str] = ModelOpt,
     system: Optional[str] = typer.Option(None, "-s", "--system", help="System prompt (new conversations)."),
-    cont: bool = ContinueOpt,
-    cid: Optional[str] = CidOpt,
+    cont: bool = typer.Option(False, "-c", "--continue", help="Continue the latest conversation."),
+    cid: Optional[str] = typer.Option(None, "--cid",
+                                      help="Continue the conversation with this id (see `localkv log`)."),
     temperature: float = typer.Option(0.8, "-t", "--temperature", help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Sample from the k most likely tokens; 0 = all."),
     top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold, in (0, 1]."),
@@ -22,13 +32,15 @@ def chat_command(
     max_tokens: int = typer.Option(512, "-n", "--max-tokens", help="Most tokens per reply."),
     kv_budget: Optional[int] = BudgetOpt,
     evict: str = EvictOpt,
-    block_size: int = BlockSizeOpt,
-    kv_mem: str = KvMemOpt,
-    no_cache: bool = CacheOpt,
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
+    kv_mem: str = typer.Option("1GiB", "--kv-mem", help="Memory for the KV block pool, e.g. 512MiB or 2GiB."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Disable the prefix cache (memory and disk tiers)."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when CuPy sees a GPU, else CPU), cpu or cuda."),
 ):
     """Chat in a full-screen terminal UI: streaming replies, slash commands (/help), the
     conversation tree (fork at any message, regenerate, switch branches) and a live KV-cache
     panel. Every exchange is saved in the conversation log, as `localkv run` saves it."""
+    from localkv.cli import _engine, _sampling
     from localkv.conversation import plan_turn
     from localkv.engine import Engine
 
@@ -39,11 +51,12 @@ def chat_command(
     params = _sampling(temperature, top_k, top_p, seed, max_tokens)
     turn = plan_turn(True, cont, cid, None, system, "")  # unknown ids fail here, before the model loads
     # the default model is pulled here, with its progress bar on stderr, before the UI takes the screen
-    engine = _engine(model, block_size, kv_mem, None, no_cache, "2GiB", kv_budget, evict)
+    engine = _engine(model, block_size, kv_mem, None, no_cache, "2GiB", kv_budget=kv_budget, evict=evict,
+                     device=device)
 
     def factory(policy):  # /set evict|budget: the same engine with another KV policy
         return Engine(engine.path, block_size=block_size, kv_mem=kv_mem, progress=False,
-                      prefix_caching=not no_cache, evict=policy)
+                      prefix_caching=not no_cache, evict=policy, device=device)
 
     app = ChatApp(engine, turn.store, conversation=turn.conversation_id, leaf=turn.parent_id, system=system,
                   sampling=params, max_tokens=max_tokens, factory=factory)

@@ -13,7 +13,7 @@ from textual.widgets import Label, Sparkline, Static
 SEGMENTS = (("used", "█"), ("shared", "▓"), ("cached", "▒"), ("free", "░"))
 # rows of the counter block: KVPanel.shown keys, a pair shares one row
 LINES = (("blocks",), ("used", "shared"), ("cached",), ("free",), ("kv bytes",), ("cow copies",), ("reuse last",),
-         ("reuse total",), ("disk hits",), ("policy",), ("evictions",),
+         ("reuse total",), ("disk hits",), ("policy",), ("budget",), ("evictions",),
          ("offloads", "recalls"))
 
 
@@ -81,7 +81,7 @@ class PoolBar(Widget):
 
 
 class KVPanel(VerticalScroll):
-    """Docked side panel. show() takes a snapshot; last_turn and rates come from the worker."""
+    """The docked side panel: set `snapshot` (a KVSnapshot) and `last_turn`; rates come from the worker."""
 
     snapshot: reactive[KVSnapshot | None] = reactive(None, init=False)
     last_turn: reactive[tuple[int, int] | None] = reactive(None, init=False)  # (cached, prompt) tokens
@@ -89,7 +89,6 @@ class KVPanel(VerticalScroll):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.shown: dict[str, str] = {}  # label -> the value as displayed (tests read it)
-        self.rate = ""
 
     def compose(self) -> ComposeResult:
         yield Label("KV cache", classes="title")
@@ -106,7 +105,6 @@ class KVPanel(VerticalScroll):
         spark.data = [*(spark.data or [])[-59:], tps]
 
     def set_rate(self, text: str) -> None:
-        self.rate = text
         self.query_one("#kv-rate", Static).update(text)
 
     def watch_snapshot(self) -> None:
@@ -117,7 +115,7 @@ class KVPanel(VerticalScroll):
 
     def _render_stats(self) -> None:
         snap = self.snapshot
-        if snap is None:
+        if snap is None or not self.is_attached:  # a timer can fire while the screen is torn down
             return
         u = snap.usage
         self.query_one(PoolBar).usage = u
@@ -134,7 +132,8 @@ class KVPanel(VerticalScroll):
             "reuse last": f"{last[0]}/{last[1]} tok" if last else "-",
             "reuse total": f"{snap.prefix_hits}/{snap.prefix_queries}{hit_pct}",
             "disk hits": str(snap.disk_hits),
-            "policy": snap.policy + (f", budget {snap.budget}" if snap.budget is not None else ""),
+            "policy": snap.policy,
+            "budget": "-" if snap.budget is None else f"{snap.budget} tok",
             "evictions": str(snap.evictions),
             "offloads": str(snap.offloads),
             "recalls": str(snap.recalls),

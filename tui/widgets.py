@@ -2,8 +2,8 @@
 
 from rich.text import Text
 from textual.binding import Binding
-from textual.reactive import var
 from textual.message import Message as TMessage
+from textual.reactive import var
 from textual.widgets import Input, Markdown, Static, Tree
 
 from localkv.store import preview
@@ -41,7 +41,9 @@ class Notice(Static):
 class PromptInput(Input):
     """The message box: up/down walk the lines sent before, like a shell."""
 
-    BINDINGS = [Binding("up", "history(-1)", show=False), Binding("down", "history(1)", show=False)]
+    BINDINGS = [Binding("up", "history(-1)", show=False), Binding("down", "history(1)", show=False),
+                # out of the box, letters are commands (p panel, b tree, r regen, f fork; i comes back)
+                Binding("escape", "app.focus('transcript')", show=False)]
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -67,13 +69,16 @@ class BranchTree(Tree[str]):
     BINDINGS = [Binding("f", "fork", "Fork here"), Binding("r", "regen", "Regenerate")]
     auto_expand = var(False)  # Enter switches branches; it must not fold the node too
 
-    class Fork(TMessage):
+    class Picked(TMessage):
         def __init__(self, mid: str):
             super().__init__()
             self.mid = mid
 
-    class Regen(Fork):
-        pass
+    class Fork(Picked):
+        """f: branch at this message."""
+
+    class Regen(Picked):
+        """r: a new sibling of this reply (or a reply to this question)."""
 
     def action_fork(self) -> None:
         if self.cursor_node is not None and self.cursor_node.data:
@@ -87,7 +92,7 @@ class BranchTree(Tree[str]):
         """Rebuild from ConversationStore.tree(). Like `localkv log --tree`, an only child continues
         its parent's column and only a fork nests, so depth grows with forks, not with turns:
         each child of a fork heads a branch, and the branch's later messages are its children.
-        The current branch is bold, its last message marked."""
+        The current branch is bold, the message the next one goes under marked ●."""
         self.clear()
         self.root.set_label(Text(clean(tree["title"]) or "(untitled)"))
         cursor = None
@@ -97,8 +102,8 @@ class BranchTree(Tree[str]):
             box, node, head = stack.pop()
             mid, kids = node["full_id"], node["children"]
             label = f"{ROLE_TITLES[node['role']]}: {preview(clean(node['preview']), 40)}"
-            item = box.add(Text.assemble((node["id"], "dim"), " ", (label, "bold" if mid in path else ""),
-                                         " ◀" if mid == leaf else ""), data=mid, expand=True)
+            item = box.add(Text.assemble(("● " if mid == leaf else "", "bold"), (node["id"], "dim"), " ",
+                                         (label, "bold" if mid in path else "")), data=mid, expand=True)
             if mid == leaf:
                 cursor = item
             if len(kids) == 1:
