@@ -74,6 +74,11 @@ def default_factory(engine: Engine) -> Callable[[EvictConfig], Engine]:
     return build
 
 
+def _error_line(e: Exception) -> str:
+    """One line, as the CLI prints errors: a user's error as is, a bug named as one."""
+    return f"error: {e}" if isinstance(e, LocalkvError) else f"error: internal error: {type(e).__name__}: {e}"
+
+
 def _number(key: str, value: str):
     text = value.strip().lower()
     if key in ("seed", "budget") and text in ("none", "off"):
@@ -121,7 +126,7 @@ class ChatApp(App):
         if self.at:
             self.system = self._branch_system(self.store.path(self.at))
         self._stop = threading.Event()  # set by Esc/Ctrl-C; the worker checks it between pieces
-        self._closing = False
+        self._quitting = False
         self._snap: KVSnapshot | None = None  # the worker's latest copy of the KV numbers
 
     # ------------------------------------------------------------ layout
@@ -162,12 +167,12 @@ class ChatApp(App):
             self._tick()
 
     def exit(self, *args, **kwargs) -> None:
-        self._closing = True  # from now on the worker stops and no longer calls into the UI
+        self._quitting = True  # from now on the worker stops and no longer calls into the UI
         self._stop.set()
         super().exit(*args, **kwargs)
 
     def on_unmount(self) -> None:
-        self._closing = True
+        self._quitting = True
         self._stop.set()
 
     def watch_show_panel(self, show: bool) -> None:
@@ -436,12 +441,12 @@ class ChatApp(App):
         self._generate(turn, prompt, params, view, user_view)
 
     def _ui(self, fn, *args) -> None:
-        if self._closing:
+        if self._quitting:
             return
         try:
             self.call_from_thread(fn, *args)
         except Exception:
-            if not self._closing:
+            if not self._quitting:
                 raise
             # closing: the widgets may be gone already, and nobody is left to show it to
 
@@ -454,8 +459,8 @@ class ChatApp(App):
             tok = eng.tokenizer
             gen = eng.generate(tok.encode(tok.render_chat(turn.messages(prompt))), params, max_tokens,
                                self.ignore_eos)
-        except LocalkvError as e:  # too long for the context, pool too small, ...: nothing ran
-            out.error, out.snap = f"error: {e}", KVSnapshot.of(eng)
+        except Exception as e:  # too long for the context, pool too small, ...: nothing ran
+            out.error, out.snap = _error_line(e), KVSnapshot.of(eng)
             self._ui(self._finish, out)
             return
         it, buf, r = iter(gen), [], gen.result
@@ -480,10 +485,8 @@ class ChatApp(App):
                     t_flush = now
                 if self._stop.is_set():
                     break
-        except LocalkvError as e:
-            out.error = f"error: {e}"
-        except Exception as e:  # a bug: say so in one line, keep the UI and what was generated
-            out.error = f"error: internal error: {type(e).__name__}: {e}"
+        except Exception as e:  # keep the UI and what was generated
+            out.error = _error_line(e)
         finally:
             it.close()  # frees the sequence now, in this thread
         t_end = clock()
@@ -555,8 +558,8 @@ class ChatApp(App):
     def _rebuild(self, evict: EvictConfig) -> None:
         try:
             eng, err = self.factory(evict), ""
-        except LocalkvError as e:
-            eng, err = None, f"error: {e}"
+        except Exception as e:  # the old engine stays
+            eng, err = None, _error_line(e)
         self._ui(self._rebuilt, eng, err)
 
     async def _rebuilt(self, engine: Engine | None, error: str) -> None:
@@ -573,7 +576,7 @@ class ChatApp(App):
 
     def _tick(self) -> None:
         """Panel refresh: the worker's copy while it runs, else a fresh one (the engine is idle)."""
-        if not self.show_panel or self._closing or (self.engine is None and self._snap is None):
+        if not self.show_panel or self._quitting or (self.engine is None and self._snap is None):
             return
         snap = self._snap if self.busy else KVSnapshot.of(self.engine)
         if snap is not None:
