@@ -35,6 +35,23 @@ class Llama:
             self.cos, self.sin = self.ops.rope_tables(self.cfg.head_dim, max(n, 2 * len(self.cos)),
                                                       self.cfg.rope_theta)
 
+    def _shared_prefix(self, spans: list[Span], block_size: int):
+        """(prefix table, [(tail table, tail tokens)]) when every span is one decode token of a
+        sequence sharing leading full blocks with all the others (and no policy needs the
+        per-token attention mass); else None."""
+        if len(spans) < 2 or not hasattr(self.ops, "shared_prefix_decode") or \
+                any(sp.length != 1 or sp.mass is not None for sp in spans):
+            return None
+        first = spans[0].block_table
+        p = min(len(sp.block_table) for sp in spans)
+        for sp in spans[1:]:
+            same = np.flatnonzero(sp.block_table[:p] != first[:p])
+            p = int(same[0]) if len(same) else p
+        p = min(p, min((sp.n_ctx - 1) // block_size for sp in spans))  # prefix blocks are full, tails non-empty
+        if p < 1:
+            return None
+        return first[:p], [(sp.block_table[p:], sp.n_ctx - p * block_size) for sp in spans]
+
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, spans: list[Span],
                 pool: BlockPool, logit_rows: list[int]) -> np.ndarray:
         """Runs T tokens; writes their K/V at slots; returns logits [len(logit_rows), vocab]."""
@@ -45,6 +62,7 @@ class Llama:
         tokens, positions, slots = xp.asarray(tokens), xp.asarray(positions), xp.asarray(slots)
         x = w["tok_embd"][tokens].astype(ops.act_dtype, copy=False)  # indexing already copied
         cos, sin = self.cos[positions], self.sin[positions]
+        shared = self._shared_prefix(spans, pool.block_size)
         for i in range(cfg.n_layers):
             h = ops.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
             qkv = (h @ w[f"{i}.wqkv"]).reshape(T, H + 2 * K, hd)
@@ -52,13 +70,17 @@ class Llama:
             q, k, v = qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
             kl, vl = pool.k[i], pool.v[i]
             ops.write_kv(kl, vl, slots, k, v)
-            attn = xp.empty((T, H, hd), dtype=x.dtype)
+            if shared is not None:  # forks of one prompt: the common prefix is scored once for all
+                attn = ops.shared_prefix_decode(q, kl, vl, *shared, self.scale)
+            else:
+                attn = xp.empty((T, H, hd), dtype=x.dtype)
+                for sp in spans:
+                    rows = slice(sp.start, sp.start + sp.length)
+                    attn[rows] = ops.paged_attention(q[rows], kl, vl, xp.asarray(sp.block_table), sp.n_ctx,
+                                                     self.scale, sp.mass)
             for sp in spans:
-                rows = slice(sp.start, sp.start + sp.length)
                 if sp.queries is not None:
                     sp.queries.append(ops.to_host(q[sp.start + sp.length - 1]).copy())
-                attn[rows] = ops.paged_attention(q[rows], kl, vl, xp.asarray(sp.block_table), sp.n_ctx, self.scale,
-                                                 sp.mass)
             x += attn.reshape(T, H * hd) @ w[f"{i}.wo"]
             h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
             x += ops.silu_mul(h @ w[f"{i}.w_gate_up"]) @ w[f"{i}.w_down"]

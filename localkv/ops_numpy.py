@@ -91,5 +91,39 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
     return out.reshape(T, H, hd)
 
 
+def _partial(q, k, v, scale):
+    """Unnormalised attention of q [kvh, R, hd] over k/v [kvh, n, hd]: (out, row max, row sum)."""
+    s = np.matmul(q, k.transpose(0, 2, 1))
+    s *= scale
+    m = s.max(axis=-1, keepdims=True)
+    s -= m
+    np.exp(s, out=s)
+    return np.matmul(s, v), m, s.sum(axis=-1, keepdims=True)
+
+
+def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, prefix_table: np.ndarray,
+                         tails: list[tuple[np.ndarray, int]], scale: float) -> np.ndarray:
+    """Decode attention for B sequences (one query each, q [B, H, hd]) whose block tables all
+    begin with prefix_table (full blocks, e.g. the forks of one prompt). The prefix K/V are
+    gathered and scored once for all B queries; each sequence's own tail (its table after the
+    prefix, n tokens) is scored alone; the two softmax parts merge by their row maxima
+    (cascade attention). Same result as paged_attention per sequence."""
+    B, H, hd = q.shape
+    kvh = k_layer.shape[2]
+    g = H // kvh
+    kp = gather_kv(k_layer, prefix_table, len(prefix_table) * k_layer.shape[1])
+    vp = gather_kv(v_layer, prefix_table, len(prefix_table) * k_layer.shape[1])
+    qg = q.reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
+    op, mp, lp = _partial(qg, kp, vp, scale)  # rows ordered (sequence, group)
+    out = np.empty((B, kvh, g, hd), q.dtype)
+    for b, (table, n) in enumerate(tails):
+        rows = slice(b * g, (b + 1) * g)
+        ot, mt, lt = _partial(qg[:, rows], gather_kv(k_layer, table, n), gather_kv(v_layer, table, n), scale)
+        m = np.maximum(mp[:, rows], mt)
+        a, c = np.exp(mp[:, rows] - m), np.exp(mt - m)
+        out[b] = (op[:, rows] * a + ot * c) / (lp[:, rows] * a + lt * c)
+    return out.reshape(B, H, hd)
+
+
 def to_host(x) -> np.ndarray:
     return x

@@ -68,3 +68,22 @@ def test_rope_rotates_halves_and_keeps_norm():
     # position 1, first pair rotates by exactly 1 radian (theta^0)
     a, b = x[1, 0, 0], x[1, 0, 4]
     assert y[1, 0, 0] == pytest.approx(a * np.cos(1) - b * np.sin(1), rel=1e-5)
+
+
+@pytest.mark.parametrize("block_size,prefix_blocks,tails", [(4, 3, [1, 5, 9]), (16, 2, [3, 16, 17, 40]), (8, 1, [1, 1])])
+def test_shared_prefix_decode_equals_per_sequence_attention(block_size, prefix_blocks, tails):
+    rng = np.random.default_rng(block_size + len(tails))
+    H, kvh, hd, nb = 9, 3, 8, 40
+    kl = rng.standard_normal((nb, block_size, kvh, hd)).astype(np.float32)
+    vl = rng.standard_normal((nb, block_size, kvh, hd)).astype(np.float32)
+    ids = rng.permutation(nb)
+    prefix, rest = ids[:prefix_blocks], list(ids[prefix_blocks:])
+    q = rng.standard_normal((len(tails), H, hd)).astype(np.float32)
+    tail_specs, want = [], []
+    for b, n in enumerate(tails):
+        own = np.array([rest.pop() for _ in range(-(-n // block_size))])
+        tail_specs.append((own, n))
+        table = np.concatenate([prefix, own])
+        want.append(ops.paged_attention(q[b:b + 1], kl, vl, table, prefix_blocks * block_size + n, 0.3)[0])
+    got = ops.shared_prefix_decode(q, kl, vl, prefix, tail_specs, 0.3)
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5)
