@@ -82,6 +82,7 @@ class Engine:
 
             self._threads_limit = threadpool_limits(limits=threads)  # held for the engine's life
         self.threads = threads or _blas_threads()
+        kv_bytes, disk_bytes = parse_size(kv_mem), parse_size(disk_cache_size)  # bad sizes fail before loading
         self.ops = backend.select(device)  # before the model loads: a missing GPU fails fast
         self.path = resolve_model(None if model is None else str(model), progress=progress)
         loaded = load_model(self.path, progress=progress)
@@ -92,7 +93,6 @@ class Engine:
         cfg = self.cfg
         kv_item = np.dtype(self.ops.kv_dtype).itemsize
         per_block = 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * kv_item
-        kv_bytes = parse_size(kv_mem)
         if kv_bytes < per_block:
             raise LocalkvError(f"--kv-mem {kv_mem} is smaller than one KV block ({per_block} bytes)")
         self.stats = Stats()
@@ -109,7 +109,7 @@ class Engine:
         if prefix_caching and disk_cache:
             from .disk_store import DiskStore
 
-            self.disk = DiskStore(max_bytes=parse_size(disk_cache_size))
+            self.disk = DiskStore(max_bytes=disk_bytes)
 
     @property
     def block_size(self) -> int:

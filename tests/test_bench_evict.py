@@ -7,8 +7,6 @@ import pytest
 
 from localkv import bench_evict as be
 from localkv.engine import Engine
-from localkv.evict import EvictConfig
-from localkv.sequence import Sequence
 from tiny_model import write_gguf
 
 TOKENS = list(map(int, np.random.default_rng(2).integers(3, 261, 120)))
