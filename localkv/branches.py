@@ -70,12 +70,12 @@ def generate_branches(engine, prompt_ids: list[int], n: int, params: SamplingPar
             seed = None if params.seed is None else params.seed + i
             p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
             result.branches.append(Branch(seq, Sampler(p), engine.tokenizer.streamer()))
-        rows = {id(b): logits for b in result.branches}
+        rows = [logits] * n  # one logits row per live branch, in order
         t1 = time.perf_counter()
         live = list(result.branches)
         while live:
-            for b in live:
-                tok = b.sampler(rows[id(b)])
+            for b, row in zip(live, rows):
+                tok = b.sampler(row)
                 if tok in stop:
                     b.finish_reason = "stop"
                     continue
@@ -92,7 +92,7 @@ def generate_branches(engine, prompt_ids: list[int], n: int, params: SamplingPar
             live = [b for b in live if not b.finish_reason]
             if live:
                 out = engine.decode([b.seq for b in live])
-                rows = {id(b): out[i] for i, b in enumerate(live)}
+                rows = list(out)
             result.peak_blocks = max(result.peak_blocks, engine.blocks_used)
         result.eval_s = time.perf_counter() - t1
         for b in result.branches:

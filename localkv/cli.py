@@ -80,6 +80,11 @@ def _read_prompt(prompt: Optional[str], required: bool = True) -> str | None:
     return text
 
 
+SystemOpt = typer.Option(None, "-s", "--system", help="System prompt (new conversations).")
+TempOpt = typer.Option(0.8, "-t", "--temperature", help="Sampling temperature; 0 = greedy.")
+TopKOpt = typer.Option(40, "--top-k", help="Sample from the k most likely tokens; 0 = all.")
+TopPOpt = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold, in (0, 1].")
+IgnoreEosOpt = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens.")
 CacheOpt = typer.Option(False, "--no-cache", help="Disable the prefix cache (memory and disk tiers).")
 DiskCacheSizeOpt = typer.Option("2GiB", "--disk-cache-size", help="Size cap of the on-disk prefix cache (LRU).")
 SaveOpt = typer.Option(False, "--no-save", help="Do not save this exchange in the conversation log.")
@@ -130,15 +135,15 @@ def _prompt_ids(engine, turn, text, raw):
 @app.command()
 def run(
     prompt: Optional[str] = typer.Argument(None, help="The prompt. Text piped on stdin is put before it."),
-    system: Optional[str] = typer.Option(None, "-s", "--system", help="System prompt (new conversations)."),
+    system: Optional[str] = SystemOpt,
     model: Optional[str] = ModelOpt,
     max_tokens: int = typer.Option(512, "-n", "--max-tokens", help="Most tokens to generate."),
-    temperature: float = typer.Option(0.8, "-t", "--temperature", help="Sampling temperature; 0 = greedy."),
-    top_k: int = typer.Option(40, "--top-k", help="Sample from the k most likely tokens; 0 = all."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold, in (0, 1]."),
+    temperature: float = TempOpt,
+    top_k: int = TopKOpt,
+    top_p: float = TopPOpt,
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed gives the same text."),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens."),
+    ignore_eos: bool = IgnoreEosOpt,
     no_stream: bool = typer.Option(False, "--no-stream", help="Print the reply only when it is complete."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text, counts, timings, KV use."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Timings and KV use on stderr."),
@@ -214,14 +219,14 @@ def fork(
                                                                  "ID --tree`)."),
     cont: bool = ContinueOpt,
     cid: Optional[str] = CidOpt,
-    system: Optional[str] = typer.Option(None, "-s", "--system", help="System prompt (new conversations)."),
+    system: Optional[str] = SystemOpt,
     model: Optional[str] = ModelOpt,
     max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Most tokens per branch."),
-    temperature: float = typer.Option(0.8, "-t", "--temperature", help="Sampling temperature; 0 = greedy."),
-    top_k: int = typer.Option(40, "--top-k", help="Sample from the k most likely tokens; 0 = all."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold, in (0, 1]."),
+    temperature: float = TempOpt,
+    top_k: int = TopKOpt,
+    top_p: float = TopPOpt,
     seed: Optional[int] = typer.Option(None, "--seed", help="Branch i samples with seed + i: reproducible."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens."),
+    ignore_eos: bool = IgnoreEosOpt,
     as_json: bool = typer.Option(False, "--json", help="One JSON object: branches and KV use."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Timings on stderr."),
     no_save: bool = SaveOpt,
