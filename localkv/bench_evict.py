@@ -38,14 +38,15 @@ def text_tokens(engine, n: int) -> list[int]:
 
 def perplexity(engine, tokens: list[int], chunk: int = 16) -> tuple[float, int]:
     """exp(mean NLL of tokens[1:]) with the engine's current policy; and the most tokens of
-    K/V the sequence held at once (measured after every step)."""
+    K/V one layer attended to at once (measured after every step: the pool's share, plus what
+    offload read back from its tier)."""
     seq = Sequence(list(tokens))
     nll, count, peak = 0.0, 0, 0
     try:
         while seq.pending:
             start = seq.num_computed
             logits = engine.step([seq], chunk, all_logits=True)
-            peak = max(peak, seq.num_stored)
+            peak = max(peak, engine.evictor.active_tokens(seq))
             for i, row in enumerate(logits):
                 pos = start + i + 1  # row i predicts the token after it
                 if pos < len(tokens):

@@ -137,7 +137,6 @@ class Engine:
         if need > self.pool.num_free:  # before any sequence is touched: a failed step changes nothing
             raise PoolExhausted(f"KV pool exhausted: this step needs {need} blocks, {self.pool.num_free} are free "
                                 "(raise --kv-mem)")
-        recall = self.evictor.tier is not None
         for seq, n in zip(seqs, counts):
             if not n:
                 raise LocalkvError("internal: step on a sequence with no pending tokens")
@@ -147,7 +146,7 @@ class Engine:
             slots.append(self.kv.append_slots(seq, n))
             tokens.extend(chunk)
             spans.append(Span(start, n, np.asarray(seq.block_table), seq.num_stored, self.evictor.mass_for(seq),
-                              [] if recall else None))
+                              self.evictor.retriever(seq)))
             rows.append(len(tokens) - 1)
         if all_logits:
             rows = list(range(len(tokens)))
@@ -156,8 +155,8 @@ class Engine:
                                     self.pool, rows)
         for seq, sp in zip(seqs, spans):
             self.evictor.observe(seq, sp.mass)
-            if recall:  # the last query estimates the next one (InfiniGen/Quest-style speculation)
-                self.evictor.maybe_recall(seq, np.stack(sp.queries), None, self.evict.recall_k)
+            if self.evictor.tier is not None:
+                self.evictor.recalled(seq, sp.retrieve)
             if self.prefix_caching:
                 self.kv.register_full_blocks(seq)
         return logits
@@ -196,8 +195,10 @@ class Engine:
         """Logits at every position of tokens [n, vocab] (teacher forcing); frees its blocks after."""
         seq = Sequence(list(tokens))
         try:
-            return np.concatenate([self.step([seq], self.prefill_chunk, all_logits=True) for _ in
-                                   range(-(-len(tokens) // self.prefill_chunk))])
+            out = []
+            while seq.pending:  # a KV budget can make steps shorter than prefill_chunk
+                out.append(self.step([seq], self.prefill_chunk, all_logits=True))
+            return np.concatenate(out)
         finally:
             self.free(seq)
 
@@ -282,7 +283,7 @@ class Generation:
         t0 = time.perf_counter()
         try:
             logits = eng.prefill(self.seq)
-            r.peak_active_tokens = self.seq.num_stored
+            r.peak_active_tokens = eng.evictor.active_tokens(self.seq)
             r.prompt_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             while True:
@@ -310,7 +311,7 @@ class Generation:
                 except BudgetReached as e:
                     r.finish_reason, r.stop_detail = "kv_budget", str(e)
                     break
-                r.peak_active_tokens = max(r.peak_active_tokens, self.seq.num_stored)
+                r.peak_active_tokens = max(r.peak_active_tokens, eng.evictor.active_tokens(self.seq))
             r.eval_s = time.perf_counter() - t1
             tail = streamer.flush()
             r.text += tail

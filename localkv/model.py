@@ -19,7 +19,7 @@ class Span:
     block_table: np.ndarray
     n_ctx: int
     mass: np.ndarray | None = None  # accumulates attention mass per context token, if set
-    queries: list | None = None  # if set, receives the span's last query [H, hd] of every layer
+    retrieve: object = None  # offload: (layer, q [length, H, hd]) -> extra (K, V) [kvh, n, hd] or None
 
 
 class Llama:
@@ -40,7 +40,7 @@ class Llama:
         sequence sharing leading full blocks with all the others (and no policy needs the
         per-token attention mass); else None."""
         if len(spans) < 2 or not hasattr(self.ops, "shared_prefix_decode") or \
-                any(sp.length != 1 or sp.mass is not None for sp in spans):
+                any(sp.length != 1 or sp.mass is not None or sp.retrieve is not None for sp in spans):
             return None
         first = spans[0].block_table
         p = min(len(sp.block_table) for sp in spans)
@@ -76,11 +76,11 @@ class Llama:
                 attn = xp.empty((T, H, hd), dtype=x.dtype)
                 for sp in spans:
                     rows = slice(sp.start, sp.start + sp.length)
+                    extra = None if sp.retrieve is None else sp.retrieve(i, q[rows])
+                    if extra is not None:
+                        extra = tuple(xp.asarray(a, dtype=kl.dtype) for a in extra)
                     attn[rows] = ops.paged_attention(q[rows], kl, vl, xp.asarray(sp.block_table), sp.n_ctx,
-                                                     self.scale, sp.mass)
-            for sp in spans:
-                if sp.queries is not None:
-                    sp.queries.append(ops.to_host(q[sp.start + sp.length - 1]).copy())
+                                                     self.scale, sp.mass, extra)
             x += attn.reshape(T, H * hd) @ w[f"{i}.wo"]
             h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
             x += ops.silu_mul(h @ w[f"{i}.w_gate_up"]) @ w[f"{i}.w_down"]

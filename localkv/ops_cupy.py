@@ -361,11 +361,13 @@ def _launch_decode(out, lse, q16, q_stride, k_layer, v_layer, tables, bt_stride,
              np.int32(nparts)))
 
 
-def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass=None):
+def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass=None, extra=None):
     """Causal attention of q [T, H, hd] — the last T tokens of an n_ctx context — over the
     K/V found through block_table. Returns [T, H, hd] in q's dtype. If mass [n_ctx] is given
     (numpy or CuPy), the attention weight each key received (summed over queries and heads) is
-    added to it. T == 1 runs the split-K decode kernel, T > 1 the prefill kernel."""
+    added to it. T == 1 runs the split-K decode kernel, T > 1 the prefill kernel. extra =
+    (K, V) [kv_heads, n, hd] (offload's read-back blocks, before the whole table) takes the
+    CuPy fallback path."""
     T, H, hd = q.shape
     nb, bs, kvh, hd_k = k_layer.shape
     n_ctx = int(n_ctx)
@@ -373,8 +375,8 @@ def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, 
         raise ValueError(f"paged_attention: q {q.shape} does not fit K/V {k_layer.shape} with n_ctx {n_ctx}")
     if len(block_table) * bs < n_ctx:
         raise ValueError(f"paged_attention: {len(block_table)} blocks of {bs} cannot hold {n_ctx} tokens")
-    if not _kernels_ok(hd, k_layer, v_layer):
-        return _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass)
+    if extra is not None or not _kernels_ok(hd, k_layer, v_layer):
+        return _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass, extra)
     bt = _dev(block_table, np.int32)
     q16, qs = _q_rows(q)
     out = cp.empty((T, H, hd), cp.float16)
@@ -438,12 +440,18 @@ def paged_decode(q, k_layer, v_layer, block_tables, context_lens, scale: float, 
     return out
 
 
-def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=None):
+def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=None, extra=None):
     """ops_numpy's algorithm on CuPy arrays in fp32: any head dim, dtype or layout."""
     T, H, hd = q.shape
     bt = cp.asarray(block_table)
     k = gather_kv(k_layer, bt, n_ctx).astype(cp.float32)
     v = gather_kv(v_layer, bt, n_ctx).astype(cp.float32)
+    ne = 0
+    if extra is not None:  # [kvh, n, hd] -> this function's [n, kvh, hd], placed before the table's keys
+        ke, ve = (cp.asarray(a, cp.float32).transpose(1, 0, 2) for a in extra)
+        ne = ke.shape[0]
+        k, v = cp.concatenate((ke, k)), cp.concatenate((ve, v))
+        n_ctx = n_ctx + ne
     kvh = k.shape[1]
     g = H // kvh
     qg = q.astype(cp.float32).reshape(T, kvh, g, hd).transpose(1, 2, 0, 3).reshape(kvh, g * T, hd)
@@ -456,7 +464,7 @@ def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=Non
     cp.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     if mass is not None:
-        m = s.sum(axis=(0, 1))
+        m = s.sum(axis=(0, 1))[ne:]
         if isinstance(mass, cp.ndarray):
             mass += m.astype(mass.dtype)
         else:

@@ -63,18 +63,24 @@ def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndar
 
 
 def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, block_table: np.ndarray,
-                    n_ctx: int, scale: float, mass: np.ndarray | None = None) -> np.ndarray:
+                    n_ctx: int, scale: float, mass: np.ndarray | None = None, extra=None) -> np.ndarray:
     """Causal attention of q [T, H, hd] — the last T tokens of an n_ctx context — over the
     K/V found through block_table. Returns [T, H, hd]. If mass [n_ctx] is given, the
-    attention weight each key received (summed over queries and heads) is added to it."""
+    attention weight each key received (summed over queries and heads) is added to it.
+    extra = (K, V) [kv_heads, n, hd]: more keys every query sees (blocks read back from an
+    offload tier, older than the whole table), attended to with the table's."""
     T, H, hd = q.shape
     k = gather_kv(k_layer, block_table, n_ctx)
     v = gather_kv(v_layer, block_table, n_ctx)
+    ne = 0
+    if extra is not None:
+        ne = extra[0].shape[1]
+        k, v = np.concatenate((extra[0], k), axis=1), np.concatenate((extra[1], v), axis=1)
     kvh = k.shape[0]
     g = H // kvh  # query heads h*g .. h*g+g-1 share kv head h
     qg = q.reshape(T, kvh, g, hd).transpose(1, 2, 0, 3)  # [kvh, g, T, hd]
     out = np.empty((T, kvh, g, hd), q.dtype)
-    past = n_ctx - T
+    past = ne + n_ctx - T
     for q0 in range(0, T, Q_BLOCK):
         q1 = min(T, q0 + Q_BLOCK)
         tq, kend = q1 - q0, past + q1  # keys past kend are in every query's future
@@ -86,7 +92,7 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
         if mass is not None:
-            mass[:kend] += s.sum(axis=(0, 1))
+            mass[:kend - ne] += s.sum(axis=(0, 1))[ne:]
         out[q0:q1] = np.matmul(s, v[:, :kend]).reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
     return out.reshape(T, H, hd)
 

@@ -5,8 +5,8 @@ import pytest
 
 from localkv.block_pool import BlockPool
 from localkv.errors import LocalkvError
-from localkv.evict import (EvictConfig, Evictor, OffloadTier, SeqKV, apply_eviction, choose_victims, quest_bound,
-                           ref_counts, select_recalls)
+from localkv.evict import (EvictConfig, Evictor, OffloadTier, SeqKV, apply_eviction, choose_victims, quest_scores,
+                           ref_counts)
 from localkv.kv_manager import KVManager
 from localkv.ops_numpy import paged_attention
 from localkv.sequence import Sequence
@@ -83,7 +83,11 @@ def test_validation_errors():
 def test_default_recent_window():
     assert EvictConfig("sliding", budget=32, sinks=4).recent_tokens(BS) == 32 - 4 - BS
     assert EvictConfig("h2o", budget=32, sinks=4).recent_tokens(BS) == int((32 - 4 - BS) * 0.9) // BS * BS
-    assert EvictConfig("offload", budget=64, sinks=4).recent_tokens(BS) == int((64 - 4 - BS) * 0.9) // BS * BS
+    # offload: 90% of the room (14 blocks past sinks and the spare) is recall slots, the rest recent window
+    off = EvictConfig("offload", budget=64, sinks=4)
+    assert off.recall_blocks(BS) == 12 and off.recent_tokens(BS) == 2 * BS and off.resident_blocks(BS) == 4
+    assert EvictConfig("offload", budget=64, sinks=4, recent=8).recall_blocks(BS) == 12
+    assert EvictConfig("h2o", budget=64).recall_blocks(BS) == 0
     assert EvictConfig("h2o", budget=32, recent=3).recent_tokens(BS) == 3
     assert EvictConfig("h2o", budget=32, recent=3).chunk_limit(BS) == 3
     assert EvictConfig().chunk_limit(BS) is None
@@ -212,9 +216,7 @@ def test_budget_never_exceeded_and_tables_stay_aligned(cfg, bs):
         if mass is not None:
             mass += rng.random(len(mass)).astype(np.float32)
         ev.observe(seq, mass)
-        if cfg.policy == "offload":
-            ev.maybe_recall(seq, rng.standard_normal((LAYERS, HEADS, HD)), k=2)
-        assert len(seq.block_table) * bs <= cfg.budget
+        assert len(seq.block_table) <= cfg.resident_blocks(bs) <= cfg.budget // bs
         held = positions_held(pool, seq)
         assert held == ev.state(seq).start.tolist() == sorted(held)
         assert held[:sinks // bs] == list(range(0, sinks, bs))
@@ -222,7 +224,7 @@ def test_budget_never_exceeded_and_tables_stay_aligned(cfg, bs):
         assert set(range(max(0, seq.num_computed - recent), seq.num_computed)) <= covered
         assert seq.num_stored == (len(held) - 1) * bs + (seq.num_computed - held[-1])
         pool.check([seq.block_table])
-    gone = pool.stats.evictions + pool.stats.offloads - pool.stats.recalls
+    gone = pool.stats.evictions + pool.stats.offloads
     assert gone == seq.num_computed // bs - seq.num_stored // bs > 0
     ev.free(seq)
     kv.free(seq)
@@ -259,34 +261,39 @@ def test_decay_fades_old_scores_per_query():
 # ------------------------------------------------------------ offload tier
 
 @pytest.mark.parametrize("spill", [False, True], ids=["ram", "memmap"])
-def test_offload_and_recall_round_trip_bit_exactly(spill, tmp_path):
+def test_offload_round_trips_k_v_bit_exactly(spill, tmp_path):
     pool, kv = make()
     rng = np.random.default_rng(7)
     seq = new_seq(kv, 24, rng)  # 6 blocks
     state = SeqKV(BS).sync(seq)
     state.accumulate(block_mass(state, [1, 2, 3, 4, 5, 6]))
     tier = OffloadTier((LAYERS, BS, KVH, HD), pool.k.dtype, tmp_path / "spill" if spill else None, capacity=1)
-    saved = {i: (pool.k[:, seq.block_table[i]].copy(), pool.v[:, seq.block_table[i]].copy()) for i in (1, 3)}
+    saved = {start: (pool.k[:, seq.block_table[i]].copy(), pool.v[:, seq.block_table[i]].copy())
+             for i, start in ((1, 4), (3, 12))}
     bids = [seq.block_table[i] for i in (3, 1)]
     tier.offload(seq, state, 3, pool, pool.stats)
     tier.offload(seq, state, 1, pool, pool.stats)  # grows the tier past its capacity of 1
-    assert tier.capacity >= 2 and tier.blocks_of(seq.id) == sorted((s, slot) for s, slot in tier.blocks_of(seq.id))
+    assert tier.capacity >= 2 and [s for s, _ in tier.blocks_of(seq.id)] == [4, 12]
     assert positions_held(pool, seq) == state.start.tolist() == [0, 8, 16, 20]
     assert seq.num_stored == 16 and not seq.hashable and all(pool.blocks[b].ref_count == 0 for b in bids)
     pool.check([seq.block_table])
-    pool.k[:, bids], pool.v[:, bids] = np.nan, np.nan  # whatever block recall gets, it must be filled by the copy
-    for start in (12, 4):
-        tier.recall(seq, state, start, pool, pool.stats)
-    assert positions_held(pool, seq) == state.start.tolist() == [0, 4, 8, 12, 16, 20]
-    assert np.allclose(state.score, [1, 2, 3, 4, 5, 6]) and seq.num_stored == 24
-    for i, (k, v) in saved.items():
-        assert np.array_equal(pool.k[:, seq.block_table[i]], k) and np.array_equal(pool.v[:, seq.block_table[i]], v)
-    assert [e.kind for e in pool.stats.events] == ["offload", "offload", "recall", "recall"]
-    assert [e.positions for e in pool.stats.events] == [(12, 16), (4, 8), (12, 16), (4, 8)]
-    assert [e.score for e in pool.stats.events] == [4.0, 2.0, 4.0, 2.0]
-    assert pool.stats.offloads == 2 and pool.stats.recalls == 2 and pool.stats.evictions == 0
-    assert not tier.entries and tier.nbytes == 0
-    pool.check([seq.block_table])
+    pool.k[:, bids], pool.v[:, bids] = np.nan, np.nan  # the pool's copies are gone: the tier must hold its own
+    starts, slots, kmin, kmax = tier.index(seq.id)
+    assert starts.tolist() == [4, 12]
+    for start, slot in zip(starts, slots):
+        k, v = saved[int(start)]  # [L, bs, kvh, hd]
+        for layer in range(LAYERS):
+            for h in range(KVH):
+                assert np.array_equal(tier.block_kv(np.array([slot]), 0, layer, h)[0], k[layer, :, h])
+                assert np.array_equal(tier.block_kv(np.array([slot]), 1, layer, h)[0], v[layer, :, h])
+        j = int(np.flatnonzero(slots == slot)[0])
+        assert np.array_equal(kmin[..., j], k.min(axis=1)) and np.array_equal(kmax[..., j], k.max(axis=1))
+    assert [e.kind for e in pool.stats.events] == ["offload", "offload"]
+    assert [e.positions for e in pool.stats.events] == [(12, 16), (4, 8)]
+    assert [e.score for e in pool.stats.events] == [4.0, 2.0]
+    assert pool.stats.offloads == 2 and pool.stats.evictions == 0 and tier.nbytes == 2 * tier.kv[0].nbytes
+    tier.drop(seq.id)
+    assert not tier.entries and tier.nbytes == 0 and len(tier.free_slots) == tier.capacity
     if spill:
         assert list((tmp_path / "spill").iterdir()) == []  # the spill file leaves nothing behind
         tier.close()
@@ -309,45 +316,51 @@ def test_quest_bound_is_an_upper_bound_and_tight_for_constant_blocks():
     pool.k[:] *= rng.uniform(0.1, 5, (1, pool.num_blocks, 1, KVH, 1)).astype(np.float32)
     const = seq.block_table[5]
     pool.k[:, const] = rng.standard_normal((LAYERS, 1, KVH, HD))  # every token of this block has the same key
-    keys = {i: pool.k[:, seq.block_table[i]].copy() for i in range(7)}  # [L, bs, kvh, hd]
+    keys = [pool.k[:, seq.block_table[i]].copy() for i in range(7)]  # [L, bs, kvh, hd]
     state = SeqKV(BS).sync(seq)
     tier = OffloadTier.for_pool(pool)
     for i in range(6, -1, -1):
         tier.offload(seq, state, i, pool, pool.stats)
-    slots = [slot for _, slot in tier.blocks_of(seq.id)]
+    starts, _, kmin, kmax = tier.index(seq.id)
+    assert starts.tolist() == [4 * i for i in range(7)]
     for _ in range(20):
-        q = rng.standard_normal((LAYERS, HEADS, HD)).astype(np.float32)
-        per_head = quest_bound(q, tier.kmin[slots], tier.kmax[slots], per_head=True)  # [n, L, H]
-        g = HEADS // KVH
-        true = np.stack([np.einsum("lhd,lthd->lth", q, np.repeat(keys[i], g, axis=2)).max(axis=1) for i in range(7)])
-        assert np.all(per_head >= true - 1e-4)
-        assert np.allclose(per_head[5], true[5], atol=1e-4)  # exact when min == max
-        assert np.allclose(quest_bound(q, tier.kmin[slots], tier.kmax[slots]), per_head.sum(axis=(1, 2)))
+        q = rng.standard_normal((KVH, 3, HD)).astype(np.float32)  # 3 query rows per kv head
+        for layer in range(LAYERS):
+            bound = quest_scores(q, kmin[layer], kmax[layer])  # [kvh, 3, n]
+            true = np.stack([np.einsum("hrd,thd->hrt", q, keys[i][layer]).max(axis=-1) for i in range(7)], -1)
+            assert np.all(bound >= true - 1e-4)
+            assert np.allclose(bound[..., 5], true[..., 5], atol=1e-4)  # exact when min == max
 
 
-def test_select_recalls_swaps_a_strong_offloaded_block_for_the_weakest_active_one():
+def test_each_layer_reads_back_its_own_best_blocks():
+    """Per layer and kv head, the block whose keys align with that layer's query comes back,
+    with its exact K/V; the budget's recall slots bound what one layer reads."""
     pool, kv = make()
-    seq = new_seq(kv, 32)  # 8 blocks; key dim 0 holds the position, dim 1 the signal
+    seq = new_seq(kv, 32)  # 8 blocks; key dim 1 carries the signal
     pool.k[..., 1:] = 0.0
-    pool.k[:, seq.block_table[3], :, :, 1] = 1.0  # positions 12-15: aligned with q
-    pool.k[:, seq.block_table[2], :, :, 1] = -1.0  # positions 8-11: anti-aligned
-    strong = pool.k[:, seq.block_table[3]].copy()
-    cfg = EvictConfig("offload", budget=32, sinks=4, recent=8)
+    pool.k[0, seq.block_table[2], :, :, 1] = 1.0  # layer 0: positions 8-11 align with q
+    pool.k[1, seq.block_table[3], :, :, 1] = 1.0  # layer 1: positions 12-15
+    saved = {i: (pool.k[:, seq.block_table[i]].copy(), pool.v[:, seq.block_table[i]].copy()) for i in range(8)}
+    cfg = EvictConfig("offload", budget=20, sinks=4, recent=8, rerank=2)  # 5 blocks: 4 resident, 1 recall slot
     ev = Evictor(cfg, pool, n_heads=HEADS)
-    state = ev.state(seq)
-    ev.tier.offload(seq, state, 3, pool, pool.stats)
-    q = np.zeros((LAYERS, HEADS, HD), np.float32)
+    assert cfg.recall_blocks(BS) == 1 and cfg.resident_blocks(BS) == 4
+    seq.tokens.append(0)
+    assert ev.make_room(seq, 1) == 0  # 9 blocks wanted, 4 may stay: sink, 2 recent, the new one
+    assert [s for s, _ in ev.tier.blocks_of(seq.id)] == [4, 8, 12, 16, 20]
+    assert positions_held(pool, seq) == [0, 24, 28]
+    ret = ev.retriever(seq)
+    q = np.zeros((1, HEADS, HD), np.float32)
     q[..., 1] = 10.0
-    assert select_recalls(q, ev.tier, seq, state, pool, cfg, k=2) == [(12, 2)]  # table: 0 4 8 16 20 24 28
-    assert select_recalls(q[1:], ev.tier, seq, state, pool, cfg, k=2, layers=[1]) == [(12, 2)]
-    assert select_recalls(-q, ev.tier, seq, state, pool, cfg, k=2) == []  # offloaded bound is the lowest
-    assert ev.maybe_recall(seq, -q) == 0
-    assert ev.maybe_recall(seq, q) == 1
-    assert positions_held(pool, seq) == state.start.tolist() == [0, 4, 12, 16, 20, 24, 28]
-    assert np.array_equal(pool.k[:, seq.block_table[2]], strong)
-    assert [start for start, _ in ev.tier.blocks_of(seq.id)] == [8]
-    assert [e.kind for e in pool.stats.events] == ["offload", "offload", "recall"]
-    pool.check([seq.block_table])
+    for layer, want in ((0, 2), (1, 3)):
+        k, v = ret(layer, q)
+        assert k.shape == v.shape == (KVH, BS, HD)
+        for h in range(KVH):
+            assert np.array_equal(k[h], saved[want][0][layer, :, h]) and np.array_equal(v[h], saved[want][1][layer, :, h])
+    assert sorted(ret.picked) == [8, 12] and ret.most == BS
+    ev.recalled(seq, ret)
+    assert [e.positions for e in events(pool, "recall")] == [(8, 12), (12, 16)]
+    ev.recalled(seq, ev.retriever(seq))  # nothing picked this time (no forward ran): no new events
+    assert len(events(pool, "recall")) == 2 and ev.active_tokens(seq) == seq.num_stored
 
 
 def test_fork_copies_scores_and_free_forgets():

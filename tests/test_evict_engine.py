@@ -43,6 +43,19 @@ def test_policy_changes_nothing_while_the_budget_is_not_reached(tiny):
         assert engine(tiny, policy, budget=96).generate(PROMPT, GREEDY, 30, True).run().tokens == ref
 
 
+def test_offload_reads_back_what_it_moved_out(tiny):
+    """Offload attends to every offloaded block while they fit the recall slots: the logits
+    equal the full cache's, though the pool held at most 4 blocks of the sequence."""
+    tokens = list(map(int, np.random.default_rng(5).integers(3, 261, 90)))
+    full = engine(tiny).score(tokens)
+    cfg = EvictConfig(policy="offload", budget=96, sinks=8, recent=16)  # 12 blocks: 4 resident, 8 recall slots
+    eng = Engine(tiny, progress=False, block_size=8, prefix_caching=False, evict=cfg)
+    got = eng.score(tokens)
+    assert eng.stats.offloads >= 7 and eng.stats.recalls >= 7 and eng.stats.evictions == 0
+    np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.evictor.tier.entries
+
+
 def test_policy_none_stops_with_a_clear_reason(tiny):
     eng = engine(tiny, "none", budget=48)
     r = eng.generate(PROMPT, GREEDY, 50, True).run()
