@@ -6,19 +6,22 @@ never matches; entries still live under a directory per model so stats/ls/clear 
 per model:  root/<fingerprint[:16]>/<hash hex[:2]>/<hash hex>.kvb
 
 File: fixed header (magic, format version, JSON length) + JSON header + raw payload
-(K then V). The JSON's checksum covers the rest of the JSON and the payload, so any bit
-flip or truncation is caught. Writes go to a temp file in the same directory and are
+(K then V). The JSON's checksum (CRC-32, 4 GB/s here where BLAKE2b did 1 GB/s: it guards
+against torn writes and bit rot, not against an attacker who can write the cache
+directory anyway) covers the rest of the JSON and the payload, so any bit flip or
+truncation is caught. Writes go to a temp file in the same directory and are
 renamed into place, so readers see whole files or none; two processes may share a root.
 """
 
 import contextlib
-import hashlib
 import json
 import os
 import re
 import struct
 import tempfile
+import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +30,7 @@ import numpy as np
 from .home import home
 
 MAGIC = b"LKVB"
-VERSION = 1
+VERSION = 2  # 2: CRC-32 checksum (1 used BLAKE2b; such files read as another version: a miss)
 FIXED = struct.Struct("<4sHI")  # magic, format version, JSON header length
 SUFFIX = ".kvb"
 TMP_PREFIX = ".lkv-"  # our temp files: distinct enough that foreign dotfiles are never swept
@@ -55,9 +58,7 @@ def _canon(meta: dict) -> bytes:
 
 
 def _digest(meta: dict, payload) -> str:
-    h = hashlib.blake2b(_canon(meta), digest_size=16)
-    h.update(payload)
-    return h.hexdigest()
+    return f"{zlib.crc32(payload, zlib.crc32(_canon(meta))):08x}"
 
 
 def _encode(meta: dict, payload) -> list:
@@ -116,6 +117,7 @@ class DiskStore:
         self.warning: str | None = None  # set once when writes fail; the CLI prints it
         self.cleared_bytes = 0  # bytes freed by the last clear()
         self._total: int | None = None  # running byte total: one scan per process, then tracked
+        self._lock = threading.Lock()  # reads may run on two threads
 
     def path(self, fingerprint: str, h: int) -> Path:
         x = f"{h:032x}"
@@ -129,6 +131,25 @@ class DiskStore:
     def get(self, fingerprint: str, h: int, tokens) -> tuple[np.ndarray, np.ndarray] | None:
         """The block's (K, V) as float32 [layers, block_size, kv_heads, head_dim], or None.
         Reads work even when writes are disabled: a read-only cache is still useful."""
+        got = self._read(fingerprint, h, tokens)
+        if got is None:
+            return None
+        kv = got.astype(np.float32)
+        return kv[0], kv[1]
+
+    def load_into(self, fingerprint: str, h: int, tokens, k_out: np.ndarray, v_out: np.ndarray) -> bool:
+        """get() straight into two (pool) arrays [layers, block_size, kv_heads, head_dim],
+        converting as it copies; False (outputs untouched) on a miss. Thread-safe: the
+        engine loads a prompt's blocks two at a time."""
+        got = self._read(fingerprint, h, tokens)
+        if got is None or got.shape[1:] != k_out.shape:
+            return False
+        np.copyto(k_out, got[0], casting="unsafe")
+        np.copyto(v_out, got[1], casting="unsafe")
+        return True
+
+    def _read(self, fingerprint: str, h: int, tokens) -> np.ndarray | None:
+        """The verified payload as [2, layers, block_size, kv_heads, head_dim] in its stored dtype."""
         path = self.path(fingerprint, h)
         try:
             data = path.read_bytes()
@@ -142,16 +163,17 @@ class DiskStore:
             if meta.get("hash") != f"{h:032x}":
                 raise _Corrupt("hash does not match the file name")
         except _Corrupt:
-            if _unlink(path) and self._total is not None:
-                self._total -= len(data)
+            with self._lock:
+                if _unlink(path) and self._total is not None:
+                    self._total -= len(data)
             return None
         shape = meta["shape"]
         if meta.get("fingerprint") != fingerprint or meta.get("tokens") != list(tokens) or shape[1] != len(tokens):
             return None  # a valid entry, just not this block
-        kv = np.frombuffer(payload, meta["dtype"]).reshape(2, *shape).astype(np.float32)
+        kv = np.frombuffer(payload, meta["dtype"]).reshape(2, *shape)
         with contextlib.suppress(OSError):
             os.utime(path)  # mtime is the LRU clock
-        return kv[0], kv[1]
+        return kv
 
     # ----------------------------------------------------------------- write
 

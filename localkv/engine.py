@@ -214,9 +214,8 @@ class Engine:
         seq = Sequence(list(prompt_ids))
         if not self.prefix_caching:
             return seq, 0
-        fp = self.cfg.fingerprint
-        get = (lambda h, toks: self.disk.get(fp, h, toks)) if self.disk else None
-        mem, disk = self.kv.match_prefix(seq, get)
+        mem, disk = self.kv.match_prefix(seq, _DiskPrefix(self.disk, self.cfg.fingerprint, self.pool)
+                                         if self.disk else None)
         if self.disk:
             self.disk.record(len(prompt_ids), mem + disk)
         return seq, mem + disk
@@ -330,6 +329,27 @@ class Generation:
         for _ in self:
             pass
         return self.result
+
+
+class _DiskPrefix:
+    """The disk tier as KVManager.match_prefix reads it: one model's entries, loaded straight
+    into pool blocks (through host memory when the pool lives on a GPU)."""
+
+    def __init__(self, disk, fingerprint: str, pool: BlockPool):
+        self.disk, self.fp, self.pool = disk, fingerprint, pool
+
+    def contains(self, h: int) -> bool:
+        return self.disk.contains(self.fp, h)
+
+    def load(self, h: int, tokens, bid: int) -> bool:
+        pool = self.pool
+        if pool.xp is np:
+            return self.disk.load_into(self.fp, h, tokens, pool.k[:, bid], pool.v[:, bid])
+        kv = self.disk.get(self.fp, h, tokens)
+        if kv is None:
+            return False
+        pool.k[:, bid], pool.v[:, bid] = (pool.xp.asarray(a, dtype=pool.k.dtype) for a in kv)
+        return True
 
 
 def _blas_threads() -> int:

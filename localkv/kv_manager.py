@@ -2,6 +2,7 @@
 copy-on-write, freeing."""
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -16,6 +17,13 @@ def block_hash(salt: bytes, parent: int | None, tokens) -> int:
     h.update((parent or 0).to_bytes(16, "little"))
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
     return int.from_bytes(h.digest()[:16], "little")
+
+
+def _run_loads(disk, jobs: list) -> list[bool]:
+    if len(jobs) < 2:
+        return [disk.load(h, toks, bid) for _, h, toks, bid in jobs]
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        return list(ex.map(lambda job: disk.load(*job[1:]), jobs))
 
 
 class KVManager:
@@ -70,37 +78,48 @@ class KVManager:
             hashes.append(block_hash(self.salt, hashes[-1] if hashes else None, tokens[i * self.bs:(i + 1) * self.bs]))
         return hashes
 
-    def match_prefix(self, seq: Sequence, disk_get=None) -> tuple[int, int]:
-        """Attach cached blocks for the leading full blocks of a fresh sequence's prompt: first
-        from the pool, then (disk_get(hash, tokens) -> (k, v) | None) from the disk tier into
-        fresh blocks. The last prompt token is never matched: its logits are needed.
-        Returns (tokens hit in memory, tokens loaded from disk)."""
+    def match_prefix(self, seq: Sequence, disk=None) -> tuple[int, int]:
+        """Attach cached blocks for the leading full blocks of a fresh sequence's prompt: from
+        the pool, else from the disk tier into fresh blocks. disk, if given, has
+        contains(hash) -> bool and load(hash, tokens, block id) -> bool (fills the pool block;
+        safe to call from two threads at once). Disk blocks are found in chain order, then
+        loaded two at a time (reading, checking and converting an entry releases the GIL);
+        the chain stops at the first block that fails to load. The last prompt token is
+        never matched: its logits are needed. Returns (tokens hit in memory, tokens loaded
+        from disk)."""
         assert not seq.block_table, "prefix matching is for fresh sequences"
         n_full = (len(seq.tokens) - 1) // self.bs
         hashes = self.chain(seq.tokens, n_full)
-        disk = 0
+        jobs = []  # (table index, hash, tokens, block id) to load from disk
         for i, h in enumerate(hashes):
             toks = tuple(seq.tokens[i * self.bs:(i + 1) * self.bs])
             bid = self.pool.lookup(h, toks)
             if bid is not None:
                 self.pool.incref(bid)
-            elif disk_get is None or not self.pool.num_free or (kv := disk_get(h, toks)) is None:
+            elif disk is None or not self.pool.num_free or not disk.contains(h):
                 break
             else:
                 bid = self.pool.allocate()
-                xp = self.pool.xp
-                self.pool.k[:, bid], self.pool.v[:, bid] = (xp.asarray(a, dtype=self.pool.k.dtype) for a in kv)
-                self.pool.register(bid, h, toks)
-                disk += 1
+                jobs.append((i, h, toks, bid))
             seq.block_table.append(bid)
+        loaded = _run_loads(disk, jobs)
         hit = len(seq.block_table)
+        for (i, h, toks, bid), ok in zip(jobs, loaded):
+            if not ok:  # a corrupt or vanished entry: the chain ends before it
+                hit = i
+                break
+            self.pool.register(bid, h, toks)
+        for bid in seq.block_table[hit:]:
+            self.pool.release(bid)
+        del seq.block_table[hit:]
+        disk_blocks = sum(1 for i, *_ in jobs if i < hit)
         seq.block_hashes = hashes[:hit]
         seq.num_computed = seq.num_stored = hit * self.bs
         stats = self.pool.stats
         stats.prefix_queries += len(seq.tokens)
         stats.prefix_hits += seq.num_stored
-        stats.disk_hits += disk * self.bs
-        return (hit - disk) * self.bs, disk * self.bs
+        stats.disk_hits += disk_blocks * self.bs
+        return (hit - disk_blocks) * self.bs, disk_blocks * self.bs
 
     def register_full_blocks(self, seq: Sequence):
         """After a step: give the sequence's newly full blocks their chain hash."""

@@ -188,6 +188,18 @@ class TestKernels:
         ref = ops_numpy.paged_attention(q.astype(np.float32), kn, vn, table, n_ctx, 0.1)
         _close(oc.to_host(oc.paged_attention(cp.asarray(q), kg, vg, cp.asarray(table), n_ctx, 0.1)), ref)
 
+    def test_extra_keys_from_an_offload_tier(self, cp, oc):
+        rng = np.random.default_rng(9)
+        kn, vn, kg, vg, table = _pools(cp, oc, rng, 40, 2, 64, 16)
+        q = rng.standard_normal((3, 6, 64)).astype(np.float16)
+        extra = tuple(rng.standard_normal((2, 32, 64)).astype(np.float32) for _ in range(2))
+        mass_ref, mass = np.zeros(40, np.float32), np.zeros(40, np.float32)
+        ref = ops_numpy.paged_attention(q.astype(np.float32), kn, vn, table, 40, 0.125, mass_ref, extra)
+        got = oc.paged_attention(cp.asarray(q), kg, vg, cp.asarray(table), 40, 0.125, mass,
+                                 tuple(cp.asarray(a, cp.float16) for a in extra))
+        _close(oc.to_host(got), ref)
+        np.testing.assert_allclose(mass, mass_ref, rtol=2e-3, atol=1e-4)
+
     @pytest.mark.parametrize("hd", [16, 80])
     def test_head_dims_without_kernels_fall_back(self, cp, oc, hd):
         assert hd not in oc.KERNEL_HEAD_DIMS

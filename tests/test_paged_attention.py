@@ -87,3 +87,20 @@ def test_shared_prefix_decode_equals_per_sequence_attention(block_size, prefix_b
         want.append(ops.paged_attention(q[b:b + 1], kl, vl, table, prefix_blocks * block_size + n, 0.3)[0])
     got = ops.shared_prefix_decode(q, kl, vl, prefix, tail_specs, 0.3)
     np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_extra_keys_are_older_context_every_query_sees(T):
+    """extra = K/V read back from an offload tier: the same as having them at the start of
+    the table; the mass still covers only the table's own tokens."""
+    rng = np.random.default_rng(T)
+    n_extra, n_ctx, kvh, H, hd = 12, 20, 2, 6, 8
+    k = rng.standard_normal((n_extra + n_ctx, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((n_extra + n_ctx, kvh, hd)).astype(np.float32)
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    kl, vl, table = paged_copy(k[n_extra:], v[n_extra:], 4, 10, rng)
+    extra = (np.ascontiguousarray(k[:n_extra].transpose(1, 0, 2)), np.ascontiguousarray(v[:n_extra].transpose(1, 0, 2)))
+    mass = np.zeros(n_ctx, np.float32)
+    got = ops.paged_attention(q, kl, vl, table, n_ctx, 0.4, mass, extra)
+    np.testing.assert_allclose(got, dense_attention(q, k, v, 0.4), rtol=1e-4, atol=1e-5)
+    assert 0 < mass.sum() < T * H  # the extra keys took the rest of the weight
