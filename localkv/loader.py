@@ -275,6 +275,9 @@ def _write_safetensors(dest: Path, weights: dict[str, np.ndarray], meta: dict[st
         try:
             save_file(weights, tmp, metadata=meta)
             os.replace(tmp, dest)  # atomic: a reader sees the old cache or the whole new one
+            for old in dest.parent.glob(dest.name.replace(f"-v{CACHE_VERSION}.", "-v*.")):
+                if old != dest:  # another format version of the same model's cache: dead weight now
+                    old.unlink(missing_ok=True)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

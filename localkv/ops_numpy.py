@@ -57,8 +57,15 @@ Q_BLOCK = 128  # causal prefill runs in query blocks: each block scores only the
 
 def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndarray:
     """The first n_ctx tokens of a sequence's K or V, read through its block table, as
-    [kv_heads, n_ctx, hd]: one copy, contiguous per head (what the matmuls want)."""
+    [kv_heads, n_ctx, hd]. A table that is one run of consecutive blocks (a fresh pool hands
+    them out in order) is read in place: a strided view BLAS takes as it is. Otherwise one
+    copy, contiguous per head."""
     nb, bs, kvh, hd = layer.shape
+    n = len(block_table)
+    if n and int(block_table[-1]) - int(block_table[0]) == n - 1 and \
+            (n < 3 or (np.diff(block_table) == 1).all()):
+        b0 = int(block_table[0])
+        return layer[b0:b0 + n].reshape(n * bs, kvh, hd)[:n_ctx].transpose(1, 0, 2)
     return layer.transpose(2, 0, 1, 3)[:, block_table].reshape(kvh, -1, hd)[:, :n_ctx]
 
 

@@ -75,3 +75,16 @@ def test_unsupported_architecture(tmp_path):
 def test_untied_output_weights(tmp_path):
     lm = load_model(write_gguf(tmp_path / "u.gguf", tied=False))
     assert not lm.config.tied_embeddings and lm.weights["output"].shape == (64, 261)
+
+
+def test_a_new_cache_removes_other_format_versions(tmp_path):
+    from localkv.loader import CACHE_VERSION
+
+    path = write_gguf(tmp_path / "m.gguf")
+    stale = tmp_path / f"m.gguf.localkv-v{CACHE_VERSION + 7}.safetensors"
+    stale.write_bytes(b"an old format's weights")
+    unrelated = tmp_path / "other.gguf.localkv-v1.safetensors"
+    unrelated.write_bytes(b"another model's cache")
+    assert not load_model(path).cache_hit
+    assert not stale.exists() and unrelated.exists()
+    assert (tmp_path / f"m.gguf.localkv-v{CACHE_VERSION}.safetensors").exists()

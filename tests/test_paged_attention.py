@@ -104,3 +104,25 @@ def test_extra_keys_are_older_context_every_query_sees(T):
     got = ops.paged_attention(q, kl, vl, table, n_ctx, 0.4, mass, extra)
     np.testing.assert_allclose(got, dense_attention(q, k, v, 0.4), rtol=1e-4, atol=1e-5)
     assert 0 < mass.sum() < T * H  # the extra keys took the rest of the weight
+
+
+@pytest.mark.parametrize("first,n_ctx,T", [(0, 1, 1), (3, 20, 1), (5, 33, 7), (2, 64, 64)])
+def test_a_run_of_consecutive_blocks_is_read_in_place(first, n_ctx, T):
+    """gather_kv returns a view for a table of consecutive blocks; attention through it
+    (and through a copy of the same table that is not one run) equals dense attention."""
+    rng = np.random.default_rng(first + n_ctx)
+    bs, kvh, H, hd = 4, 2, 6, 8
+    nb = -(-n_ctx // bs)
+    kl = rng.standard_normal((first + nb + 2, bs, kvh, hd)).astype(np.float32)
+    vl = rng.standard_normal(kl.shape).astype(np.float32)
+    table = np.arange(first, first + nb)
+    k = kl[first:first + nb].reshape(-1, kvh, hd)[:n_ctx]
+    v = vl[first:first + nb].reshape(-1, kvh, hd)[:n_ctx]
+    assert np.shares_memory(ops.gather_kv(kl, table, n_ctx), kl)
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    np.testing.assert_allclose(ops.paged_attention(q, kl, vl, table, n_ctx, 0.3), dense_attention(q, k, v, 0.3),
+                               rtol=1e-4, atol=1e-5)
+    if nb >= 4:  # same first and last ids, not consecutive: the copying path
+        odd = table.copy()
+        odd[1], odd[-2] = odd[-2], odd[1]
+        assert not np.shares_memory(ops.gather_kv(kl, odd, n_ctx), kl)
