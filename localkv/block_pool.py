@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import hugemem
 from .errors import PoolExhausted
 from .stats import Stats
 
@@ -32,12 +31,11 @@ class BlockPool:
         if num_blocks < 1:
             raise PoolExhausted("the KV memory budget is too small for even one block")
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        # zeros are mapped lazily: a large pool costs memory only as it fills (on the CPU in
-        # huge pages, so filling it is not page-fault bound)
+        # zeros are mapped lazily: a large pool costs memory only as it fills (numpy advises
+        # huge pages for large arrays on Linux; an aligned mapping of our own measured no better)
         self.xp = xp
-        zeros = hugemem.zeros if xp is np else xp.zeros
-        self.k = zeros(shape, dtype)
-        self.v = zeros(shape, dtype)
+        self.k = xp.zeros(shape, dtype)
+        self.v = xp.zeros(shape, dtype)
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))

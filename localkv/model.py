@@ -83,6 +83,6 @@ class Llama:
                                                      self.scale, sp.mass, extra)
             x += attn.reshape(T, H * hd) @ w[f"{i}.wo"]
             h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
-            x += ops.silu_mul(h @ w[f"{i}.w_gate_up"]) @ w[f"{i}.w_down"]
+            x += ops.ffn_down(ops.silu_mul(h @ w[f"{i}.w_gate_up"]), w[f"{i}.w_down_t"])
         h = ops.rmsnorm(x[xp.asarray(logit_rows)], w["out_norm"], cfg.rms_eps)
         return ops.to_host(h @ self.output).astype(np.float32, copy=False)

@@ -222,6 +222,11 @@ def _rope_xp(x, cos, sin):
     return x
 
 
+def ffn_down(a, w_t):
+    """a @ w_t.T for the down projection stored [D, F] (cuBLAS takes the transpose as a flag)."""
+    return a @ w_t.T
+
+
 def silu_mul(gu):
     if gu.ndim != 2 or gu.dtype not in (_F16, _F32) or gu.shape[1] % 2 or gu.size == 0:
         f = gu.shape[-1] // 2
@@ -559,7 +564,7 @@ class DecodeGraph:
             attn = paged_decode(q, kl, vl, self.block_tables, self.context_lens, m.scale, self.max_ctx)
             x += attn.reshape(B, H * hd) @ w[f"{i}.wo"]
             h = rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
-            x += silu_mul(h @ w[f"{i}.w_gate_up"]) @ w[f"{i}.w_down"]
+            x += ffn_down(silu_mul(h @ w[f"{i}.w_gate_up"]), w[f"{i}.w_down_t"])
         h = rmsnorm(x, w["out_norm"], cfg.rms_eps)
         return h @ m.output
 

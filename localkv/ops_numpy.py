@@ -33,6 +33,16 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x
 
 
+def ffn_down(a: np.ndarray, w_t: np.ndarray) -> np.ndarray:
+    """a [T, F] @ w_t.T for the down projection stored [D, F], computed as (w_t @ a.T).T:
+    OpenBLAS runs that form faster than a @ W with W [F, D] at every size measured here
+    (30 layers: 1 row 3.1 vs 4.5 ms, a decode step 23.0 -> 21.3 ms; 8 rows 8.2 vs 8.8 ms;
+    512 rows 148 vs 166 ms). The result is a transposed view; `x += ...` takes it as is."""
+    if a.shape[0] == 1:
+        return (w_t @ a[0])[None]
+    return (w_t @ a.T).T
+
+
 def silu_mul(gu: np.ndarray) -> np.ndarray:
     """silu(gate) * up for gu = [gate | up]; in place in one temporary (prefill is memory-bound here)."""
     f = gu.shape[1] // 2
