@@ -9,9 +9,9 @@ Policies (EvictConfig.policy):
 - offload: the budget is split between a resident set in the pool (sinks + recent window)
   and per-layer recall slots. Blocks leaving the recent window move, oldest first, to a
   host tier (RAM, or a memmap file) instead of being dropped. In every forward, each layer
-  (and each kv head) reads back the offloaded blocks whose Quest bound against that
-  layer's current queries is highest, as many as the recall slots hold, and attends to them
-  with the resident blocks (see Retriever). A block unimportant to one layer can matter to
+  (and each kv head) reads back its best offloaded blocks for its current queries (Quest's
+  bound keeps 3x the candidates, the exact largest q·k over their keys picks), as many as
+  the recall slots hold, and attends to them with the resident blocks (see Retriever). A block unimportant to one layer can matter to
   another, which one block table shared by all layers cannot express; measured on GPL-3.0
   at a 20% budget this is what brings offload near the full cache.
 
@@ -26,7 +26,9 @@ is shared by the layers). A block leaves every layer at once, so one number per 
 what a decision needs; keeping the layer sum costs no model change. The sum is divided by
 n_layers * n_heads, so each query hands out exactly one unit: a prefill query and a decode
 query weigh alike, and a score reads as "queries' worth of attention". Scores accumulate
-over steps (as in H2O); a block's score is the sum over its tokens.
+over steps (as in H2O); a block's score is the sum over its tokens. Measured alternatives
+at a 20% budget (per-layer scores with the max or top-3 over layers, other decays and
+recent shares) did no better; see BENCHMARKS.md.
 
 Budget arithmetic (block_size B, all in tokens): after a step a sequence holds the sink
 blocks plus the blocks that meet the last `recent` positions (at most ceil(recent/B) + 1
