@@ -399,8 +399,20 @@ class Retriever:
         self.kmin, self.kmax = kmin, kmax  # [L, kvh, hd, n]
         self.r = min(r_blocks, len(slots))
         self.rerank = max(1, rerank)
-        self.picked: dict[int, float] = {}  # start -> largest q·k this step, over layers and heads
+        self._picks: list[tuple[np.ndarray, np.ndarray]] = []  # (starts, largest q·k) per layer and head
         self.most = 0  # most tokens one layer read back
+
+    @property
+    def picked(self) -> dict[int, float]:
+        """start -> largest q·k this step, over the layers and heads that read the block back."""
+        if not self._picks:
+            return {}
+        starts = np.concatenate([p[0] for p in self._picks])
+        best = np.concatenate([p[1] for p in self._picks])
+        order = np.lexsort((-best, starts))  # by start, highest score first within a start
+        starts, best = starts[order], best[order]
+        first = np.flatnonzero(np.r_[True, starts[1:] != starts[:-1]])
+        return dict(zip(starts[first].tolist(), best[first].tolist()))
 
     def __call__(self, layer: int, q) -> tuple[np.ndarray, np.ndarray] | None:
         """K/V [kvh, r * block_size, hd] of this layer's chosen blocks for queries q [T, H, hd]."""
@@ -427,9 +439,7 @@ class Retriever:
             pick = np.argpartition(best, c - r)[c - r:] if r < c else np.arange(c)
             k[h] = keys[pick].reshape(r * bs, hd)
             v[h] = self.tier.block_kv(slots[pick], 1, layer, h).reshape(r * bs, hd)
-            for j in pick:
-                s = int(self.starts[cand[h][j]])
-                self.picked[s] = max(self.picked.get(s, -np.inf), float(best[j]))
+            self._picks.append((self.starts[cand[h][pick]], best[pick]))
         self.most = max(self.most, r * bs)
         return k, v
 
