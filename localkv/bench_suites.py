@@ -97,7 +97,7 @@ def run_speed(o: Options) -> Report:
     meter = LoadMeter()
     n_prompt, n_gen, reps = (64, 16, 1) if o.quick else (o.n_prompt, o.n_gen, o.reps or 5)
     tests = [f"pp{n_prompt}"] * bool(n_prompt) + [f"tg{n_gen}"] * bool(n_gen)
-    eng = o.new_engine()
+    eng = o.new_engine(prefix_caching=False)  # as llama-bench: no prefix cache, the pool's blocks reused
     rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say)
     r = ratios(rows)
     rep = Report("speed", f"prompt processing ({', '.join(tests)}) and generation speed, llama-bench style, "
@@ -105,6 +105,8 @@ def run_speed(o: Options) -> Report:
                  command=o.command("speed", eng.threads), rows=rows,
                  table_md=format_speed_table(rows, r))
     rep.summary = {f"{t} localkv / llama.cpp": f"{x:.2f}x" for t, x in r.items()}
+    rep.notes = ["prefix caching off, as llama-bench has none: each rep reuses the blocks the last one freed "
+                 "(pages already mapped, as llama.cpp reuses its KV buffer)"]
     return meter.finish(rep, eng.threads)
 
 

@@ -80,3 +80,23 @@ def test_double_free_is_caught():
     pool.release(b)
     with pytest.raises(AssertionError):
         pool.release(b)
+
+
+def test_allocation_reuses_warm_uncached_blocks_before_untouched_or_cached_ones():
+    pool = BlockPool(n_layers=1, num_blocks=8, block_size=4, n_kv_heads=1, head_dim=2)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    assert (a, b, c) == (0, 1, 2)  # a fresh pool hands blocks out in order
+    pool.register(c, h=99, tokens=(1, 2, 3, 4))
+    pool.release(a)
+    pool.release(c)  # cached: kept for a prefix hit, reused last
+    pool.release(b)
+    assert pool.allocate() == b  # most recently freed uncached block first
+    assert pool.allocate() == a
+    assert pool.allocate() == 3  # then never-used blocks, in order
+    assert pool.lookup(99, (1, 2, 3, 4)) == c
+    rest = [pool.allocate() for _ in range(4)]
+    assert rest == [4, 5, 6, 7]
+    assert pool.allocate() == c and pool.lookup(99, (1, 2, 3, 4)) is None  # the cached block goes last
+    with pytest.raises(PoolExhausted):
+        pool.allocate()
+    pool.check()
