@@ -183,11 +183,6 @@ class SeqKV:
     def remove(self, i: int) -> None:
         self.start, self.score = np.delete(self.start, i), np.delete(self.score, i)
 
-    def insert(self, start: int, score: float) -> int:
-        i = int(np.searchsorted(self.start, start))
-        self.start, self.score = np.insert(self.start, i, start), np.insert(self.score, i, score)
-        return i
-
     def copy(self) -> "SeqKV":
         return SeqKV(self.block_size, self.unit, self.start.copy(), self.score.copy(), self.next_pos, self.stored,
                      self.decay)
