@@ -131,7 +131,7 @@ class DiskStore:
     def get(self, fingerprint: str, h: int, tokens) -> tuple[np.ndarray, np.ndarray] | None:
         """The block's (K, V) as float32 [layers, block_size, kv_heads, head_dim], or None.
         Reads work even when writes are disabled: a read-only cache is still useful."""
-        got = self._read(fingerprint, h, tokens)
+        got = self.read(fingerprint, h, tokens)
         if got is None:
             return None
         kv = got.astype(np.float32)
@@ -141,15 +141,16 @@ class DiskStore:
         """get() straight into two (pool) arrays [layers, block_size, kv_heads, head_dim],
         converting as it copies; False (outputs untouched) on a miss. Thread-safe: the
         engine loads a prompt's blocks two at a time."""
-        got = self._read(fingerprint, h, tokens)
+        got = self.read(fingerprint, h, tokens)
         if got is None or got.shape[1:] != k_out.shape:
             return False
         np.copyto(k_out, got[0], casting="unsafe")
         np.copyto(v_out, got[1], casting="unsafe")
         return True
 
-    def _read(self, fingerprint: str, h: int, tokens) -> np.ndarray | None:
-        """The verified payload as [2, layers, block_size, kv_heads, head_dim] in its stored dtype."""
+    def read(self, fingerprint: str, h: int, tokens) -> np.ndarray | None:
+        """The verified payload as [2, layers, block_size, kv_heads, head_dim] in its stored
+        dtype (a view of the file's bytes), or None; a damaged entry is deleted."""
         path = self.path(fingerprint, h)
         try:
             data = path.read_bytes()

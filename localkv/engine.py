@@ -226,13 +226,13 @@ class Engine:
         """Write the prompt's full blocks to the disk tier so a later process can skip their
         prefill. Generated tokens are not written: the next turn's prompt carries them anyway.
         Blocks past the cached prefix that the store already holds were never read back, so
-        they are checked (a corrupt entry is dropped by get) before being trusted."""
+        they are checked (a corrupt entry is dropped by read) before being trusted."""
         if not self.disk or not seq.hashable:
             return
         fp, name, bs = self.cfg.fingerprint, self.cfg.name, self.block_size
         for i in range(n_cached // bs, min(n_prompt // bs, len(seq.block_hashes))):
             h, toks = seq.block_hashes[i], tuple(seq.tokens[i * bs:(i + 1) * bs])
-            if self.disk.contains(fp, h) and self.disk.get(fp, h, toks) is not None:
+            if self.disk.contains(fp, h) and self.disk.read(fp, h, toks) is not None:
                 continue
             bid = seq.block_table[i]
             if not self.disk.put(fp, name, h, toks, self.pool.k[:, bid], self.pool.v[:, bid]):
@@ -347,7 +347,7 @@ class _DiskPrefix:
         pool = self.pool
         if pool.xp is np:
             return self.disk.load_into(self.fp, h, tokens, pool.k[:, bid], pool.v[:, bid])
-        kv = self.disk.get(self.fp, h, tokens)
+        kv = self.disk.read(self.fp, h, tokens)  # stored in the pool's dtype: no conversion
         if kv is None:
             return False
         pool.k[:, bid], pool.v[:, bid] = (pool.xp.asarray(a, dtype=pool.k.dtype) for a in kv)

@@ -11,9 +11,10 @@ Policies (EvictConfig.policy):
   host tier (RAM, or a memmap file) instead of being dropped. In every forward, each layer
   (and each kv head) reads back its best offloaded blocks for its current queries (Quest's
   bound keeps 3x the candidates, the exact largest q·k over their keys picks), as many as
-  the recall slots hold, and attends to them with the resident blocks (see Retriever). A block unimportant to one layer can matter to
-  another, which one block table shared by all layers cannot express; measured on GPL-3.0
-  at a 20% budget this is what brings offload near the full cache.
+  the recall slots hold, and attends to them with the resident blocks (see Retriever). A
+  block unimportant to one layer can matter to another, which one block table shared by
+  all layers cannot express; measured on GPL-3.0 at a 20% budget this is what brings
+  offload near the full cache.
 
 Granularity is the block. Keys already carry RoPE, so attention reads whichever blocks the
 table holds and new tokens keep their positions (from num_computed); the table stays
@@ -118,9 +119,9 @@ class EvictConfig:
         return self.budget_blocks(block_size) - self.recall_blocks(block_size)
 
     def recent_tokens(self, block_size: int) -> int:
-        """Explicit, or: sliding keeps all the budget past sinks and one spare block; h2o and
-        offload keep 90% of that room as a recent window (whole blocks) and spend the rest on
-        heavy hitters. Measured on GPL-3.0 with SmolLM2 (4096 tokens, blocks of 16): an H2O-style
+        """Explicit, or: sliding keeps all the budget past sinks and one spare block; offload
+        keeps what its recall slots leave (recall_blocks()); h2o keeps 90% of that room as a
+        recent window (whole blocks) and spends the rest on heavy hitters. Measured on GPL-3.0 with SmolLM2 (4096 tokens, blocks of 16): an H2O-style
         half/half split loses to sliding at every budget, because language modelling leans on
         contiguous recent text and a block spends 16 slots on each heavy token it keeps."""
         if self.recent is not None:
@@ -389,7 +390,7 @@ class Retriever:
     nothing needs prefetching)."""
 
     def __init__(self, tier: "OffloadTier", starts: np.ndarray, slots: np.ndarray, kmin: np.ndarray, kmax: np.ndarray,
-                 r_blocks: int, rerank: int = 3):
+                 r_blocks: int, rerank: int):
         self.tier, self.starts, self.slots = tier, starts, slots
         self.kmin, self.kmax = kmin, kmax  # [L, kvh, hd, n]
         self.r = min(r_blocks, len(slots))
