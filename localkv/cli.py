@@ -92,7 +92,8 @@ ContinueOpt = typer.Option(False, "-c", "--continue", help="Continue the latest 
 CidOpt = typer.Option(None, "--cid", help="Continue the conversation with this id (see `localkv log`).")
 BudgetOpt = typer.Option(None, "--kv-budget", help="Most tokens of KV one sequence may hold; past it --evict decides.")
 EvictOpt = typer.Option("none", "--evict", help="When the budget is full: none (stop), sliding (attention sinks + "
-                                                "recent window), h2o (+ heavy hitters), offload (move blocks to "
+                                                "recent window), h2o (half the window, + each layer-head's "
+                                                "heaviest tokens), offload (move blocks to "
                                                 "host memory and recall them when the query needs them).")
 SinksOpt = typer.Option(4, "--sinks", help="Attention-sink tokens always kept (rounded up to whole blocks).")
 OffloadDirOpt = typer.Option(None, "--offload-dir", help="Spill offloaded blocks to a file here instead of RAM.")

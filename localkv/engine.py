@@ -100,7 +100,7 @@ class Engine:
                               dtype=self.ops.kv_dtype, xp=self.ops.xp, stats=self.stats)
         self.evict = evict or EvictConfig()
         # validates the policy and opens the offload tier before any generation starts
-        self.evictor = Evictor(self.evict, self.pool, self.stats, cfg.n_heads, offload_dir)
+        self.evictor = Evictor(self.evict, self.pool, self.stats, offload_dir)
         dtype = np.dtype(self.ops.kv_dtype).name  # fp16 GPU K/V must never be read as CPU fp32 K/V
         self.kv = KVManager(self.pool, salt=f"{cfg.fingerprint}:{block_size}:{dtype}".encode())
         self.prefill_chunk = prefill_chunk
@@ -156,7 +156,7 @@ class Engine:
         logits = self.model.forward(np.asarray(tokens), np.asarray(positions), np.concatenate(slots), spans,
                                     self.pool, rows)
         for seq, sp in zip(seqs, spans):
-            self.evictor.observe(seq, sp.mass)
+            self.evictor.observe(seq, sp.mass, sp.length)
             if self.evictor.tier is not None:
                 self.evictor.recalled(seq, sp.retrieve)
             if self.prefix_caching:

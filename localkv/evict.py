@@ -4,39 +4,50 @@ Policies (EvictConfig.policy):
 - none: the table only grows (the default).
 - sliding: StreamingLLM. Keep the sink blocks (the first `sinks` tokens, rounded up to
   whole blocks) and the recent window; drop the oldest other blocks first.
-- h2o: Heavy-Hitter Oracle. Keep sinks and the recent window; drop the blocks with the
-  lowest accumulated attention score.
+- h2o: Heavy-Hitter Oracle, per token, per layer and per kv head. The budget is split
+  between a resident set in the pool (sinks + recent window, half of the room) and, for
+  every layer and kv head, `heavy` token slots (the other half). A block that leaves the
+  recent window leaves the pool; each layer-head keeps those of its 16 tokens that, with
+  the heavy hitters it already holds, have the most accumulated attention mass in that
+  layer-head, and drops the rest (see HeavyHitters). What each layer-head keeps is its own:
+  compacted K/V rows read as extra keys by that layer's attention.
 - offload: the budget is split between a resident set in the pool (sinks + recent window)
   and per-layer recall slots. Blocks leaving the recent window move, oldest first, to a
   host tier (RAM, or a memmap file) instead of being dropped. In every forward, each layer
   (and each kv head) reads back its best offloaded blocks for its current queries (Quest's
   bound keeps 3x the candidates, the exact largest q·k over their keys picks), as many as
-  the recall slots hold, and attends to them with the resident blocks (see Retriever). A
-  block unimportant to one layer can matter to another, which one block table shared by
-  all layers cannot express; measured on GPL-3.0 at a 20% budget this is what brings
-  offload near the full cache.
+  the recall slots hold, and attends to them with the resident blocks (see Retriever).
 
-Granularity is the block. Keys already carry RoPE, so attention reads whichever blocks the
-table holds and new tokens keep their positions (from num_computed); the table stays
-ordered by position. The partially filled last block and the sink blocks are never taken,
-nor a block whose ref_count is above 1 (shared with a fork, or another sequence's prefix).
+Why h2o is per token and per layer-head (perplexity of SmolLM2 on 4,096 tokens of GPL-3.0,
+blocks of 16; sliding: 20.327 / 19.012 / 18.600 at 10 / 20 / 30% budgets): whole blocks
+ranked by the score summed over layers lost to sliding at 20% and 30% with every recent
+share and decay tried (19.026-19.065 at 20%); in a masked full-cache simulation, whole
+blocks per layer-head lost too (19.051 at 20%, 10% heavy), and one token set shared by all
+layers lost at 30%. This design, half the room for heavy hitters: 19.585 / 18.575 / 18.244,
+below sliding at every budget (a quarter or 70% of the room did worse in simulation). A
+block spends 16 slots on each heavy token it keeps, and a token heavy for one layer-head is
+rarely heavy for all of them.
 
-Scores. The model fills one `mass` array per span, [n_ctx]: the attention weight each
-stored key received, summed over the span's queries, all heads and all layers (Span.mass
-is shared by the layers). A block leaves every layer at once, so one number per block is
-what a decision needs; keeping the layer sum costs no model change. The sum is divided by
-n_layers * n_heads, so each query hands out exactly one unit: a prefill query and a decode
-query weigh alike, and a score reads as "queries' worth of attention". Scores accumulate
-over steps (as in H2O); a block's score is the sum over its tokens. Measured alternatives
-at a 20% budget (per-layer scores with the max or top-3 over layers, other decays and
-recent shares) did no better; see BENCHMARKS.md.
+Keys already carry RoPE, so attention reads whichever keys it is given and new tokens keep
+their positions (from num_computed); the table stays ordered by position. The partially
+filled last block and the sink blocks never leave, nor a block whose ref_count is above 1
+(shared with a fork, or another sequence's prefix).
+
+Scores (h2o). The model fills one `mass` array per span, [layers, kv_heads, heavy + n_ctx]:
+the attention weight each key received in that layer, summed over the span's queries and
+the kv head's query heads (heavy hitters first, then the table's tokens). Scores are H2O's
+sums over prefill and decode, fading by `decay` (0.999) per query: a half-life of about 700
+queries, so a token that was heavy long ago yields to one heavy now. Measured at 10 / 20 /
+30%: no decay 20.086 / 18.694 / 18.310; 0.999: 19.585 / 18.575 / 18.244; 0.998: 19.538 /
+18.649 / 18.300; 0.995: 19.514 / 18.745 / 18.428.
 
 Budget arithmetic (block_size B, all in tokens): after a step a sequence holds the sink
 blocks plus the blocks that meet the last `recent` positions (at most ceil(recent/B) + 1
-blocks), so validate() asks budget >= sinks + ceil(recent/B)*B + B. What is left is room for
-h2o's heavy hitters, or offload's per-layer recall slots (recall_blocks(); the pool then
-holds at most resident_blocks() = budget - recall slots, and each layer attends to at most
-the budget). A prefill chunk under a budget must be at most chunk_limit() tokens.
+blocks), so validate() asks budget >= sinks + ceil(recent/B)*B + B + side slots, where the
+side slots are offload's per-layer recall slots (recall_blocks()) or h2o's heavy-hitter
+slots (heavy_tokens()). The pool then holds at most resident_blocks() = budget - side
+slots, and each layer attends to at most the budget. A prefill chunk under a budget must
+be at most chunk_limit() tokens.
 """
 
 import os
@@ -70,7 +81,8 @@ class EvictConfig:
     budget: int | None = None  # tokens of KV one sequence may hold in the pool
     sinks: int = 4  # leading tokens always kept (rounded up to whole blocks)
     recent: int | None = None  # trailing tokens always kept; None: see recent_tokens()
-    decay: float = 0.99  # h2o: scores fade by this factor per query (1.0: plain H2O sums)
+    heavy_share: float = 0.5  # h2o: share of the room past sinks spent on per-layer-head heavy-hitter slots
+    decay: float = 0.999  # h2o: scores fade by this factor per query (1.0: plain H2O sums)
     recall_share: float = 0.9  # offload: share of the room past sinks spent on per-layer recall slots
     rerank: int = 3  # offload: Quest keeps rerank x the recall slots as candidates for the exact pass
 
@@ -85,10 +97,11 @@ class EvictConfig:
             return self
         if self.budget is None:
             raise LocalkvError(f"KV policy {self.policy!r} needs a budget (tokens of KV per sequence)")
-        if not 0.0 <= self.recall_share < 1.0:
-            raise LocalkvError(f"invalid recall share {self.recall_share}: must be in [0, 1)")
+        for name in ("recall_share", "heavy_share"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise LocalkvError(f"invalid {name.replace('_', ' ')} {getattr(self, name)}: must be in [0, 1)")
         bs, sinks, recent = block_size, self.sink_tokens(block_size), self.recent_tokens(block_size)
-        need = sinks + _ceil(recent, bs) * bs + bs + self.recall_blocks(bs) * bs
+        need = sinks + _ceil(recent, bs) * bs + bs + self._side_blocks(bs) * bs
         if self.budget_blocks(bs) * bs < need:
             raise LocalkvError(f"KV budget {self.budget} tokens is too small: sinks ({sinks}, whole blocks of {bs}) "
                                f"+ recent window ({recent}, whole blocks) + one block ({bs}) need {need}")
@@ -104,34 +117,36 @@ class EvictConfig:
         """Blocks of the budget past the sinks and the one spare (partial) block."""
         return max(0, self.budget_blocks(block_size) - 1 - self.sink_tokens(block_size) // block_size)
 
-    def recall_blocks(self, block_size: int) -> int:
-        """Offload: blocks each layer may read back from the host tier per step (0 otherwise).
-        With an explicit recent window, all the room it leaves."""
-        if self.policy != "offload":
+    def _side_blocks(self, block_size: int) -> int:
+        """Blocks' worth of the budget held outside the pool's table: offload's recall slots or
+        h2o's heavy-hitter slots (per layer, and per kv head). With an explicit recent window,
+        all the room it leaves."""
+        share = {"offload": self.recall_share, "h2o": self.heavy_share}.get(self.policy)
+        if share is None:
             return 0
         room = self._room_blocks(block_size)
         if self.recent is not None:
             return max(0, room - _ceil(self.recent, block_size))
-        return min(max(0, room - 1), int(room * self.recall_share))
+        return min(max(0, room - 1), int(room * share))
+
+    def recall_blocks(self, block_size: int) -> int:
+        """Offload: blocks each layer may read back from the host tier per step (0 otherwise)."""
+        return self._side_blocks(block_size) if self.policy == "offload" else 0
+
+    def heavy_tokens(self, block_size: int) -> int:
+        """h2o: heavy-hitter tokens each layer and kv head may keep past the table (0 otherwise)."""
+        return self._side_blocks(block_size) * block_size if self.policy == "h2o" else 0
 
     def resident_blocks(self, block_size: int) -> int:
-        """Blocks a sequence may hold in the pool: the budget less the recall slots."""
-        return self.budget_blocks(block_size) - self.recall_blocks(block_size)
+        """Blocks a sequence may hold in the pool: the budget less the side slots."""
+        return self.budget_blocks(block_size) - self._side_blocks(block_size)
 
     def recent_tokens(self, block_size: int) -> int:
-        """Explicit, or: sliding keeps all the budget past sinks and one spare block; offload
-        keeps what its recall slots leave (recall_blocks()); h2o keeps 90% of that room as a
-        recent window (whole blocks) and spends the rest on heavy hitters. Measured on GPL-3.0 with SmolLM2 (4096 tokens, blocks of 16): an H2O-style
-        half/half split loses to sliding at every budget, because language modelling leans on
-        contiguous recent text and a block spends 16 slots on each heavy token it keeps."""
+        """Explicit, or all the room past sinks and one spare block that the side slots leave
+        (sliding: all of it; h2o: half, heavy_share; offload: a tenth, recall_share)."""
         if self.recent is not None:
             return self.recent
-        room = self._room_blocks(block_size) * block_size
-        if self.policy == "sliding":
-            return room
-        if self.policy == "offload":
-            return room - self.recall_blocks(block_size) * block_size
-        return min(room, max(block_size, int(room * 0.9) // block_size * block_size))
+        return (self._room_blocks(block_size) - self._side_blocks(block_size)) * block_size
 
     def chunk_limit(self, block_size: int) -> int | None:
         """The most tokens one step may append to a sequence and still end within budget."""
@@ -142,14 +157,11 @@ class EvictConfig:
 
 @dataclass(slots=True)
 class SeqKV:
-    """Per table entry: the first logical position it holds and its accumulated score."""
+    """Per table entry: the first logical position it holds."""
     block_size: int
-    unit: float = 1.0  # n_layers * n_heads: the mass one query hands out
     start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     next_pos: int = 0  # seq.num_computed at the last sync
     stored: int = 0  # seq.num_stored at the last sync
-    decay: float = 1.0  # per query
 
     def sync(self, seq: Sequence) -> "SeqKV":
         """Take in blocks that append_slots added at the end of the table."""
@@ -160,33 +172,18 @@ class SeqKV:
             # last block was evicted, so start[-1] + block_size would be wrong)
             first = seq.num_computed - (seq.num_stored - len(self.start) * self.block_size)
             self.start = np.concatenate([self.start, first + self.block_size * np.arange(n_new, dtype=np.int64)])
-            self.score = np.concatenate([self.score, np.zeros(n_new)])
         self.next_pos, self.stored = seq.num_computed, seq.num_stored
         return self
-
-    def accumulate(self, mass) -> None:
-        """Add one forward's mass [n_ctx] (context index i lives in table entry i // block_size)."""
-        mass = _host(mass)
-        n = len(self.start) * self.block_size
-        if len(mass) > n:
-            raise ValueError(f"mass covers {len(mass)} tokens, the table holds {n}")
-        padded = np.zeros(n)
-        padded[:len(mass)] = mass
-        new = padded.reshape(-1, self.block_size).sum(axis=1) / self.unit
-        if self.decay != 1.0:
-            self.score *= self.decay ** new.sum()  # each query hands out one unit: the sum counts queries
-        self.score += new
 
     def positions(self, i: int) -> tuple[int, int]:
         s = int(self.start[i])
         return s, min(s + self.block_size, self.next_pos)
 
-    def remove(self, i: int) -> None:
-        self.start, self.score = np.delete(self.start, i), np.delete(self.score, i)
+    def remove(self, i) -> None:
+        self.start = np.delete(self.start, i)
 
     def copy(self) -> "SeqKV":
-        return SeqKV(self.block_size, self.unit, self.start.copy(), self.score.copy(), self.next_pos, self.stored,
-                     self.decay)
+        return SeqKV(self.block_size, self.start.copy(), self.next_pos, self.stored)
 
 
 def ref_counts(seq: Sequence, pool: BlockPool) -> list[int]:
@@ -217,19 +214,21 @@ def candidates(state: SeqKV, cfg: EvictConfig, ref_counts, incoming: int = 0) ->
 
 def choose_victims(state: SeqKV, n_blocks_needed: int, cfg: EvictConfig, ref_counts,
                    incoming: int = 0) -> list[int]:
-    """Up to n_blocks_needed table indices (ascending): sliding and offload take the oldest,
-    h2o the lowest scores (ties: oldest). Fewer when not enough blocks may go."""
+    """Up to n_blocks_needed table indices (ascending), the oldest that may go (h2o's heavy
+    hitters are chosen per token after their block leaves). Fewer when not enough may go."""
     if cfg.policy == "none" or n_blocks_needed <= 0:
         return []
     cand = candidates(state, cfg, ref_counts, incoming)
-    key = state.score[cand] if cfg.policy == "h2o" else state.start[cand]
-    return sorted(cand[np.argsort(key, kind="stable")][:n_blocks_needed].tolist())
+    return sorted(cand[np.argsort(state.start[cand], kind="stable")][:n_blocks_needed].tolist())
 
 
 def apply_eviction(seq: Sequence, state: SeqKV, victims: list[int], pool: BlockPool, stats: Stats,
-                   reason: str = "over budget") -> None:
-    """Drop table entries `victims`: release their blocks, one `evict` event each."""
-    events = [(seq.block_table[i], state.positions(i), float(state.score[i])) for i in sorted(victims)]
+                   reason: str = "over budget", scores=None, reasons=None) -> None:
+    """Drop table entries `victims`: release their blocks, one `evict` event each (with
+    scores[j] and reasons[j] for victim j when given)."""
+    victims = sorted(victims)
+    events = [(seq.block_table[i], state.positions(i), float(scores[j]) if scores is not None else 0.0,
+               reasons[j] if reasons is not None else reason) for j, i in enumerate(victims)]
     for i in sorted(victims, reverse=True):
         pool.release(seq.block_table.pop(i))
         state.remove(i)
@@ -237,8 +236,8 @@ def apply_eviction(seq: Sequence, state: SeqKV, victims: list[int], pool: BlockP
     state.stored = seq.num_stored
     if victims:
         seq.hashable = False
-    for bid, pos, score in events:
-        stats.emit("evict", seq.id, bid, pos, score, reason)
+    for bid, pos, score, why in events:
+        stats.emit("evict", seq.id, bid, pos, score, why)
 
 
 # ------------------------------------------------------------ offload tier
@@ -307,7 +306,7 @@ class OffloadTier:
         k = _host(pool.k[:, bid])  # [L, bs, kvh, hd]
         self.kv[slot, 0], self.kv[slot, 1] = k.transpose(0, 2, 1, 3), _host(pool.v[:, bid]).transpose(0, 2, 1, 3)
         self.kmin[..., slot], self.kmax[..., slot] = k.min(axis=1), k.max(axis=1)
-        pos, score = state.positions(i), float(state.score[i])
+        pos, score = state.positions(i), 0.0
         self.entries[(seq.id, pos[0])] = (slot, score)
         self.version += 1
         del seq.block_table[i]
@@ -440,17 +439,119 @@ class Retriever:
         return k, v
 
 
+# ------------------------------------------------------------ h2o heavy hitters
+
+def _module(a):
+    """numpy, or the array module (CuPy) an array belongs to."""
+    if isinstance(a, np.ndarray):
+        return np
+    import importlib
+    return importlib.import_module(type(a).__module__.split(".")[0])
+
+
+class HeavyHitters:
+    """One sequence's h2o state past its block table. Per layer and kv head: up to `cap`
+    heavy-hitter tokens (K/V rows, compacted, in the pool's array module and dtype), their
+    accumulated attention mass and positions; and the running mass of every token the table
+    holds ([layers, kv_heads, len(table) * block_size], aligned with the table). When blocks
+    leave the table, absorb() merges their tokens with the heavy hitters and each layer-head
+    keeps its `cap` highest scores."""
+
+    def __init__(self, pool: BlockPool, cap: int):
+        layers, _, bs, kvh, hd = pool.k.shape
+        self.cap, self.block_size = cap, bs
+        self.xp = _module(pool.k)
+        self.k = self.xp.empty((layers, kvh, cap, hd), pool.k.dtype)
+        self.v = self.xp.empty_like(self.k)
+        self.score = np.zeros((layers, kvh, cap))
+        self.pos = np.zeros((layers, kvh, cap), np.int64)
+        self.n = 0  # heavy hitters held by every layer-head
+        self.live = np.zeros((layers, kvh, 0))  # mass of the table's tokens
+
+    def sync(self, seq: Sequence) -> "HeavyHitters":
+        """Room for blocks that append_slots added at the end of the table."""
+        n = len(seq.block_table) * self.block_size
+        if n > self.live.shape[2]:
+            self.live = np.concatenate([self.live, np.zeros((*self.live.shape[:2], n - self.live.shape[2]))], axis=2)
+        return self
+
+    def extra(self, layer: int):
+        """This layer's heavy hitters as extra keys for paged_attention: (K, V) [kvh, n, hd]."""
+        return None if not self.n else (self.k[layer, :, :self.n], self.v[layer, :, :self.n])
+
+    def observe(self, mass, fade: float = 1.0) -> None:
+        """Fold one forward's mass [layers, kv_heads, n + n_ctx] (heavy hitters first), after
+        scaling the scores held so far by `fade`."""
+        mass = _host(mass)
+        if fade != 1.0:
+            self.score *= fade
+            self.live *= fade
+        self.score[:, :, :self.n] += mass[:, :, :self.n]
+        ctx = mass.shape[2] - self.n
+        self.live[:, :, :ctx] += mass[:, :, self.n:]
+
+    def absorb(self, seq: Sequence, victims: list[int], pool: BlockPool, starts: np.ndarray):
+        """Table entries `victims` (full blocks, about to leave the pool): each layer-head keeps
+        the cap best of its heavy hitters and their tokens. Returns, per victim, its mean score
+        over layer-heads and how many (token, layer-head) rows of it stay; and how many older
+        heavy-hitter rows were pushed out."""
+        xp, bs, n, cap = self.xp, self.block_size, self.n, self.cap
+        layers, kvh, _, hd = self.k.shape
+        cols = np.concatenate([np.arange(i * bs, (i + 1) * bs) for i in victims])
+        bids = xp.asarray(np.asarray([seq.block_table[i] for i in victims]))
+        # [layers, nv, bs, kvh, hd] -> [layers, kvh, nv * bs, hd]
+        new_k = pool.k[:, bids].transpose(0, 3, 1, 2, 4).reshape(layers, kvh, -1, hd)
+        new_v = pool.v[:, bids].transpose(0, 3, 1, 2, 4).reshape(new_k.shape)
+        new_s = self.live[:, :, cols]
+        new_p = np.broadcast_to(np.concatenate([starts[i] + np.arange(bs) for i in victims]), new_s.shape)
+        block_scores = new_s.reshape(layers, kvh, len(victims), bs).sum(axis=3).mean(axis=(0, 1))
+        self.live = np.delete(self.live, cols, axis=2)
+        fill = min(cap - n, len(cols))  # free slots take the first tokens as they are
+        end = n + fill
+        self.k[:, :, n:end], self.v[:, :, n:end] = new_k[:, :, :fill], new_v[:, :, :fill]
+        self.score[:, :, n:end], self.pos[:, :, n:end] = new_s[:, :, :fill], new_p[:, :, :fill]
+        self.n = end
+        rest = len(cols) - fill
+        if rest:  # a full store: per layer-head, the `rest` lowest of cap + rest rows go
+            score = np.concatenate([self.score, new_s[:, :, fill:]], axis=2)
+            drop = np.zeros(score.shape, bool)
+            np.put_along_axis(drop, np.argpartition(score, rest - 1, axis=2)[:, :, :rest], True, axis=2)
+            # per layer-head, as many stored rows are freed as incoming rows stay: pair them in order
+            freed = np.nonzero(drop[:, :, :cap])
+            taken = np.nonzero(~drop[:, :, cap:])
+            taken = (taken[0], taken[1], taken[2] + fill)
+            self.score[freed], self.pos[freed] = new_s[taken], new_p[taken]
+            fx, tx = tuple(xp.asarray(a) for a in freed), tuple(xp.asarray(a) for a in taken)
+            self.k[fx], self.v[fx] = new_k[tx], new_v[tx]
+        # what stayed, from the positions now stored (heavy hitters are older than any victim)
+        first = np.array([starts[i] for i in victims])
+        stored = self.pos[:, :, :self.n].ravel()
+        mine = np.searchsorted(first, stored, side="right") - 1
+        is_new = (mine >= 0) & (stored < first[np.maximum(mine, 0)] + bs)
+        kept = np.bincount(mine[is_new], minlength=len(victims))
+        pushed = layers * kvh * n - int((~is_new).sum())
+        return block_scores, kept.tolist(), pushed
+
+    def copy(self) -> "HeavyHitters":
+        twin = object.__new__(HeavyHitters)
+        twin.cap, twin.block_size, twin.xp, twin.n = self.cap, self.block_size, self.xp, self.n
+        twin.k, twin.v = self.k.copy(), self.v.copy()
+        twin.score, twin.pos, twin.live = self.score.copy(), self.pos.copy(), self.live.copy()
+        return twin
+
+
 # ------------------------------------------------------------ what the engine holds
 
 class Evictor:
-    """One per engine: the config, each sequence's SeqKV, the offload tier (policy offload)."""
+    """One per engine: the config, each sequence's SeqKV, h2o's heavy hitters, the offload
+    tier (policy offload)."""
 
-    def __init__(self, cfg: EvictConfig, pool: BlockPool, stats: Stats | None = None, n_heads: int = 1,
+    def __init__(self, cfg: EvictConfig, pool: BlockPool, stats: Stats | None = None,
                  offload_dir: Path | str | None = None):
         self.cfg = cfg.validate(pool.block_size)
         self.pool, self.stats = pool, stats or pool.stats
-        self.unit = float(pool.k.shape[0] * n_heads)
         self.states: dict[int, SeqKV] = {}
+        self.heavy: dict[int, HeavyHitters] = {}  # h2o: seq id -> its heavy hitters
         self.tier = OffloadTier.for_pool(pool, offload_dir) if cfg.policy == "offload" else None
         self._index: dict[int, tuple] = {}  # seq id -> (tier version, tier.index(seq id))
         self._recalled: dict[int, set[int]] = {}  # seq id -> starts read back in its last forward
@@ -467,8 +568,14 @@ class Evictor:
     def state(self, seq: Sequence) -> SeqKV:
         st = self.states.get(seq.id)
         if st is None:
-            st = self.states[seq.id] = SeqKV(self.pool.block_size, self.unit, decay=self.cfg.decay)
+            st = self.states[seq.id] = SeqKV(self.pool.block_size)
         return st.sync(seq)
+
+    def heavy_hitters(self, seq: Sequence) -> HeavyHitters:
+        hh = self.heavy.get(seq.id)
+        if hh is None:
+            hh = self.heavy[seq.id] = HeavyHitters(self.pool, self.cfg.heavy_tokens(self.pool.block_size))
+        return hh.sync(seq)
 
     def make_room(self, seq: Sequence, n_new: int) -> int:
         """Before append_slots: evict (or offload) so that seq fits its budget after n_new
@@ -479,24 +586,40 @@ class Evictor:
         st = self.state(seq)
         victims = choose_victims(st, need, self.cfg, ref_counts(seq, self.pool), incoming=n_new)
         reason = f"{self.cfg.policy}: budget {self.cfg.budget} tokens"
-        if self.tier is None:
-            apply_eviction(seq, st, victims, self.pool, self.stats, reason)
-        else:
+        if self.tier is not None:
             for i in reversed(victims):
                 self.tier.offload(seq, st, i, self.pool, self.stats, reason)
+        elif self.cfg.policy == "h2o" and victims:
+            hh = self.heavy_hitters(seq)
+            scores, kept, pushed = hh.absorb(seq, victims, self.pool, st.start)
+            rows = self.pool.k.shape[0] * self.pool.k.shape[3] * self.pool.block_size
+            reasons = [f"{reason}; {k} of its {rows} (token, layer, kv head) rows stay as heavy hitters" for k in kept]
+            if pushed:
+                reasons[-1] += f"; {pushed} older heavy-hitter rows dropped"
+            apply_eviction(seq, st, victims, self.pool, self.stats, reason, scores, reasons)
+        else:
+            apply_eviction(seq, st, victims, self.pool, self.stats, reason)
         return need - len(victims)
 
     def mass_for(self, seq: Sequence, xp=np):
-        """After append_slots: the array to pass as Span.mass (None when no policy reads it)."""
-        return xp.zeros(seq.num_stored, np.float32) if self.scores_needed else None
+        """After append_slots: the array to pass as Span.mass (None when no policy reads it):
+        [layers, kv_heads, heavy hitters + stored tokens]."""
+        if not self.scores_needed:
+            return None
+        layers, _, _, kvh, _ = self.pool.k.shape
+        return xp.zeros((layers, kvh, self.heavy_hitters(seq).n + seq.num_stored), np.float32)
 
-    def observe(self, seq: Sequence, mass) -> None:
-        """After the forward: fold the span's mass into the block scores."""
+    def observe(self, seq: Sequence, mass, n_queries: int = 1) -> None:
+        """After the forward: fold the span's mass (from n_queries queries) into the scores."""
         if mass is not None:
-            self.state(seq).accumulate(mass)
+            self.heavy_hitters(seq).observe(mass, self.cfg.decay ** n_queries)
 
-    def retriever(self, seq: Sequence) -> Retriever | None:
-        """Before the forward (policy offload): what the layers read back from the tier for seq."""
+    def retriever(self, seq: Sequence):
+        """Before the forward: what each layer attends to besides the table (Span.retrieve):
+        h2o's heavy hitters, or the blocks offload reads back from its tier; None if nothing."""
+        if self.cfg.policy == "h2o":
+            hh = self.heavy.get(seq.id)
+            return None if hh is None or not hh.n else (lambda layer, q: hh.extra(layer))
         if self.tier is None:
             return None
         cached = self._index.get(seq.id)
@@ -522,17 +645,22 @@ class Evictor:
         self._extra[seq.id] = ret.most if ret is not None else 0
 
     def active_tokens(self, seq: Sequence) -> int:
-        """Tokens of K/V seq's last forward attended to in one layer: resident + read back."""
-        return seq.num_stored + self._extra.get(seq.id, 0)
+        """Tokens of K/V seq's last forward attended to in one layer (and kv head): resident,
+        plus h2o's heavy hitters or what offload read back."""
+        hh = self.heavy.get(seq.id)
+        return seq.num_stored + self._extra.get(seq.id, 0) + (hh.n if hh is not None else 0)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """After KVManager.fork: the child starts with the parent's scores (offloaded blocks stay the parent's)."""
+        """After KVManager.fork: the child starts with the parent's table positions and its own
+        copy of the heavy hitters (offloaded blocks stay the parent's)."""
         self.states[child.id] = self.state(parent).copy()
+        if parent.id in self.heavy:
+            self.heavy[child.id] = self.heavy[parent.id].copy()
 
     def free(self, seq: Sequence) -> None:
-        """With KVManager.free: forget the sequence and its offloaded blocks."""
+        """With KVManager.free: forget the sequence, its heavy hitters and offloaded blocks."""
         self.states.pop(seq.id, None)
-        for d in (self._index, self._recalled, self._extra):
+        for d in (self.heavy, self._index, self._recalled, self._extra):
             d.pop(seq.id, None)
         if self.tier is not None:
             self.tier.drop(seq.id)

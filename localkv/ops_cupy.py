@@ -368,11 +368,12 @@ def _launch_decode(out, lse, q16, q_stride, k_layer, v_layer, tables, bt_stride,
 
 def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass=None, extra=None):
     """Causal attention of q [T, H, hd] — the last T tokens of an n_ctx context — over the
-    K/V found through block_table. Returns [T, H, hd] in q's dtype. If mass [n_ctx] is given
-    (numpy or CuPy), the attention weight each key received (summed over queries and heads) is
-    added to it. T == 1 runs the split-K decode kernel, T > 1 the prefill kernel. extra =
-    (K, V) [kv_heads, n, hd] (offload's read-back blocks, before the whole table) takes the
-    CuPy fallback path."""
+    K/V found through block_table. Returns [T, H, hd] in q's dtype. If mass is given (numpy
+    or CuPy), the attention weight each key received, summed over queries, is added to it:
+    [n_ctx] summed over heads (the kernel path), or [kv_heads, n_extra + n_ctx] per kv head
+    (ops_numpy's layout; the CuPy fallback). T == 1 runs the split-K decode kernel, T > 1 the
+    prefill kernel. extra = (K, V) [kv_heads, n, hd] (h2o's heavy hitters, offload's read-back
+    blocks; before the whole table) takes the CuPy fallback path."""
     T, H, hd = q.shape
     nb, bs, kvh, hd_k = k_layer.shape
     n_ctx = int(n_ctx)
@@ -380,7 +381,7 @@ def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, 
         raise ValueError(f"paged_attention: q {q.shape} does not fit K/V {k_layer.shape} with n_ctx {n_ctx}")
     if len(block_table) * bs < n_ctx:
         raise ValueError(f"paged_attention: {len(block_table)} blocks of {bs} cannot hold {n_ctx} tokens")
-    if extra is not None or not _kernels_ok(hd, k_layer, v_layer):
+    if extra is not None or (mass is not None and mass.ndim == 2) or not _kernels_ok(hd, k_layer, v_layer):
         return _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass, extra)
     bt = _dev(block_table, np.int32)
     q16, qs = _q_rows(q)
@@ -469,7 +470,7 @@ def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=Non
     cp.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     if mass is not None:
-        m = s.sum(axis=(0, 1))[ne:]
+        m = s.reshape(kvh, g * T, n_ctx).sum(axis=1) if mass.ndim == 2 else s.sum(axis=(0, 1))[ne:]
         if isinstance(mass, cp.ndarray):
             mass += m.astype(mass.dtype)
         else:

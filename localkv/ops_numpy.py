@@ -82,10 +82,12 @@ def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndar
 def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, block_table: np.ndarray,
                     n_ctx: int, scale: float, mass: np.ndarray | None = None, extra=None) -> np.ndarray:
     """Causal attention of q [T, H, hd] — the last T tokens of an n_ctx context — over the
-    K/V found through block_table. Returns [T, H, hd]. If mass [n_ctx] is given, the
-    attention weight each key received (summed over queries and heads) is added to it.
-    extra = (K, V) [kv_heads, n, hd]: more keys every query sees (blocks read back from an
-    offload tier, older than the whole table), attended to with the table's."""
+    K/V found through block_table. Returns [T, H, hd]. extra = (K, V) [kv_heads, n, hd]: more
+    keys every query sees (h2o's heavy hitters, blocks read back from an offload tier; older
+    than the whole table), attended to with the table's. If mass is given, the attention
+    weight each key received, summed over queries, is added to it: mass [kv_heads, n + n_ctx]
+    per kv head (its query heads summed; extra keys first), or mass [n_ctx] summed over all
+    heads (the table's keys only)."""
     T, H, hd = q.shape
     k = gather_kv(k_layer, block_table, n_ctx)
     v = gather_kv(v_layer, block_table, n_ctx)
@@ -109,14 +111,18 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
         if mass is not None:
-            mass[:kend - ne] += s.sum(axis=(0, 1))[ne:]
+            if mass.ndim == 2:
+                mass[:, :kend] += s.sum(axis=1)
+            else:
+                mass[:kend - ne] += s.sum(axis=(0, 1))[ne:]
         out[q0:q1] = np.matmul(s, v[:, :kend]).reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
     return out.reshape(T, H, hd)
 
 
 def _partial(q, k, v, scale):
-    """Unnormalised attention of q [kvh, R, hd] over k/v [kvh, n, hd]: (out, row max, row sum)."""
-    s = np.matmul(q, k.transpose(0, 2, 1))
+    """Unnormalised attention of q [..., R, hd] over k/v [..., n, hd] (leading dims batch, e.g.
+    kv heads): (out, row max, row sum)."""
+    s = np.matmul(q, np.swapaxes(k, -1, -2))
     s *= scale
     m = s.max(axis=-1, keepdims=True)
     s -= m
@@ -129,8 +135,9 @@ def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray
     """Decode attention for B sequences (one query each, q [B, H, hd]) whose block tables all
     begin with prefix_table (full blocks, e.g. the forks of one prompt). The prefix K/V are
     gathered and scored once for all B queries; each sequence's own tail (its table after the
-    prefix, n tokens) is scored alone; the two softmax parts merge by their row maxima
-    (cascade attention). Same result as paged_attention per sequence."""
+    prefix, n tokens) is scored on its own (all tails in one batched pass when they are the
+    same length, as branches decoding in lockstep are); the two softmax parts merge by their
+    row maxima (cascade attention). Same result as paged_attention per sequence."""
     B, H, hd = q.shape
     kvh = k_layer.shape[2]
     g = H // kvh
@@ -138,6 +145,17 @@ def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray
     vp = gather_kv(v_layer, prefix_table, len(prefix_table) * k_layer.shape[1])
     qg = q.reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
     op, mp, lp = _partial(qg, kp, vp, scale)  # rows ordered (sequence, group)
+    n = tails[0][1]
+    if all(t[1] == n and len(t[0]) == len(tails[0][0]) for t in tails):
+        tables = np.stack([t[0] for t in tails])  # [B, blocks]
+        kt = k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]  # [kvh, B, n, hd]
+        vt = v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]
+        ot, mt, lt = _partial(qg.reshape(kvh, B, g, hd), kt, vt, scale)  # [kvh, B, g, .]
+        mp, lp, op = (a.reshape(kvh, B, g, -1) for a in (mp, lp, op))
+        m = np.maximum(mp, mt)
+        a, c = np.exp(mp - m), np.exp(mt - m)
+        out = (op * a + ot * c) / (lp * a + lt * c)  # [kvh, B, g, hd]
+        return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
     out = np.empty((B, kvh, g, hd), q.dtype)
     for b, (table, n) in enumerate(tails):
         rows = slice(b * g, (b + 1) * g)

@@ -56,6 +56,27 @@ def test_offload_reads_back_what_it_moved_out(tiny):
     assert eng.pool.num_free == eng.pool.num_blocks and not eng.evictor.tier.entries
 
 
+def test_h2o_attends_to_its_heavy_hitters(tiny):
+    """While the heavy-hitter slots can hold every token that left the table, h2o loses
+    nothing: the logits equal the full cache's, though the pool held at most 4 blocks."""
+    tokens = list(map(int, np.random.default_rng(6).integers(3, 261, 90)))
+    full = engine(tiny).score(tokens)
+    cfg = EvictConfig(policy="h2o", budget=96, sinks=8, recent=16)  # 12 blocks: 4 resident, 64 heavy slots
+    eng = Engine(tiny, progress=False, block_size=8, prefix_caching=False, evict=cfg)
+    seq_peak = []
+    real_step = eng.step
+
+    def step(seqs, *a, **kw):
+        out = real_step(seqs, *a, **kw)
+        seq_peak.append((len(seqs[0].block_table), eng.evictor.active_tokens(seqs[0])))
+        return out
+    eng.step = step
+    got = eng.score(tokens)
+    assert eng.stats.evictions >= 7 and max(b for b, _ in seq_peak) <= 4 and max(a for _, a in seq_peak) <= 96
+    np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.evictor.heavy
+
+
 def test_policy_none_stops_with_a_clear_reason(tiny):
     eng = engine(tiny, "none", budget=48)
     r = eng.generate(PROMPT, GREEDY, 50, True).run()

@@ -200,6 +200,21 @@ class TestKernels:
         _close(oc.to_host(got), ref)
         np.testing.assert_allclose(mass, mass_ref, rtol=2e-3, atol=1e-4)
 
+    @pytest.mark.parametrize("T", [1, 3])
+    def test_per_kv_head_mass_with_heavy_hitters(self, cp, oc, T):
+        """h2o's layout: mass [kv_heads, n_extra + n_ctx], extra keys first (CuPy fallback path)."""
+        rng = np.random.default_rng(10 + T)
+        kn, vn, kg, vg, table = _pools(cp, oc, rng, 40, 2, 64, 16)
+        q = rng.standard_normal((T, 6, 64)).astype(np.float16)
+        extra = tuple(rng.standard_normal((2, 24, 64)).astype(np.float32) for _ in range(2))
+        mass_ref, mass = np.zeros((2, 64), np.float32), cp.zeros((2, 64), cp.float32)
+        ref = ops_numpy.paged_attention(q.astype(np.float32), kn, vn, table, 40, 0.125, mass_ref, extra)
+        got = oc.paged_attention(cp.asarray(q), kg, vg, cp.asarray(table), 40, 0.125, mass,
+                                 tuple(cp.asarray(a, cp.float16) for a in extra))
+        _close(oc.to_host(got), ref)
+        np.testing.assert_allclose(oc.to_host(mass), mass_ref, rtol=2e-3, atol=1e-4)
+        assert np.isclose(mass_ref.sum(), T * 6, rtol=1e-4)
+
     @pytest.mark.parametrize("hd", [16, 80])
     def test_head_dims_without_kernels_fall_back(self, cp, oc, hd):
         assert hd not in oc.KERNEL_HEAD_DIMS

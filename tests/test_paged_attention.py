@@ -70,7 +70,8 @@ def test_rope_rotates_halves_and_keeps_norm():
     assert y[1, 0, 0] == pytest.approx(a * np.cos(1) - b * np.sin(1), rel=1e-5)
 
 
-@pytest.mark.parametrize("block_size,prefix_blocks,tails", [(4, 3, [1, 5, 9]), (16, 2, [3, 16, 17, 40]), (8, 1, [1, 1])])
+@pytest.mark.parametrize("block_size,prefix_blocks,tails", [(4, 3, [1, 5, 9]), (16, 2, [3, 16, 17, 40]), (8, 1, [1, 1]),
+                                                             (16, 4, [21] * 8), (4, 2, [4, 4, 4])])  # lockstep: batched
 def test_shared_prefix_decode_equals_per_sequence_attention(block_size, prefix_blocks, tails):
     rng = np.random.default_rng(block_size + len(tails))
     H, kvh, hd, nb = 9, 3, 8, 40
@@ -104,6 +105,32 @@ def test_extra_keys_are_older_context_every_query_sees(T):
     got = ops.paged_attention(q, kl, vl, table, n_ctx, 0.4, mass, extra)
     np.testing.assert_allclose(got, dense_attention(q, k, v, 0.4), rtol=1e-4, atol=1e-5)
     assert 0 < mass.sum() < T * H  # the extra keys took the rest of the weight
+
+
+@pytest.mark.parametrize("T,n_extra", [(1, 0), (1, 12), (6, 12), (200, 5)])
+def test_per_kv_head_mass_matches_dense_weights(T, n_extra):
+    """mass [kv_heads, n_extra + n_ctx] (h2o's layout): per key, the softmax weight summed over
+    the queries and the kv head's query heads; extra keys first. Checked against weights
+    computed densely; T=200 crosses a query block."""
+    rng = np.random.default_rng(T + n_extra)
+    n_ctx, kvh, H, hd, scale = 230, 2, 6, 8, 0.4
+    n = n_extra + n_ctx
+    k = rng.standard_normal((n, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((n, kvh, hd)).astype(np.float32)
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    kl, vl, table = paged_copy(k[n_extra:], v[n_extra:], 4, 64, rng)
+    extra = None if not n_extra else tuple(np.ascontiguousarray(a[:n_extra].transpose(1, 0, 2)) for a in (k, v))
+    mass = np.zeros((kvh, n), np.float32)
+    ops.paged_attention(q, kl, vl, table, n_ctx, scale, mass, extra)
+    want = np.zeros((kvh, n))
+    g = H // kvh
+    for h in range(H):
+        for t in range(T):
+            visible = n - T + t + 1
+            s = (k[:visible, h // g] @ q[t, h]) * scale
+            p = np.exp(s - s.max())
+            want[h // g, :visible] += p / p.sum()
+    np.testing.assert_allclose(mass, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("first,n_ctx,T", [(0, 1, 1), (3, 20, 1), (5, 33, 7), (2, 64, 64)])

@@ -14,7 +14,8 @@ ModelOpt = typer.Option(None, "-m", "--model",
                              "directory (config.json + *.safetensors + tokenizer.json). Default: smollm2-135m.")
 BudgetOpt = typer.Option(None, "--kv-budget", help="Most tokens of KV one sequence may hold; past it --evict decides.")
 EvictOpt = typer.Option("none", "--evict", help="When the budget is full: none (stop), sliding (attention sinks + "
-                                                "recent window), h2o (+ heavy hitters), offload (move blocks to "
+                                                "recent window), h2o (half the window, + each layer-head's "
+                                                "heaviest tokens), offload (move blocks to "
                                                 "host memory and recall them when the query needs them). "
                                                 "/set evict|budget change it in the chat.")
 
