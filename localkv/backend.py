@@ -4,7 +4,9 @@ select(device) returns the backend module (ops_numpy or ops_cupy); the model, th
 (xp=ops.xp, dtype=ops.kv_dtype) and the weights (ops_cupy.upload_weights) follow from it.
 """
 
+import ctypes
 import importlib
+import os
 import sys
 
 from . import ops_numpy
@@ -28,6 +30,37 @@ def select(device: str = "auto"):
         except LocalkvError:
             return ops_numpy
     raise LocalkvError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
+
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20  # allocations below this come from the heap, not a fresh mmap
+TRIM_THRESHOLD = 64 << 20  # free memory the heap keeps before returning it to the OS
+_malloc_tuned = False
+
+
+def tune_malloc() -> bool:
+    """Keep numpy's large temporaries (attention scores, FFN activations: 0.1-25 MB each) in the
+    heap. glibc's default serves every allocation above 128 KiB, at first, from a fresh mmap
+    and, later, from a heap it trims back to the OS, so the same temporaries are page-faulted in
+    again layer after layer: a 512-token prefill of SmolLM2 took about 5,700 minor page faults
+    (23 MB) per run in steady state, and none with this tuning. What that costs depends on the
+    machine: on this VM first-touch memory ran at 0.5 GB/s at times (that prefill: 1,011 ms
+    without, 815-850 ms with, attention 225 -> 160 ms) and at full speed at others (no
+    difference). The heap keeps at most TRIM_THRESHOLD (64 MiB) of freed memory. Linux/glibc
+    only; skipped when the user set MALLOC_*_ tunables. Returns whether it applied."""
+    global _malloc_tuned
+    if _malloc_tuned:
+        return True
+    if not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    _malloc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return _malloc_tuned
 
 
 def available_devices() -> list[str]:

@@ -84,6 +84,7 @@ class Engine:
         self.threads = threads or _blas_threads()
         kv_bytes, disk_bytes = parse_size(kv_mem), parse_size(disk_cache_size)  # bad sizes fail before loading
         self.ops = backend.select(device)  # before the model loads: a missing GPU fails fast
+        backend.tune_malloc()
         self.path = resolve_model(None if model is None else str(model), progress=progress)
         loaded = load_model(self.path, progress=progress)
         self.loaded = loaded
