@@ -50,6 +50,7 @@ slots, and each layer attends to at most the budget. A prefill chunk under a bud
 be at most chunk_limit() tokens.
 """
 
+import copy
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -255,7 +256,7 @@ class OffloadTier:
         self.block_shape = tuple(block_shape)  # (layers, block_size, kv_heads, head_dim)
         self.dtype = np.dtype(dtype)
         self.file = None if path is None else _open_spill(Path(path))
-        self.entries: dict[tuple[int, int], tuple[int, float]] = {}  # (seq id, start) -> (slot, score)
+        self.entries: dict[tuple[int, int], int] = {}  # (seq id, start) -> slot
         self.free_slots: list[int] = []
         self.version = 0  # bumped whenever entries change: retrievers rebuild their index
         layers, bs, kvh, hd = self.block_shape
@@ -293,7 +294,7 @@ class OffloadTier:
 
     def blocks_of(self, seq_id: int) -> list[tuple[int, int]]:
         """(start position, slot) of a sequence's offloaded blocks, by position."""
-        return sorted((start, slot) for (sid, start), (slot, _) in self.entries.items() if sid == seq_id)
+        return sorted((start, slot) for (sid, start), slot in self.entries.items() if sid == seq_id)
 
     def offload(self, seq: Sequence, state: SeqKV, i: int, pool: BlockPool, stats: Stats,
                 reason: str = "over budget") -> int:
@@ -306,15 +307,15 @@ class OffloadTier:
         k = _host(pool.k[:, bid])  # [L, bs, kvh, hd]
         self.kv[slot, 0], self.kv[slot, 1] = k.transpose(0, 2, 1, 3), _host(pool.v[:, bid]).transpose(0, 2, 1, 3)
         self.kmin[..., slot], self.kmax[..., slot] = k.min(axis=1), k.max(axis=1)
-        pos, score = state.positions(i), 0.0
-        self.entries[(seq.id, pos[0])] = (slot, score)
+        pos = state.positions(i)
+        self.entries[(seq.id, pos[0])] = slot
         self.version += 1
         del seq.block_table[i]
         state.remove(i)
         pool.release(bid)
         seq.num_stored -= state.block_size
         state.stored, seq.hashable = seq.num_stored, False
-        stats.emit("offload", seq.id, bid, pos, score, reason)
+        stats.emit("offload", seq.id, bid, pos, reason=reason)
         return slot
 
     def block_kv(self, slots: np.ndarray, which: int, layer: int, head: int) -> np.ndarray:
@@ -331,7 +332,7 @@ class OffloadTier:
 
     def drop(self, seq_id: int) -> None:
         for key in [k for k in self.entries if k[0] == seq_id]:
-            self.free_slots.append(self.entries.pop(key)[0])
+            self.free_slots.append(self.entries.pop(key))
             self.version += 1
 
     def close(self) -> None:
@@ -441,14 +442,6 @@ class Retriever:
 
 # ------------------------------------------------------------ h2o heavy hitters
 
-def _module(a):
-    """numpy, or the array module (CuPy) an array belongs to."""
-    if isinstance(a, np.ndarray):
-        return np
-    import importlib
-    return importlib.import_module(type(a).__module__.split(".")[0])
-
-
 class HeavyHitters:
     """One sequence's h2o state past its block table. Per layer and kv head: up to `cap`
     heavy-hitter tokens (K/V rows, compacted, in the pool's array module and dtype), their
@@ -460,7 +453,7 @@ class HeavyHitters:
     def __init__(self, pool: BlockPool, cap: int):
         layers, _, bs, kvh, hd = pool.k.shape
         self.cap, self.block_size = cap, bs
-        self.xp = _module(pool.k)
+        self.xp = pool.xp
         self.k = self.xp.empty((layers, kvh, cap, hd), pool.k.dtype)
         self.v = self.xp.empty_like(self.k)
         self.score = np.zeros((layers, kvh, cap))
@@ -533,10 +526,9 @@ class HeavyHitters:
         return block_scores, kept.tolist(), pushed
 
     def copy(self) -> "HeavyHitters":
-        twin = object.__new__(HeavyHitters)
-        twin.cap, twin.block_size, twin.xp, twin.n = self.cap, self.block_size, self.xp, self.n
-        twin.k, twin.v = self.k.copy(), self.v.copy()
-        twin.score, twin.pos, twin.live = self.score.copy(), self.pos.copy(), self.live.copy()
+        twin = copy.copy(self)
+        twin.k, twin.v, twin.score, twin.pos, twin.live = (a.copy() for a in (self.k, self.v, self.score, self.pos,
+                                                                              self.live))
         return twin
 
 
@@ -638,7 +630,7 @@ class Evictor:
         before = self._recalled.get(seq.id, set())
         bs = self.pool.block_size
         for start in sorted(set(picked) - before):
-            slot = self.tier.entries[(seq.id, start)][0]
+            slot = self.tier.entries[(seq.id, start)]
             self.stats.emit("recall", seq.id, slot, (start, start + bs), picked[start],
                             "among a layer's top offloaded blocks for the current query")
         self._recalled[seq.id] = set(picked)
