@@ -150,20 +150,23 @@ def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray
         tables = np.stack([t[0] for t in tails])  # [B, blocks]
         kt = k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]  # [kvh, B, n, hd]
         vt = v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]
-        ot, mt, lt = _partial(qg.reshape(kvh, B, g, hd), kt, vt, scale)  # [kvh, B, g, .]
-        mp, lp, op = (a.reshape(kvh, B, g, -1) for a in (mp, lp, op))
-        m = np.maximum(mp, mt)
-        a, c = np.exp(mp - m), np.exp(mt - m)
-        out = (op * a + ot * c) / (lp * a + lt * c)  # [kvh, B, g, hd]
+        tail = _partial(qg.reshape(kvh, B, g, hd), kt, vt, scale)  # [kvh, B, g, .]
+        out = _merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
         return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
     out = np.empty((B, kvh, g, hd), q.dtype)
     for b, (table, n) in enumerate(tails):
         rows = slice(b * g, (b + 1) * g)
-        ot, mt, lt = _partial(qg[:, rows], gather_kv(k_layer, table, n), gather_kv(v_layer, table, n), scale)
-        m = np.maximum(mp[:, rows], mt)
-        a, c = np.exp(mp[:, rows] - m), np.exp(mt - m)
-        out[b] = (op[:, rows] * a + ot * c) / (lp[:, rows] * a + lt * c)
+        tail = _partial(qg[:, rows], gather_kv(k_layer, table, n), gather_kv(v_layer, table, n), scale)
+        out[b] = _merge((op[:, rows], mp[:, rows], lp[:, rows]), tail)
     return out.reshape(B, H, hd)
+
+
+def _merge(first, second):
+    """Normalised attention from two _partial results over disjoint key sets."""
+    (o1, m1, l1), (o2, m2, l2) = first, second
+    m = np.maximum(m1, m2)
+    a, c = np.exp(m1 - m), np.exp(m2 - m)
+    return (o1 * a + o2 * c) / (l1 * a + l2 * c)
 
 
 def to_host(x) -> np.ndarray:
