@@ -9,6 +9,9 @@ from . import ops_numpy
 from .block_pool import BlockPool
 from .config import ModelConfig
 
+LOGIT_CHUNK = 1024  # vocabulary rows per matmul when few logits rows are wanted (see Llama._logits_rows)
+LOGIT_CHUNK_MAX_ROWS = 64
+
 
 @dataclass(slots=True)
 class Span:
@@ -34,6 +37,19 @@ class Llama:
         emb = weights.get("tok_embd")
         self.output_t = emb if cfg.tied_embeddings and ops.xp is np and emb is not None and \
             emb.dtype == self.output.dtype and emb.flags.c_contiguous and emb.shape[::-1] == self.output.shape else None
+
+    def _logits_rows(self, h: np.ndarray) -> np.ndarray:
+        """Logits for several rows h [R, D] as tok_embd @ h.T. Up to LOGIT_CHUNK_MAX_ROWS rows the
+        vocabulary goes in slices of LOGIT_CHUNK rows (2.4 MB each, so the slice OpenBLAS packs stays
+        in cache): 8 rows 11.0 vs 13.6 ms, 2 rows 7.5 vs 10.0 ms; at 256 rows one call is as fast."""
+        emb, R = self.output_t, len(h)
+        if R > LOGIT_CHUNK_MAX_ROWS:
+            return np.ascontiguousarray((emb @ h.T).T, dtype=np.float32)
+        hT = np.ascontiguousarray(h.T)
+        out = np.empty((len(emb), R), np.float32)
+        for i in range(0, len(emb), LOGIT_CHUNK):
+            np.matmul(emb[i:i + LOGIT_CHUNK], hT, out=out[i:i + LOGIT_CHUNK])
+        return np.ascontiguousarray(out.T)
 
     def ensure_positions(self, n: int):
         """RoPE tables for positions up to n (past the context: eviction lets a sequence run on)."""
@@ -69,9 +85,10 @@ class Llama:
         x = w["tok_embd"][tokens].astype(ops.act_dtype, copy=False)  # indexing already copied
         cos, sin = self.cos[positions], self.sin[positions]
         shared = self._shared_prefix(spans, pool.block_size)
+        tables = [ops.frozen_table(sp.block_table) for sp in spans]  # one array per span, for every layer
         for i in range(cfg.n_layers):
             h = ops.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
-            qkv = (h @ w[f"{i}.wqkv"]).reshape(T, H + 2 * K, hd)
+            qkv = ops.linear(h, w[f"{i}.wqkv"], "wqkv").reshape(T, H + 2 * K, hd)
             ops.rope(qkv[:, : H + K], cos, sin)
             q, k, v = qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
             kl, vl = pool.k[i], pool.v[i]
@@ -80,17 +97,17 @@ class Llama:
                 attn = ops.shared_prefix_decode(q, kl, vl, *shared, self.scale)
             else:
                 attn = xp.empty((T, H, hd), dtype=x.dtype)
-                for sp in spans:
+                for sp, table in zip(spans, tables):
                     rows = slice(sp.start, sp.start + sp.length)
                     extra = None if sp.retrieve is None else sp.retrieve(i, q[rows])
                     if extra is not None:
                         extra = tuple(xp.asarray(a, dtype=kl.dtype) for a in extra)
-                    attn[rows] = ops.paged_attention(q[rows], kl, vl, xp.asarray(sp.block_table), sp.n_ctx,
+                    attn[rows] = ops.paged_attention(q[rows], kl, vl, table, sp.n_ctx,
                                                      self.scale, None if sp.mass is None else sp.mass[i], extra)
-            x += attn.reshape(T, H * hd) @ w[f"{i}.wo"]
+            x += ops.linear(attn.reshape(T, H * hd), w[f"{i}.wo"], "wo")
             h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
-            x += ops.ffn_down(ops.silu_mul(h @ w[f"{i}.w_gate_up"]), w[f"{i}.w_down_t"])
+            x += ops.ffn_down(ops.silu_mul(ops.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")), w[f"{i}.w_down_t"])
         h = ops.rmsnorm(x[xp.asarray(logit_rows)], w["out_norm"], cfg.rms_eps)
         if len(h) > 1 and self.output_t is not None:
-            return np.ascontiguousarray((self.output_t @ h.T).T, dtype=np.float32)
+            return self._logits_rows(h)
         return ops.to_host(h @ self.output).astype(np.float32, copy=False)

@@ -222,6 +222,11 @@ def _rope_xp(x, cos, sin):
     return x
 
 
+def linear(x, w, kind: str):
+    """x [T, in] @ w [in, out] (one cuBLAS gemm at any T; kind is for the CPU backend)."""
+    return x @ w
+
+
 def ffn_down(a, w_t):
     """a @ w_t.T for the down projection stored [D, F] (cuBLAS takes the transpose as a flag)."""
     return a @ w_t.T
@@ -285,6 +290,11 @@ def write_kv(k_layer, v_layer, slots, k, v):
 def gather_kv(layer, block_table, n_ctx: int):
     """The first n_ctx tokens of a sequence's K or V [n_ctx, kvh, hd], read through its block table."""
     return layer[cp.asarray(block_table)].reshape(-1, *layer.shape[2:])[:n_ctx]
+
+
+def frozen_table(block_table):
+    """A block table on the device as int32, once per forward pass (every layer reads it)."""
+    return _dev(block_table, np.int32)
 
 
 def copy_blocks(k_pool, v_pool, src, dst, n_tokens: int | None = None):

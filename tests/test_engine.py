@@ -87,7 +87,14 @@ def test_block_size_and_chunking_do_not_change_logits(gguf_path, block_size, chu
     np.testing.assert_allclose(eng.prefill(Sequence(PROMPT)), dense_reference(PROMPT)[-1], rtol=1e-3, atol=1e-3)
 
 
-def test_batched_decode_equals_each_sequence_alone(gguf_path):
+@pytest.mark.parametrize("chunk, max_rows", [(1024, 64), (100, 64), (100, 2)])
+def test_batched_decode_equals_each_sequence_alone(gguf_path, monkeypatch, chunk, max_rows):
+    # several logits rows: the vocabulary in one slice, in 100-row slices (the last one partial),
+    # or in one call (more rows than the slicing is for)
+    from localkv import model
+
+    monkeypatch.setattr(model, "LOGIT_CHUNK", chunk)
+    monkeypatch.setattr(model, "LOGIT_CHUNK_MAX_ROWS", max_rows)
     eng = engine(gguf_path, block_size=4)
     prompts = [PROMPT[:5], PROMPT[:17], PROMPT[3:30]]
     seqs = [Sequence(list(p)) for p in prompts]

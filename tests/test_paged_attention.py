@@ -153,3 +153,25 @@ def test_a_run_of_consecutive_blocks_is_read_in_place(first, n_ctx, T):
         odd = table.copy()
         odd[1], odd[-2] = odd[-2], odd[1]
         assert not np.shares_memory(ops.gather_kv(kl, odd, n_ctx), kl)
+
+
+def test_run_check_is_kept_only_for_read_only_tables():
+    """The model hands every layer one frozen table, whose run check is kept; a writable
+    table changed in place between calls is checked again, so it is never read stale."""
+    rng = np.random.default_rng(3)
+    bs, kvh, hd = 4, 2, 8
+    kl = rng.standard_normal((8, bs, kvh, hd)).astype(np.float32)
+    table = np.arange(2, 6)
+    assert np.shares_memory(ops.gather_kv(kl, table, 16), kl)
+    table[1], table[2] = table[2], table[1]  # same object, no longer one run
+    got = ops.gather_kv(kl, table, 16)
+    assert not np.shares_memory(got, kl)
+    np.testing.assert_array_equal(got, kl[table].reshape(-1, kvh, hd).transpose(1, 0, 2))
+    frozen = ops.frozen_table([2, 3, 4, 5])
+    assert not frozen.flags.writeable
+    with pytest.raises(ValueError):
+        frozen[0] = 7
+    for _ in range(2):  # the second call answers from the kept check
+        np.testing.assert_array_equal(ops.gather_kv(kl, frozen, 16), kl[2:6].reshape(-1, kvh, hd).transpose(1, 0, 2))
+    other = ops.frozen_table([5, 1])
+    np.testing.assert_array_equal(ops.gather_kv(kl, other, 8), kl[[5, 1]].reshape(-1, kvh, hd).transpose(1, 0, 2))
