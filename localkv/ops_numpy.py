@@ -145,25 +145,31 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
         o = np.matmul(s, v)
         o /= s.sum(axis=-1, keepdims=True)
         return o.reshape(1, H, hd)
-    qg = q.reshape(T, kvh, g, hd).transpose(1, 2, 0, 3)  # [kvh, g, T, hd]
+    # scale the queries, not the scores, and (without mass) normalise the output rows, not the
+    # scores: two passes fewer over the [kvh, g * tq, kend] scores (pp512 attention: 170 -> 157 ms)
+    qg = (q * scale).reshape(T, kvh, g, hd).transpose(1, 2, 0, 3)  # [kvh, g, T, hd]
     out = np.empty((T, kvh, g, hd), q.dtype)
     past = ne + n_ctx - T
     for q0 in range(0, T, Q_BLOCK):
         q1 = min(T, q0 + Q_BLOCK)
         tq, kend = q1 - q0, past + q1  # keys past kend are in every query's future
         s = np.matmul(qg[:, :, q0:q1].reshape(kvh, g * tq, hd), k[:, :kend].transpose(0, 2, 1))
-        s *= scale
         if tq > 1:  # query i of the block sees keys up to past + q0 + i
             s.reshape(kvh, g, tq, kend)[..., past + q0:] += np.triu(np.full((tq, tq), -np.inf, s.dtype), k=1)
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
-        if mass is not None:
+        total = s.sum(axis=-1, keepdims=True)
+        if mass is None:
+            o = np.matmul(s, v[:, :kend])
+            o /= total
+        else:
+            s /= total
             if mass.ndim == 2:
                 mass[:, :kend] += s.sum(axis=1)
             else:
                 mass[:kend - ne] += s.sum(axis=(0, 1))[ne:]
-        out[q0:q1] = np.matmul(s, v[:, :kend]).reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
+            o = np.matmul(s, v[:, :kend])
+        out[q0:q1] = o.reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
     return out.reshape(T, H, hd)
 
 
