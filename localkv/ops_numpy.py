@@ -80,7 +80,8 @@ def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.
     v_layer.reshape(nb * bs, *v_layer.shape[2:])[slots] = v
 
 
-Q_BLOCK = 128  # causal prefill runs in query blocks: each block scores only the keys it can see
+Q_BLOCK = 64  # causal prefill runs in query blocks: each block scores only the keys it can see
+# (64 vs 128: pp512 +1.5-2%, in-process A/B; the scores of a block stay nearer the cache)
 
 
 def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndarray:
