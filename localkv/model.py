@@ -72,7 +72,9 @@ class Llama:
         p = min(p, min((sp.n_ctx - 1) // block_size for sp in spans))  # prefix blocks are full, tails non-empty
         if p < 1:
             return None
-        return first[:p], [(sp.block_table[p:], sp.n_ctx - p * block_size) for sp in spans]
+        # frozen: every layer reads through the same tables (ops_numpy keeps their run check)
+        freeze = getattr(self.ops, "frozen_table", np.asarray)
+        return freeze(first[:p]), [(freeze(sp.block_table[p:]), sp.n_ctx - p * block_size) for sp in spans]
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, spans: list[Span],
                 pool: BlockPool, logit_rows: list[int]) -> np.ndarray:

@@ -174,11 +174,10 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
     return out.reshape(T, H, hd)
 
 
-def _partial(q, k, v, scale):
-    """Unnormalised attention of q [..., R, hd] over k/v [..., n, hd] (leading dims batch, e.g.
-    kv heads): (out, row max, row sum)."""
+def _partial(q, k, v):
+    """Unnormalised attention of q [..., R, hd] (already scaled) over k/v [..., n, hd] (leading
+    dims batch, e.g. kv heads): (out, row max, row sum)."""
     s = np.matmul(q, np.swapaxes(k, -1, -2))
-    s *= scale
     m = s.max(axis=-1, keepdims=True)
     s -= m
     np.exp(s, out=s)
@@ -198,20 +197,20 @@ def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray
     g = H // kvh
     kp = gather_kv(k_layer, prefix_table, len(prefix_table) * k_layer.shape[1])
     vp = gather_kv(v_layer, prefix_table, len(prefix_table) * k_layer.shape[1])
-    qg = q.reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
-    op, mp, lp = _partial(qg, kp, vp, scale)  # rows ordered (sequence, group)
+    qg = (q * scale).reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
+    op, mp, lp = _partial(qg, kp, vp)  # rows ordered (sequence, group)
     n = tails[0][1]
     if all(t[1] == n and len(t[0]) == len(tails[0][0]) for t in tails):
         tables = np.stack([t[0] for t in tails])  # [B, blocks]
         kt = k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]  # [kvh, B, n, hd]
         vt = v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]
-        tail = _partial(qg.reshape(kvh, B, g, hd), kt, vt, scale)  # [kvh, B, g, .]
+        tail = _partial(qg.reshape(kvh, B, g, hd), kt, vt)  # [kvh, B, g, .]
         out = _merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
         return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
     out = np.empty((B, kvh, g, hd), q.dtype)
     for b, (table, n) in enumerate(tails):
         rows = slice(b * g, (b + 1) * g)
-        tail = _partial(qg[:, rows], gather_kv(k_layer, table, n), gather_kv(v_layer, table, n), scale)
+        tail = _partial(qg[:, rows], gather_kv(k_layer, table, n), gather_kv(v_layer, table, n))
         out[b] = _merge((op[:, rows], mp[:, rows], lp[:, rows]), tail)
     return out.reshape(B, H, hd)
 
