@@ -72,8 +72,7 @@ class Llama:
         p = min(p, min((sp.n_ctx - 1) // block_size for sp in spans))  # prefix blocks are full, tails non-empty
         if p < 1:
             return None
-        # frozen: every layer reads through the same tables (ops_numpy keeps their run check)
-        freeze = getattr(self.ops, "frozen_table", np.asarray)
+        freeze = self.ops.frozen_table
         return freeze(first[:p]), [(freeze(sp.block_table[p:]), sp.n_ctx - p * block_size) for sp in spans]
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, spans: list[Span],
@@ -87,7 +86,8 @@ class Llama:
         x = w["tok_embd"][tokens].astype(ops.act_dtype, copy=False)  # indexing already copied
         cos, sin = self.cos[positions], self.sin[positions]
         shared = self._shared_prefix(spans, pool.block_size)
-        tables = [ops.frozen_table(sp.block_table) for sp in spans]  # one array per span, for every layer
+        # one read-only table per span, for every layer (ops_numpy keeps its run check)
+        tables = [ops.frozen_table(sp.block_table) for sp in spans] if shared is None else None
         for i in range(cfg.n_layers):
             h = ops.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
             qkv = ops.linear(h, w[f"{i}.wqkv"], "wqkv").reshape(T, H + 2 * K, hd)
