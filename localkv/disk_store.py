@@ -50,7 +50,9 @@ class _Entry:
 
 
 class _Corrupt(Exception):
-    """The file is ours (right magic) but damaged: delete it so it gets rewritten."""
+    """The file is ours (right magic) but damaged, or in a format older than VERSION that
+    this version never reads: delete it so it gets rewritten (put skips a block whose file
+    exists, so a kept old-format file would be a miss for good)."""
 
 
 def _canon(meta: dict) -> bytes:
@@ -67,8 +69,8 @@ def _encode(meta: dict, payload) -> list:
 
 
 def _decode(data: bytes) -> tuple[dict, memoryview] | None:
-    """(meta, payload) of a verified file of this version; None for a foreign file or
-    another format version (not ours to judge); _Corrupt for a damaged one."""
+    """(meta, payload) of a verified file of this version; None for a foreign file or a
+    newer format version (not ours to judge); _Corrupt for a damaged one or an older format."""
     if data[:4] != MAGIC:
         if MAGIC.startswith(data[:4]):  # cut off inside the magic
             raise _Corrupt("truncated")
@@ -76,8 +78,10 @@ def _decode(data: bytes) -> tuple[dict, memoryview] | None:
     if len(data) < FIXED.size:
         raise _Corrupt("truncated")
     _, version, n = FIXED.unpack_from(data)
-    if version != VERSION:
-        return None
+    if version > VERSION:
+        return None  # a newer localkv's entry (they may share the folder): not ours to judge
+    if version < VERSION:  # an older localkv's: never read again, so it must make way for a rewrite
+        raise _Corrupt(f"format {version}, older than {VERSION}")
     try:
         meta = json.loads(data[FIXED.size:FIXED.size + n])
         check = meta.pop("checksum")

@@ -113,7 +113,7 @@ def test_damaged_file_is_a_miss_and_removed(tmp_path, damage):
     assert store.get(FP, h, t) is not None
 
 
-def test_other_format_version_is_a_miss_but_kept(tmp_path):
+def test_newer_format_version_is_a_miss_but_kept(tmp_path):
     store = DiskStore(tmp_path)
     h, t, k, v = block(5)
     store.put(FP, "tiny", h, t, k, v)
@@ -123,6 +123,25 @@ def test_other_format_version_is_a_miss_but_kept(tmp_path):
     p.write_bytes(bytes(data))
     assert store.get(FP, h, t) is None
     assert p.exists()
+    assert not store.put(FP, "tiny", h, t, k, v), "a newer localkv's entry is left alone"
+    assert p.read_bytes() == bytes(data)
+
+
+def test_older_format_version_is_replaced(tmp_path):
+    # an older localkv's entry is never read by this one; kept, it would block the rewrite for good
+    store = DiskStore(tmp_path, dtype="float32")
+    h, t, k, v = block(5)
+    store.put(FP, "tiny", h, t, k, v)
+    (p,) = entries(tmp_path)
+    data = bytearray(p.read_bytes())
+    data[4] = ds.VERSION - 1
+    p.write_bytes(bytes(data))
+    assert store.get(FP, h, t) is None
+    assert not p.exists()
+    assert store.put(FP, "tiny", h, t, k, v)
+    got = store.get(FP, h, t)
+    np.testing.assert_array_equal(got[0], k)
+    np.testing.assert_array_equal(got[1], v)
 
 
 def test_foreign_files_are_ignored_and_kept(tmp_path):
