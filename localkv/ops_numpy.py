@@ -97,20 +97,23 @@ def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndar
     return layer.transpose(2, 0, 1, 3)[:, block_table].reshape(kvh, -1, hd)[:, :n_ctx]
 
 
-_last_run: list = [None, -1]  # the last read-only table _run_start saw (held: its id stays unique), its answer
+_last_run: tuple = (None, -1)  # the last read-only table _run_start saw (held: its id stays unique), its answer
 
 
 def _run_start(block_table: np.ndarray) -> int:
     """The first block if block_table is one run of consecutive blocks, else -1. The model
     hands every layer the same read-only table array, so for those the last answer is kept
-    (a decode step reads K and V through it 60 times); a writable table is checked each time."""
-    if _last_run[0] is block_table:
-        return _last_run[1]
+    (a decode step reads K and V through it 60 times); a writable table is checked each time.
+    The pair is one tuple, read and replaced whole: engines on other threads cannot mix it."""
+    global _last_run
+    table, start = _last_run
+    if table is block_table:
+        return start
     n = len(block_table)
     ok = n and int(block_table[-1]) - int(block_table[0]) == n - 1 and (n < 3 or (np.diff(block_table) == 1).all())
     start = int(block_table[0]) if ok else -1
     if isinstance(block_table, np.ndarray) and not block_table.flags.writeable:
-        _last_run[:] = [block_table, start]
+        _last_run = (block_table, start)
     return start
 
 
