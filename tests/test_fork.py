@@ -106,6 +106,32 @@ def test_branch_texts_equal_solo_generations(tiny):
     assert len({tuple(b.tokens) for b in res.branches}) > 1  # different seeds, different branches
 
 
+@pytest.mark.parametrize("n", [3, 8])  # 3 rows: one gemv per row inside the call; 8: one gemm
+def test_branches_decode_together(tiny, monkeypatch, n):
+    """One forward per step for all live branches, and in it one matmul call per weight and
+    layer whose input holds every branch's row (not a branch after another)."""
+    from localkv import ops_numpy
+
+    eng = Engine(tiny, progress=False, block_size=8, prefix_caching=False)
+    forwards, linear_rows = [], []
+    forward, linear = eng.model.forward, ops_numpy.linear
+
+    def counting_forward(tokens, *a, **k):
+        forwards.append(len(tokens))
+        return forward(tokens, *a, **k)
+
+    def counting_linear(x, w, kind):
+        linear_rows.append(len(x))
+        return linear(x, w, kind)
+
+    monkeypatch.setattr(eng.model, "forward", counting_forward)
+    monkeypatch.setattr(ops_numpy, "linear", counting_linear)
+    generate_branches(eng, PROMPT, n, SamplingParams(temperature=1.0, seed=3), max_tokens=6, ignore_eos=True)
+    layers = eng.cfg.n_layers
+    assert forwards == [len(PROMPT)] + [n] * 5  # the prompt once, then 5 steps of n rows each
+    assert linear_rows == [len(PROMPT)] * 3 * layers + [n] * 3 * layers * 5
+
+
 def test_sharing_holds_fewer_blocks_than_unshared(tiny):
     eng = Engine(tiny, progress=False, block_size=16, prefix_caching=False)
     prompt = (PROMPT * 4)[:128]  # 8 full blocks
