@@ -155,7 +155,7 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
             s.reshape(kvh, g, tq, kend)[..., past + q0:] += np.triu(np.full((tq, tq), -np.inf, s.dtype), k=1)
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
-        total = s.sum(axis=-1, keepdims=True)
+        total = _row_sums(s)
         if mass is None:
             o = np.matmul(s, v[:, :kend])
             o /= total
@@ -170,6 +170,12 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
     return out.reshape(T, H, hd)
 
 
+def _row_sums(s: np.ndarray) -> np.ndarray:
+    """s.sum(-1, keepdims=True) as a matrix-vector product with ones: BLAS's gemv does it about
+    3x faster than numpy's pairwise sum here (scores [3, 24, 2000]: 7.8 vs 25 us)."""
+    return np.matmul(s, np.ones(s.shape[-1], s.dtype))[..., None]
+
+
 def _partial(q, k, v):
     """Unnormalised attention of q [..., R, hd] (already scaled) over k/v [..., n, hd] (leading
     dims batch, e.g. kv heads): (out, row max, row sum)."""
@@ -177,7 +183,7 @@ def _partial(q, k, v):
     m = s.max(axis=-1, keepdims=True)
     s -= m
     np.exp(s, out=s)
-    return np.matmul(s, v), m, s.sum(axis=-1, keepdims=True)
+    return np.matmul(s, v), m, _row_sums(s)
 
 
 def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, prefix_table: np.ndarray,
