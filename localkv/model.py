@@ -73,7 +73,7 @@ class Llama:
         if p < 1:
             return None
         freeze = self.ops.frozen_table
-        return freeze(first[:p]), [(freeze(sp.block_table[p:]), sp.n_ctx - p * block_size) for sp in spans]
+        return freeze(first[:p]), tuple((freeze(sp.block_table[p:]), sp.n_ctx - p * block_size) for sp in spans)
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, spans: list[Span],
                 pool: BlockPool, logit_rows: list[int]) -> np.ndarray:

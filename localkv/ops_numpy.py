@@ -187,7 +187,7 @@ def _partial(q, k, v):
 
 
 def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, prefix_table: np.ndarray,
-                         tails: list[tuple[np.ndarray, int]], scale: float) -> np.ndarray:
+                         tails: "list[tuple[np.ndarray, int]] | tuple", scale: float) -> np.ndarray:
     """Decode attention for B sequences (one query each, q [B, H, hd]) whose block tables all
     begin with prefix_table (full blocks, e.g. the forks of one prompt). The prefix K/V are
     gathered and scored once for all B queries; each sequence's own tail (its table after the
@@ -201,9 +201,9 @@ def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray
     vp = gather_kv(v_layer, prefix_table, len(prefix_table) * k_layer.shape[1])
     qg = (q * scale).reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
     op, mp, lp = _partial(qg, kp, vp)  # rows ordered (sequence, group)
-    n = tails[0][1]
-    if all(t[1] == n and len(t[0]) == len(tails[0][0]) for t in tails):
-        tables = np.stack([t[0] for t in tails])  # [B, blocks]
+    tables = _stacked_tails(tails)
+    if tables is not None:
+        n = tails[0][1]
         kt = k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]  # [kvh, B, n, hd]
         vt = v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]
         tail = _partial(qg.reshape(kvh, B, g, hd), kt, vt)  # [kvh, B, g, .]
@@ -215,6 +215,24 @@ def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray
         tail = _partial(qg[:, rows], gather_kv(k_layer, table, n), gather_kv(v_layer, table, n))
         out[b] = _merge((op[:, rows], mp[:, rows], lp[:, rows]), tail)
     return out.reshape(B, H, hd)
+
+
+_last_tails: tuple = (None, None)  # the last tuple of tails _stacked_tails saw, and its answer
+
+
+def _stacked_tails(tails) -> np.ndarray | None:
+    """The tails' tables stacked [B, blocks] when all tails hold the same number of tokens
+    (branches decoding in lockstep), else None. The model passes every layer one tuple of
+    read-only tables, so for a tuple the answer is kept (read and replaced whole, as _run_start's)."""
+    global _last_tails
+    key, stacked = _last_tails
+    if key is tails:
+        return stacked
+    n, blocks = tails[0][1], len(tails[0][0])
+    stacked = np.stack([t[0] for t in tails]) if all(t[1] == n and len(t[0]) == blocks for t in tails) else None
+    if isinstance(tails, tuple) and all(isinstance(t[0], np.ndarray) and not t[0].flags.writeable for t in tails):
+        _last_tails = (tails, stacked)
+    return stacked
 
 
 def _merge(first, second):

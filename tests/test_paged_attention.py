@@ -88,6 +88,28 @@ def test_shared_prefix_decode_equals_per_sequence_attention(block_size, prefix_b
         want.append(ops.paged_attention(q[b:b + 1], kl, vl, table, prefix_blocks * block_size + n, 0.3)[0])
     got = ops.shared_prefix_decode(q, kl, vl, prefix, tail_specs, 0.3)
     np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5)
+    # as the model passes them: one tuple of read-only tables for every layer (the stacking is kept)
+    frozen = tuple((ops.frozen_table(t), n) for t, n in tail_specs)
+    for _ in range(2):
+        got = ops.shared_prefix_decode(q, kl, vl, ops.frozen_table(prefix), frozen, 0.3)
+        np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5)
+
+
+def test_kept_tail_stacking_is_never_stale_for_a_list():
+    """A list of writable tables changed in place between calls is stacked again."""
+    rng = np.random.default_rng(11)
+    bs, H, kvh, hd, nb = 4, 6, 2, 8, 12
+    kl = rng.standard_normal((nb, bs, kvh, hd)).astype(np.float32)
+    vl = rng.standard_normal((nb, bs, kvh, hd)).astype(np.float32)
+    q = rng.standard_normal((2, H, hd)).astype(np.float32)
+    prefix = np.array([0, 1])
+    tails = [(np.array([2, 3]), 6), (np.array([4, 5]), 6)]
+    for _ in range(2):
+        want = [ops.paged_attention(q[b:b + 1], kl, vl, np.concatenate([prefix, t]), 2 * bs + n, 0.3)[0]
+                for b, (t, n) in enumerate(tails)]
+        np.testing.assert_allclose(ops.shared_prefix_decode(q, kl, vl, prefix, tails, 0.3), np.stack(want),
+                                   rtol=1e-4, atol=1e-5)
+        tails[1][0][:] = [7, 8]  # same list, same array objects, other blocks
 
 
 @pytest.mark.parametrize("T", [1, 6])
