@@ -244,7 +244,7 @@ def bench_command(
     n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="speed: prompt tokens of the pp test (0: skip it)."),
     n_gen: int = typer.Option(128, "-n", "--n-gen", help="speed: generated tokens of the tg test (0: skip it)."),
     repetitions: int | None = typer.Option(None, "-r", "--repetitions",
-                                           help="Timed reps (speed: 5, fork and cache: 1), interleaved with --vs."),
+                                           help="Timed reps, interleaved with --vs: speed 5 (mean ± sd, as llama-bench), fork and cache 3 (medians), --quick 1."),
     threads: int | None = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores)."),
     vs: str | None = typer.Option(None, "--vs", help="Also run llama.cpp (llama-cpp-python) on the same work, "
                                                      "interleaved, with a ratio column (speed, fork, cache)."),
