@@ -73,7 +73,8 @@ class Llama:
         if p < 1:
             return None
         freeze = self.ops.frozen_table
-        return freeze(first[:p]), tuple((freeze(sp.block_table[p:]), sp.n_ctx - p * block_size) for sp in spans)
+        return freeze(first[:p]), self.ops.frozen_tails([(freeze(sp.block_table[p:]), sp.n_ctx - p * block_size)
+                                                         for sp in spans])
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, spans: list[Span],
                 pool: BlockPool, logit_rows: list[int]) -> np.ndarray:
@@ -86,7 +87,7 @@ class Llama:
         x = w["tok_embd"][tokens].astype(ops.act_dtype, copy=False)  # indexing already copied
         cos, sin = self.cos[positions], self.sin[positions]
         shared = self._shared_prefix(spans, pool.block_size)
-        # one read-only table per span, for every layer (ops_numpy keeps its run check)
+        # one read-only table per span, for every layer (ops_numpy checks it once)
         tables = [ops.frozen_table(sp.block_table) for sp in spans] if shared is None else None
         for i in range(cfg.n_layers):
             h = ops.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)

@@ -90,36 +90,32 @@ def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndar
     them out in order) is read in place: a strided view BLAS takes as it is. Otherwise one
     copy, contiguous per head."""
     nb, bs, kvh, hd = layer.shape
-    b0 = _run_start(block_table)
+    b0 = getattr(block_table, "run_start", None)
+    if b0 is None:
+        b0 = _run_start(block_table)
     if b0 >= 0:
         n = len(block_table)
         return layer[b0:b0 + n].reshape(n * bs, kvh, hd)[:n_ctx].transpose(1, 0, 2)
     return layer.transpose(2, 0, 1, 3)[:, block_table].reshape(kvh, -1, hd)[:, :n_ctx]
 
 
-_last_run: tuple = (None, -1)  # the last read-only table _run_start saw (held: its id stays unique), its answer
-
-
-def _run_start(block_table: np.ndarray) -> int:
-    """The first block if block_table is one run of consecutive blocks, else -1. The model
-    hands every layer the same read-only table array, so for those the last answer is kept
-    (a decode step reads K and V through it 60 times); a writable table is checked each time.
-    The pair is one tuple, read and replaced whole: engines on other threads cannot mix it."""
-    global _last_run
-    table, start = _last_run
-    if table is block_table:
-        return start
+def _run_start(block_table) -> int:
+    """The first block if block_table is one run of consecutive blocks, else -1."""
     n = len(block_table)
     ok = n and int(block_table[-1]) - int(block_table[0]) == n - 1 and (n < 3 or (np.diff(block_table) == 1).all())
-    start = int(block_table[0]) if ok else -1
-    if isinstance(block_table, np.ndarray) and not block_table.flags.writeable:
-        _last_run = (block_table, start)
-    return start
+    return int(block_table[0]) if ok else -1
 
 
-def frozen_table(block_table) -> np.ndarray:
-    """A read-only copy of a block table, for one forward pass: what lets _run_start keep its answer."""
-    t = np.array(block_table)
+class Table(np.ndarray):
+    """A read-only block table that carries its run check (see frozen_table)."""
+    run_start: int | None = None  # views and results of it (numpy keeps the class) are checked when read
+
+
+def frozen_table(block_table) -> Table:
+    """A read-only copy of a block table for one forward pass, its run check done once: every
+    layer reads K and V through it (60 checks a decode step before)."""
+    t = np.array(block_table).view(Table)
+    t.run_start = _run_start(t)
     t.flags.writeable = False
     return t
 
@@ -201,7 +197,7 @@ def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray
     vp = gather_kv(v_layer, prefix_table, len(prefix_table) * k_layer.shape[1])
     qg = (q * scale).reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
     op, mp, lp = _partial(qg, kp, vp)  # rows ordered (sequence, group)
-    tables = _stacked_tails(tails)
+    tables = tails.stacked if isinstance(tails, Tails) else _stack_tails(tails)
     if tables is not None:
         n = tails[0][1]
         kt = k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]  # [kvh, B, n, hd]
@@ -217,22 +213,22 @@ def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray
     return out.reshape(B, H, hd)
 
 
-_last_tails: tuple = (None, None)  # the last tuple of tails _stacked_tails saw, and its answer
+class Tails(tuple):
+    """(table, tokens) per sequence after the shared prefix, with `stacked`: the tables as one
+    [B, blocks] array when all tails hold the same number of tokens (branches decoding in
+    lockstep), else None. Made once per forward (frozen_tails), read by every layer."""
+    stacked: np.ndarray | None
 
 
-def _stacked_tails(tails) -> np.ndarray | None:
-    """The tails' tables stacked [B, blocks] when all tails hold the same number of tokens
-    (branches decoding in lockstep), else None. The model passes every layer one tuple of
-    read-only tables, so for a tuple the answer is kept (read and replaced whole, as _run_start's)."""
-    global _last_tails
-    key, stacked = _last_tails
-    if key is tails:
-        return stacked
+def frozen_tails(tails) -> Tails:
+    t = Tails(tails)
+    t.stacked = _stack_tails(t)
+    return t
+
+
+def _stack_tails(tails) -> np.ndarray | None:
     n, blocks = tails[0][1], len(tails[0][0])
-    stacked = np.stack([t[0] for t in tails]) if all(t[1] == n and len(t[0]) == blocks for t in tails) else None
-    if isinstance(tails, tuple) and all(isinstance(t[0], np.ndarray) and not t[0].flags.writeable for t in tails):
-        _last_tails = (tails, stacked)
-    return stacked
+    return np.stack([t[0] for t in tails]) if all(t[1] == n and len(t[0]) == blocks for t in tails) else None
 
 
 def _merge(first, second):

@@ -88,15 +88,15 @@ def test_shared_prefix_decode_equals_per_sequence_attention(block_size, prefix_b
         want.append(ops.paged_attention(q[b:b + 1], kl, vl, table, prefix_blocks * block_size + n, 0.3)[0])
     got = ops.shared_prefix_decode(q, kl, vl, prefix, tail_specs, 0.3)
     np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5)
-    # as the model passes them: one tuple of read-only tables for every layer (the stacking is kept)
-    frozen = tuple((ops.frozen_table(t), n) for t, n in tail_specs)
-    for _ in range(2):
-        got = ops.shared_prefix_decode(q, kl, vl, ops.frozen_table(prefix), frozen, 0.3)
-        np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5)
+    # as the model passes them: frozen tables, the lockstep tails stacked once
+    frozen = ops.frozen_tails([(ops.frozen_table(t), n) for t, n in tail_specs])
+    assert (frozen.stacked is not None) == (len(set(tails)) == 1)
+    got = ops.shared_prefix_decode(q, kl, vl, ops.frozen_table(prefix), frozen, 0.3)
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5)
 
 
-def test_kept_tail_stacking_is_never_stale_for_a_list():
-    """A list of writable tables changed in place between calls is stacked again."""
+def test_plain_tails_are_stacked_when_read():
+    """A list of plain tables changed in place between calls is stacked again each call."""
     rng = np.random.default_rng(11)
     bs, H, kvh, hd, nb = 4, 6, 2, 8, 12
     kl = rng.standard_normal((nb, bs, kvh, hd)).astype(np.float32)
@@ -177,9 +177,10 @@ def test_a_run_of_consecutive_blocks_is_read_in_place(first, n_ctx, T):
         assert not np.shares_memory(ops.gather_kv(kl, odd, n_ctx), kl)
 
 
-def test_run_check_is_kept_only_for_read_only_tables():
-    """The model hands every layer one frozen table, whose run check is kept; a writable
-    table changed in place between calls is checked again, so it is never read stale."""
+def test_frozen_table_carries_its_run_check():
+    """The model hands every layer one frozen table whose run check was done once; a plain
+    table changed in place between calls is checked again, and a view of a frozen table
+    (numpy keeps its class) is checked when read, never given the whole table's answer."""
     rng = np.random.default_rng(3)
     bs, kvh, hd = 4, 2, 8
     kl = rng.standard_normal((8, bs, kvh, hd)).astype(np.float32)
@@ -190,10 +191,13 @@ def test_run_check_is_kept_only_for_read_only_tables():
     assert not np.shares_memory(got, kl)
     np.testing.assert_array_equal(got, kl[table].reshape(-1, kvh, hd).transpose(1, 0, 2))
     frozen = ops.frozen_table([2, 3, 4, 5])
-    assert not frozen.flags.writeable
+    assert frozen.run_start == 2 and not frozen.flags.writeable
     with pytest.raises(ValueError):
         frozen[0] = 7
-    for _ in range(2):  # the second call answers from the kept check
-        np.testing.assert_array_equal(ops.gather_kv(kl, frozen, 16), kl[2:6].reshape(-1, kvh, hd).transpose(1, 0, 2))
-    other = ops.frozen_table([5, 1])
-    np.testing.assert_array_equal(ops.gather_kv(kl, other, 8), kl[[5, 1]].reshape(-1, kvh, hd).transpose(1, 0, 2))
+    np.testing.assert_array_equal(ops.gather_kv(kl, frozen, 16), kl[2:6].reshape(-1, kvh, hd).transpose(1, 0, 2))
+    assert ops.frozen_table([5, 1]).run_start == -1
+    np.testing.assert_array_equal(ops.gather_kv(kl, ops.frozen_table([5, 1]), 8),
+                                  kl[[5, 1]].reshape(-1, kvh, hd).transpose(1, 0, 2))
+    tail = frozen[1:]  # a view: blocks 3..5 start at 3, not at the whole table's 2
+    assert tail.run_start is None
+    np.testing.assert_array_equal(ops.gather_kv(kl, tail, 12), kl[3:6].reshape(-1, kvh, hd).transpose(1, 0, 2))
