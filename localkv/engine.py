@@ -89,6 +89,8 @@ class Engine:
         loaded = load_model(self.path, progress=progress)
         self.loaded = loaded
         self.cfg, self.tokenizer = loaded.config, loaded.tokenizer
+        # the few-row decode kernels (numba; off without it): compiled or loaded once per process
+        self.cpu_kernels = self.ops is ops_numpy and ops_numpy.configure(self.threads, progress)
         weights = loaded.weights if self.ops is ops_numpy else self.ops.upload_weights(loaded.weights)
         self.model = Llama(self.cfg, weights, self.ops)
         cfg = self.cfg

@@ -84,6 +84,7 @@ class Llama:
         xp = ops.xp
         T = len(tokens)
         tokens, positions, slots = xp.asarray(tokens), xp.asarray(positions), xp.asarray(slots)
+        ops.begin_forward(T)
         x = w["tok_embd"][tokens].astype(ops.act_dtype, copy=False)  # indexing already copied
         cos, sin = self.cos[positions], self.sin[positions]
         shared = self._shared_prefix(spans, pool.block_size)
@@ -109,8 +110,10 @@ class Llama:
                                                      self.scale, None if sp.mass is None else sp.mass[i], extra)
             x += ops.linear(attn.reshape(T, H * hd), w[f"{i}.wo"], "wo")
             h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
-            x += ops.ffn_down(ops.silu_mul(ops.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")), w[f"{i}.w_down_t"])
+            x += ops.linear(ops.silu_mul(ops.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")), w[f"{i}.w_down"], "w_down")
         h = ops.rmsnorm(x[xp.asarray(logit_rows)], w["out_norm"], cfg.rms_eps)
+        if self.output_t is not None and ops.uses_kernels(len(h)):
+            return ops.linear(h, self.output_t, "output")
         if len(h) > 1 and self.output_t is not None:
             return self._logits_rows(h)
         return ops.to_host(h @ self.output).astype(np.float32, copy=False)

@@ -223,13 +223,18 @@ def _rope_xp(x, cos, sin):
 
 
 def linear(x, w, kind: str):
-    """x [T, in] @ w [in, out] (one cuBLAS gemm at any T; kind is for the CPU backend)."""
-    return x @ w
+    """x [T, in] @ w.T for a weight stored [out, in]: one cuBLAS gemm at any T (it takes the
+    transpose as a flag); kind is for the CPU backend."""
+    return x @ w.T
 
 
-def ffn_down(a, w_t):
-    """a @ w_t.T for the down projection stored [D, F] (cuBLAS takes the transpose as a flag)."""
-    return a @ w_t.T
+def begin_forward(rows: int):
+    """Nothing to set up per forward pass on the GPU (the CPU backend picks BLAS threads)."""
+
+
+def uses_kernels(rows: int) -> bool:
+    """The CPU backend's few-row kernels: not used here."""
+    return False
 
 
 def silu_mul(gu):
@@ -567,15 +572,15 @@ class DecodeGraph:
         cos, sin = m.cos[self.positions], m.sin[self.positions]
         for i in range(cfg.n_layers):
             h = rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
-            qkv = (h @ w[f"{i}.wqkv"]).reshape(B, H + 2 * K, hd)
+            qkv = (h @ w[f"{i}.wqkv"].T).reshape(B, H + 2 * K, hd)
             rope(qkv[:, : H + K], cos, sin)
             q, k, v = qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
             kl, vl = self.pool.k[i], self.pool.v[i]
             write_kv(kl, vl, self.slots, k, v)
             attn = paged_decode(q, kl, vl, self.block_tables, self.context_lens, m.scale, self.max_ctx)
-            x += attn.reshape(B, H * hd) @ w[f"{i}.wo"]
+            x += attn.reshape(B, H * hd) @ w[f"{i}.wo"].T
             h = rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
-            x += ffn_down(silu_mul(h @ w[f"{i}.w_gate_up"]), w[f"{i}.w_down_t"])
+            x += silu_mul(h @ w[f"{i}.w_gate_up"].T) @ w[f"{i}.w_down"].T
         h = rmsnorm(x, w["out_norm"], cfg.rms_eps)
         return h @ m.output
 

@@ -4,7 +4,11 @@ A GPU backend implements the same functions with the same shapes; the model neve
 knows which one runs it.
 """
 
+import functools
+
 import numpy as np
+
+from . import cpu_kernels
 
 xp = np
 name = "CPU"
@@ -35,29 +39,65 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x
 
 
-# Few rows: one gemv per row beats OpenBLAS's gemm, which copies (packs) the whole weight matrix
-# at about 15 GB/s on this 2-core EPYC, while a gemv streams it from memory at about 35 GB/s and
-# the later rows re-read it from the 32 MB L3. Up to how many rows, per weight (30 layers,
-# gemv vs gemm): 2 rows 19.6 vs 30.1 ms, 4 rows 24.0 vs 28.6 ms, 8 rows gemm is faster.
-GEMV_ROWS = {"wqkv": 8, "wo": 3, "w_gate_up": 6, "w_down_t": 6}
+# Without the compiled kernels (cpu_kernels), few rows go one gemv per row: that beats OpenBLAS's
+# gemm, which copies (packs) the whole weight matrix at about 15 GB/s on this 2-core EPYC, while
+# a gemv streams it at about 35 GB/s and later rows re-read it from the 32 MB L3. Up to how many
+# rows, per weight: 2 rows 19.6 vs 30.1 ms over 30 layers, at 8 rows gemm is faster.
+GEMV_ROWS = {"wqkv": 8, "wo": 3, "w_gate_up": 6, "w_down": 6}
 
 
 def linear(x: np.ndarray, w: np.ndarray, kind: str) -> np.ndarray:
-    """x [T, in] @ w [in, out]; kind names the weight (a GEMV_ROWS key)."""
-    if 1 < len(x) <= GEMV_ROWS.get(kind, 0):
-        return (x[:, None, :] @ w)[:, 0]  # numpy's matmul loops a gemv per row
-    return x @ w
+    """x [T, in] @ w.T for a weight stored [out, in] (GGUF's layout); kind names it (wqkv, wo,
+    w_gate_up, w_down, output). Few rows go through the compiled kernels (cpu_kernels.rowdot)
+    when they are on. Many rows: one BLAS gemm, in the order that suits what reads the result
+    (see C_ORDER)."""
+    if len(x) <= KERNEL_ROWS and cpu_kernels.active():
+        return cpu_kernels.rowdot(x, w)
+    if len(x) <= GEMV_ROWS.get(kind, 0):
+        return (w @ x[:, :, None])[..., 0]  # numpy's matmul loops a gemv per row
+    if kind in C_ORDER:
+        return x @ w.T
+    return (w @ x.T).T
 
 
-def ffn_down(a: np.ndarray, w_t: np.ndarray) -> np.ndarray:
-    """a [T, F] @ w_t.T for the down projection stored [D, F], computed as (w_t @ a.T).T:
-    OpenBLAS runs that form faster than a @ W with W [F, D] at every size measured here
-    (30 layers: 1 row 3.1 vs 4.5 ms, a decode step 23.0 -> 21.3 ms; 8 rows 8.2 vs 8.8 ms;
-    512 rows 148 vs 166 ms). The result is a transposed view; `x += ...` takes it as is. Up to
-    GEMV_ROWS rows (one row included) numpy's matmul loops a gemv per row, as in linear."""
-    if a.shape[0] <= GEMV_ROWS["w_down_t"]:
-        return (w_t @ a[:, :, None])[..., 0]
-    return (w_t @ a.T).T
+# Many rows: x @ w.T gives a C-ordered result; (w @ x.T).T a transposed (F-ordered) view, which
+# OpenBLAS computes faster and in which gate and up are each one contiguous block, so SwiGLU
+# runs on contiguous memory and the down projection reads its transpose as a plain matrix.
+# RoPE, the K/V writes and attention need qkv in C order (on the view they ran 2-5x slower, and
+# a copy back cost more than it saved). pp512, in-process A/B: F order for gate/up only
+# 541-548 t/s; for all four 516-525; before the [out, in] layout 522.
+C_ORDER = {"wqkv", "wo", "w_down"}
+KERNEL_ROWS = cpu_kernels.MAX_ROWS  # up to this many rows a forward pass runs on the kernels
+_threads = {"blas": None, "libs": None}
+
+
+def configure(threads: int, progress: bool = False) -> bool:
+    """Called by the engine: `threads` for BLAS and the kernels; loads the kernels (numba) unless
+    they are off. Returns whether they run."""
+    _threads["blas"] = threads
+    return cpu_kernels.load(threads, progress)
+
+
+def uses_kernels(rows: int) -> bool:
+    """Whether a forward pass of `rows` token rows runs its matmuls on the compiled kernels."""
+    return rows <= KERNEL_ROWS and cpu_kernels.active()
+
+
+def begin_forward(rows: int):
+    """Before a forward pass of `rows` rows. While the kernels run (few rows), BLAS (attention's
+    small matmuls) stays on one thread: OpenBLAS's workers and the kernels' OpenMP workers both
+    spin between calls, and on 2 cores each then waits for the other's time slice (a kernel
+    start took 4-5 ms instead of 5 us). Prefill gets the engine's BLAS threads back."""
+    if not cpu_kernels.active() or _threads["blas"] is None:
+        return
+    want = 1 if rows <= KERNEL_ROWS else _threads["blas"]
+    if _threads["libs"] is None:
+        from threadpoolctl import ThreadpoolController
+
+        _threads["libs"] = ThreadpoolController().select(user_api="blas").lib_controllers
+    for lib in _threads["libs"]:
+        if lib.num_threads != want:  # read each time: threadpoolctl limits elsewhere may have changed it
+            lib.set_num_threads(want)
 
 
 def silu_mul(gu: np.ndarray) -> np.ndarray:
@@ -89,13 +129,17 @@ def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndar
     them out in order) is read in place: a strided view BLAS takes as it is. Otherwise one
     copy, contiguous per head."""
     nb, bs, kvh, hd = layer.shape
-    b0 = getattr(block_table, "run_start", None)
-    if b0 is None:
-        b0 = _run_start(block_table)
+    b0 = _table_run(block_table)
     if b0 >= 0:
         n = len(block_table)
         return layer[b0:b0 + n].reshape(n * bs, kvh, hd)[:n_ctx].transpose(1, 0, 2)
     return layer.transpose(2, 0, 1, 3)[:, block_table].reshape(kvh, -1, hd)[:, :n_ctx]
+
+
+def _table_run(block_table) -> int:
+    """_run_start, taken from a frozen table when it carries it."""
+    b0 = getattr(block_table, "run_start", None)
+    return _run_start(block_table) if b0 is None else b0
 
 
 def _run_start(block_table) -> int:
@@ -142,17 +186,22 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
     qg = (q * scale).reshape(T, kvh, g, hd).transpose(1, 2, 0, 3)  # [kvh, g, T, hd]
     out = np.empty((T, kvh, g, hd), q.dtype)
     past = ne + n_ctx - T
+    # one scores buffer and one output buffer for all query blocks: the same memory, still in
+    # cache, instead of a fresh array per block (pp512 +1.7%, in-process A/B)
+    rows = kvh * g * min(T, Q_BLOCK)
+    s_buf, o_buf = np.empty(rows * (past + T), q.dtype), np.empty(rows * hd, q.dtype)
     for q0 in range(0, T, Q_BLOCK):
         q1 = min(T, q0 + Q_BLOCK)
         tq, kend = q1 - q0, past + q1  # keys past kend are in every query's future
-        s = np.matmul(qg[:, :, q0:q1].reshape(kvh, g * tq, hd), k[:, :kend].transpose(0, 2, 1))
+        s = np.matmul(qg[:, :, q0:q1].reshape(kvh, g * tq, hd), k[:, :kend].transpose(0, 2, 1),
+                      out=s_buf[:kvh * g * tq * kend].reshape(kvh, g * tq, kend))
         if tq > 1:  # query i of the block sees keys up to past + q0 + i
-            s.reshape(kvh, g, tq, kend)[..., past + q0:] += np.triu(np.full((tq, tq), -np.inf, s.dtype), k=1)
+            s.reshape(kvh, g, tq, kend)[..., past + q0:] += _causal_mask(tq)
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         total = _row_sums(s)
         if mass is None:
-            o = np.matmul(s, v[:, :kend])
+            o = np.matmul(s, v[:, :kend], out=o_buf[:kvh * g * tq * hd].reshape(kvh, g * tq, hd))
             o /= total
         else:
             s /= total
@@ -165,16 +214,26 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
     return out.reshape(T, H, hd)
 
 
+@functools.lru_cache(maxsize=8)
+def _causal_mask(n: int) -> np.ndarray:
+    """[n, n]: 0 on and below the diagonal, -inf above (read-only, made once per size)."""
+    m = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
+    m.flags.writeable = False
+    return m
+
+
 def _row_sums(s: np.ndarray) -> np.ndarray:
     """s.sum(-1, keepdims=True) as a matrix-vector product with ones: BLAS's gemv does it about
     3x faster than numpy's pairwise sum here (scores [3, 24, 2000]: 7.8 vs 25 us)."""
     return np.matmul(s, np.ones(s.shape[-1], s.dtype))[..., None]
 
 
-def _partial(q, k, v):
+def _partial(q, k, v, s=None):
     """Unnormalised attention of q [..., R, hd] (already scaled) over k/v [..., n, hd] (leading
-    dims batch, e.g. kv heads): (out, row max, row sum)."""
-    s = np.matmul(q, np.swapaxes(k, -1, -2))
+    dims batch, e.g. kv heads): (out, row max, row sum). s: the scores q @ k.T, if already
+    computed (they are overwritten)."""
+    if s is None:
+        s = np.matmul(q, np.swapaxes(k, -1, -2))
     m = s.max(axis=-1, keepdims=True)
     s -= m
     np.exp(s, out=s)
@@ -192,10 +251,14 @@ def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray
     B, H, hd = q.shape
     kvh = k_layer.shape[2]
     g = H // kvh
-    kp = gather_kv(k_layer, prefix_table, len(prefix_table) * k_layer.shape[1])
-    vp = gather_kv(v_layer, prefix_table, len(prefix_table) * k_layer.shape[1])
+    n_prefix = len(prefix_table) * k_layer.shape[1]
+    kp = gather_kv(k_layer, prefix_table, n_prefix)
+    vp = gather_kv(v_layer, prefix_table, n_prefix)
     qg = (q * scale).reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
-    op, mp, lp = _partial(qg, kp, vp)  # rows ordered (sequence, group)
+    scores, b0 = None, _table_run(prefix_table)
+    if b0 >= 0 and uses_kernels(B):  # the prefix's keys as rows [n, kvh*hd], straight from the pool
+        scores = cpu_kernels.scores(qg, k_layer[b0:b0 + len(prefix_table)].reshape(n_prefix, kvh * hd))
+    op, mp, lp = _partial(qg, kp, vp, scores)  # rows ordered (sequence, group)
     tables = tails.stacked if isinstance(tails, Tails) else _stack_tails(tails)
     if tables is not None:
         n = tails[0][1]

@@ -106,14 +106,14 @@ def test_branch_texts_equal_solo_generations(tiny):
     assert len({tuple(b.tokens) for b in res.branches}) > 1  # different seeds, different branches
 
 
-@pytest.mark.parametrize("n", [3, 8])  # 3 rows: one gemv per row inside the call; 8: one gemm
+@pytest.mark.parametrize("n", [3, 8])  # 3 rows: kernel groups of 2 and 1 (or a gemv per row); 8: one kernel call
 def test_branches_decode_together(tiny, monkeypatch, n):
     """One forward per step for all live branches, and in it one matmul call per weight and
     layer whose input holds every branch's row (not a branch after another)."""
     from localkv import ops_numpy
 
     eng = Engine(tiny, progress=False, block_size=8, prefix_caching=False)
-    forwards, linear_rows = [], []
+    forwards, weight_rows, logit_rows = [], [], []
     forward, linear = eng.model.forward, ops_numpy.linear
 
     def counting_forward(tokens, *a, **k):
@@ -121,7 +121,7 @@ def test_branches_decode_together(tiny, monkeypatch, n):
         return forward(tokens, *a, **k)
 
     def counting_linear(x, w, kind):
-        linear_rows.append(len(x))
+        (logit_rows if kind == "output" else weight_rows).append(len(x))
         return linear(x, w, kind)
 
     monkeypatch.setattr(eng.model, "forward", counting_forward)
@@ -129,7 +129,9 @@ def test_branches_decode_together(tiny, monkeypatch, n):
     generate_branches(eng, PROMPT, n, SamplingParams(temperature=1.0, seed=3), max_tokens=6, ignore_eos=True)
     layers = eng.cfg.n_layers
     assert forwards == [len(PROMPT)] + [n] * 5  # the prompt once, then 5 steps of n rows each
-    assert linear_rows == [len(PROMPT)] * 3 * layers + [n] * 3 * layers * 5
+    assert weight_rows == [len(PROMPT)] * 4 * layers + [n] * 4 * layers * 5
+    if eng.cpu_kernels:  # logits through the kernels too: the prompt's last row, then all n rows at once
+        assert logit_rows == [1] + [n] * 5
 
 
 def test_sharing_holds_fewer_blocks_than_unshared(tiny):

@@ -14,7 +14,7 @@ from tiny_model import tiny_weights, write_gguf
 def test_dequantized_weights_match_source(tmp_path, quant, tol):
     lm = load_model(write_gguf(tmp_path / f"{quant}.gguf", quant=quant))
     w, _ = tiny_weights()
-    got = lm.weights["1.w_down_t"]
+    got = lm.weights["1.w_down"]
     want = w["model.layers.1.mlp.down_proj.weight"]
     assert np.abs(got - want).mean() <= tol * np.abs(want).mean() + 1e-7
     assert lm.config.quant == quant and lm.config.n_layers == 2 and lm.config.n_kv_heads == 2

@@ -1,0 +1,127 @@
+"""Compiled CPU kernels (numba) for the matmuls of a few rows: decode steps.
+
+Why: with few activation rows (one token per sequence) a weight matmul reads the whole weight
+matrix for very little arithmetic. OpenBLAS's gemm first copies ("packs") the weights, at about
+15 GB/s on this 2-core EPYC, so 8 rows cost nearly 3x one row; its gemv streams them, but once
+per row. `rowdot` reads each weight row once for up to 8 activation rows, straight from the
+[out, in] layout the weights are stored in (GGUF's own), on all threads.
+
+Measured here (30 layers of SmolLM2's four matrices, fp32, in one process):
+1 row 13.0 ms vs numpy 15-23 ms; 8 rows 21-25 ms vs numpy 35-55 ms.
+
+Threads: numba's OpenMP layer starts a kernel in about 5 us (its workers spin between kernels);
+the sleeping "workqueue" layer takes 80-120 us, which over 120 kernels a step costs more than it
+saves, so only "omp" is used. Spinning workers and OpenBLAS's own spinning workers must not run
+at once on a 2-core machine (a kernel start then waited 4-5 ms for a time slice), so while
+kernels run the model keeps BLAS on one thread (see ops_numpy.rows_mode), and
+localkv/__init__ shortens OpenBLAS's spin after a call (OPENBLAS_THREAD_TIMEOUT).
+
+LOCALKV_CPU_KERNELS=0 turns the kernels off (numpy/BLAS only); so does a missing numba or a
+missing OpenMP runtime (libgomp). Compiled code is cached beside this file (numba's cache).
+"""
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+MAX_ROWS = 8  # forward passes of up to this many rows run their matmuls here (16 rows: no faster than BLAS)
+
+_state: dict = {}
+_lock = threading.Lock()
+
+
+def load(threads: int, progress: bool = False) -> bool:
+    """Import numba, pin its threading layer to OpenMP, set `threads` workers and compile (or
+    load from cache) the kernels. True when the kernels can run; the reason they cannot is kept
+    in `why_not()`. Safe to call again (later calls only change the thread count). With
+    progress, a first compile (seconds; cached for later runs) is reported on stderr."""
+    with _lock:
+        if "ok" not in _state:
+            t0 = time.perf_counter()
+            _state["ok"], _state["why"] = _load()
+            took = time.perf_counter() - t0
+            if progress and _state["ok"] and took > 1.0:
+                print(f"compiled the CPU decode kernels in {took:.1f}s (cached for later runs)", file=sys.stderr)
+        if _state["ok"] and _state.get("threads") != threads:
+            import numba
+
+            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+            _state["threads"] = threads
+        return _state["ok"]
+
+
+def active() -> bool:
+    return _state.get("ok", False)
+
+
+def why_not() -> str | None:
+    return _state.get("why")
+
+
+def _load() -> tuple[bool, str | None]:
+    if os.environ.get("LOCALKV_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False, "LOCALKV_CPU_KERNELS=0"
+    try:
+        import numba
+    except ImportError as e:
+        return False, f"numba not installed ({e})"
+    if not os.environ.get("NUMBA_THREADING_LAYER"):
+        numba.config.THREADING_LAYER = "omp"
+    try:
+        from . import _cpu_kernels_impl as impl
+
+        x = np.ones((8, 4), np.float32)
+        w = np.ones((3, 4), np.float32)
+        w_ro = w.copy()
+        w_ro.flags.writeable = False  # weights mapped from the safetensors cache are read-only
+        for rows, kernel in ((1, impl.rowdot_1), (4, impl.rowdot_4n), (8, impl.rowdot_4n)):
+            for weights in (w, w_ro):  # compiles (or loads) every kernel now, not in a timed step
+                out = np.empty((rows, 3), np.float32)
+                kernel(x[:rows], weights, out)
+                if not (out == 4.0).all():
+                    return False, "kernel self-check failed"
+        q, kf, sc = np.ones((2, 8, 4), np.float32), np.ones((3, 8), np.float32), np.empty((2, 8, 3), np.float32)
+        impl.scores_8(q, kf, sc)
+        if not (sc == 4.0).all():
+            return False, "kernel self-check failed"
+        if numba.threading_layer() != "omp":
+            return False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
+    except Exception as e:  # no OpenMP runtime, a numba/numpy mismatch, an unwritable cache...
+        return False, f"numba kernels unavailable ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+    _state["impl"] = impl
+    return True, None
+
+
+def rowdot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [R, in] @ w.T for w [out, in] C-contiguous float32: [R, out], reading w once. Two to
+    three rows are padded with zero rows to 4 (and so on to a multiple of 4): 4 rows cost what 1
+    does, the weights' memory traffic bounds them. Call only when active()."""
+    impl = _state["impl"]
+    R = len(x)
+    if R == 1:
+        out = np.empty((1, w.shape[0]), np.float32)
+        impl.rowdot_1(np.ascontiguousarray(x, dtype=np.float32), w, out)
+        return out
+    xp = np.zeros((-(-R // 4) * 4, x.shape[1]), np.float32)
+    xp[:R] = x
+    out = np.empty((len(xp), w.shape[0]), np.float32)
+    impl.rowdot_4n(xp, w, out)
+    return out[:R]
+
+
+def scores(q: np.ndarray, kf: np.ndarray) -> np.ndarray:
+    """Attention scores [kvh, R, n] of q [kvh, R, hd] against the keys kf [n, kvh*hd] (tokens
+    as rows, kv heads side by side: a contiguous run of pool blocks reshaped). 2.3x faster than
+    OpenBLAS's batched gemm over the strided per-head views for 24 queries x 2,000 keys (8.3 vs
+    19 ms over 30 layers), whose packing of the transposed keys dominates. Call only when
+    active()."""
+    kvh, R, hd = q.shape
+    R8 = -(-R // 8) * 8
+    qp = np.zeros((kvh, R8, hd), np.float32)
+    qp[:, :R] = q
+    out = np.empty((kvh, R8, len(kf)), np.float32)
+    _state["impl"].scores_8(qp, kf, out)
+    return out[:, :R]

@@ -1,0 +1,106 @@
+"""The compiled few-row CPU kernels (numba): same results as numpy, used by decode, BLAS kept
+off the kernels' cores while they run, and a clean fallback when they are off."""
+
+import numpy as np
+import pytest
+
+from localkv import cpu_kernels, ops_numpy
+from localkv.engine import Engine
+from localkv.sampling import SamplingParams
+from tiny_model import write_gguf
+
+PROMPT = list(range(3, 40))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("kernels") / "tiny.gguf", ctx=256)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    # numba is a dependency: the kernels must load here, not skip
+    assert cpu_kernels.load(2), cpu_kernels.why_not()
+    return cpu_kernels
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 20])
+@pytest.mark.parametrize("k,n", [(64, 48), (576, 960), (37, 5)])
+def test_rowdot_matches_numpy(kernels, rows, k, n):
+    rng = np.random.default_rng(rows * 1000 + k)
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    w.flags.writeable = False  # weights mapped from the cache are read-only
+    got = kernels.rowdot(x, w)
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, x @ w.T, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_rowdot_takes_a_strided_row_view(kernels):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 2, 32), dtype=np.float32)[:, 1]  # rows not contiguous
+    w = rng.standard_normal((16, 32), dtype=np.float32)
+    np.testing.assert_allclose(kernels.rowdot(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,n", [(3, 16), (8, 160), (17, 33), (24, 2000)])
+def test_scores_match_numpy(kernels, rows, n):
+    rng = np.random.default_rng(rows + n)
+    kvh, hd = 3, 64
+    q = rng.standard_normal((kvh, rows, hd), dtype=np.float32)
+    kf = rng.standard_normal((n, kvh * hd), dtype=np.float32)
+    want = np.einsum("hrd,nhd->hrn", q, kf.reshape(n, kvh, hd))
+    got = kernels.scores(q, kf)
+    assert got.shape == (kvh, rows, n)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_off_switch(monkeypatch):
+    monkeypatch.setenv("LOCALKV_CPU_KERNELS", "0")
+    ok, why = cpu_kernels._load()
+    assert not ok and "LOCALKV_CPU_KERNELS=0" in why
+
+
+def test_blas_on_one_thread_while_kernels_run(tiny, kernels):
+    from threadpoolctl import threadpool_info
+
+    def blas_threads():
+        return {i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"}
+
+    Engine(tiny, progress=False, threads=2)
+    ops_numpy.begin_forward(1)
+    assert blas_threads() == {1}
+    ops_numpy.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill: BLAS gets the engine's threads
+    assert blas_threads() == {2}
+
+
+def test_decode_same_with_and_without_kernels(tiny, kernels, monkeypatch):
+    """Greedy text and the logits of every step agree whether the matmuls (and the fork's
+    prefix scores) run on the kernels or on numpy/BLAS."""
+    from localkv.branches import generate_branches
+
+    def run():
+        eng = Engine(tiny, progress=False, block_size=8, prefix_caching=False)
+        logits = []
+        forward = eng.model.forward
+
+        def keep(*a, **k):
+            out = forward(*a, **k)
+            logits.append(np.array(out))
+            return out
+
+        eng.model.forward = keep
+        solo = eng.generate(PROMPT, SamplingParams(temperature=0), 10, ignore_eos=True).run()
+        res = generate_branches(eng, PROMPT * 3, 5, SamplingParams(temperature=1.0, seed=4), max_tokens=6,
+                                ignore_eos=True)
+        return solo.tokens, [b.tokens for b in res.branches], logits
+
+    with_kernels = run()
+    monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    assert not ops_numpy.uses_kernels(1)
+    without = run()
+    assert with_kernels[0] == without[0]
+    assert with_kernels[1] == without[1]
+    assert len(with_kernels[2]) == len(without[2])
+    for a, b in zip(with_kernels[2], without[2]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
