@@ -20,6 +20,7 @@ LOCALKV_CPU_KERNELS=0 turns the kernels off (numpy/BLAS only); so does a missing
 missing OpenMP runtime (libgomp). Compiled code is cached beside this file (numba's cache).
 """
 
+import atexit
 import os
 import sys
 import threading
@@ -33,11 +34,11 @@ _state: dict = {}
 _lock = threading.Lock()
 
 
-def load(threads: int, progress: bool = False) -> bool:
-    """Import numba, pin its threading layer to OpenMP, set `threads` workers and compile (or
-    load from cache) the kernels. True when the kernels can run; the reason they cannot is kept
-    in `why_not()`. Safe to call again (later calls only change the thread count). With
-    progress, a first compile (seconds; cached for later runs) is reported on stderr."""
+def load(progress: bool = False) -> bool:
+    """Import numba, pin its threading layer to OpenMP and compile (or load from cache) the
+    kernels. True when the kernels can run; the reason they cannot is kept in `why_not()`. Safe
+    to call again. With progress, a first compile (seconds; cached for later runs) is reported
+    on stderr."""
     with _lock:
         if "ok" not in _state:
             t0 = time.perf_counter()
@@ -45,16 +46,42 @@ def load(threads: int, progress: bool = False) -> bool:
             took = time.perf_counter() - t0
             if progress and _state["ok"] and took > 1.0:
                 print(f"compiled the CPU decode kernels in {took:.1f}s (cached for later runs)", file=sys.stderr)
-        if _state["ok"] and _state.get("threads") != threads:
-            import numba
-
-            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-            _state["threads"] = threads
         return _state["ok"]
 
 
+def start(progress: bool = False):
+    """load() in a background thread (about 0.4 s from numba's cache: it overlaps the rest of
+    the engine's start and a long prompt's prefill). active() waits for it, so every forward
+    pass that can use the kernels does, whatever the timing."""
+    with _lock:
+        if "ok" in _state or "loader" in _state:
+            return
+        _state["loader"] = threading.Thread(target=load, args=(progress,), name="localkv-cpu-kernels", daemon=True)
+        _state["loader"].start()
+        atexit.register(_state["loader"].join)  # never tear the interpreter down mid-compile
+
+
+def pending() -> bool:
+    """A background load is still running."""
+    loader = _state.get("loader")
+    return loader is not None and loader.is_alive()
+
+
 def active() -> bool:
+    """The kernels can run (waits for a background load)."""
+    loader = _state.get("loader")
+    if loader is not None:
+        loader.join()
     return _state.get("ok", False)
+
+
+def set_threads(threads: int):
+    """Worker threads for kernels started from this thread (numba's setting is per thread)."""
+    import numba
+
+    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
 
 
 def why_not() -> str | None:

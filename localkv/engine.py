@@ -89,8 +89,8 @@ class Engine:
         loaded = load_model(self.path, progress=progress)
         self.loaded = loaded
         self.cfg, self.tokenizer = loaded.config, loaded.tokenizer
-        # the few-row decode kernels (numba; off without it): compiled or loaded once per process
-        self.cpu_kernels = self.ops is ops_numpy and ops_numpy.configure(self.threads, progress)
+        if self.ops is ops_numpy:  # the few-row decode kernels (numba), loaded once per process, in the background
+            ops_numpy.configure(self.threads, progress)
         weights = loaded.weights if self.ops is ops_numpy else self.ops.upload_weights(loaded.weights)
         self.model = Llama(self.cfg, weights, self.ops)
         cfg = self.cfg
@@ -115,6 +115,11 @@ class Engine:
             # entries in the pool's own dtype: loading is a checked copy, no conversion (which
             # ran at 2.4 GB/s here and made up most of a warm start)
             self.disk = DiskStore(max_bytes=disk_bytes, dtype=dtype)
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether decode steps run their matmuls on the compiled CPU kernels (cpu_kernels)."""
+        return self.ops is ops_numpy and ops_numpy.uses_kernels(1)
 
     @property
     def block_size(self) -> int:

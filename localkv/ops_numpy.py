@@ -71,11 +71,11 @@ KERNEL_ROWS = cpu_kernels.MAX_ROWS  # up to this many rows a forward pass runs o
 _threads = {"blas": None, "libs": None}
 
 
-def configure(threads: int, progress: bool = False) -> bool:
-    """Called by the engine: `threads` for BLAS and the kernels; loads the kernels (numba) unless
-    they are off. Returns whether they run."""
+def configure(threads: int, progress: bool = False):
+    """Called by the engine: `threads` for BLAS and the kernels; starts loading the kernels
+    (numba, in the background) unless they are off."""
     _threads["blas"] = threads
-    return cpu_kernels.load(threads, progress)
+    cpu_kernels.start(progress)
 
 
 def uses_kernels(rows: int) -> bool:
@@ -88,9 +88,17 @@ def begin_forward(rows: int):
     small matmuls) stays on one thread: OpenBLAS's workers and the kernels' OpenMP workers both
     spin between calls, and on 2 cores each then waits for the other's time slice (a kernel
     start took 4-5 ms instead of 5 us). Prefill gets the engine's BLAS threads back."""
-    if not cpu_kernels.active() or _threads["blas"] is None:
+    if _threads["blas"] is None:
         return
-    want = 1 if rows <= KERNEL_ROWS else _threads["blas"]
+    if rows > KERNEL_ROWS:
+        if cpu_kernels.pending() or not cpu_kernels.active():
+            return  # no kernel has run yet (or none will): BLAS still has the engine's threads
+        want = _threads["blas"]
+    else:
+        if not cpu_kernels.active():
+            return
+        cpu_kernels.set_threads(_threads["blas"])
+        want = 1
     if _threads["libs"] is None:
         from threadpoolctl import ThreadpoolController
 
