@@ -84,3 +84,54 @@ def scores_8(q, kf, out):
                 out[h, r + 5, j] = s5
                 out[h, r + 6, j] = s6
                 out[h, r + 7, j] = s7
+
+
+# Single-threaded fused element-wise kernels: one pass where numpy makes several (and
+# temporaries), for prefill's memory-bound steps. No parallel workers: no interplay with BLAS.
+_SERIAL = dict(fastmath=True, boundscheck=False, cache=True, nogil=True)
+
+
+@njit(**_SERIAL)
+def rmsnorm(x, w, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * w, row by row."""
+    T, D = x.shape
+    for t in range(T):
+        ss = np.float32(0)
+        for d in range(D):
+            ss += x[t, d] * x[t, d]
+        r = np.float32(1.0 / np.sqrt(ss / D + eps))
+        for d in range(D):
+            out[t, d] = x[t, d] * r * w[d]
+
+
+@njit(**_SERIAL)
+def rope(x, cos, sin):
+    """Rotate the halves of x [T, heads, hd] in place by cos/sin [T, hd/2] (NEOX order)."""
+    T, n_heads, hd = x.shape
+    half = hd // 2
+    for t in range(T):
+        for j in range(n_heads):
+            for i in range(half):
+                a = x[t, j, i]
+                b = x[t, j, i + half]
+                x[t, j, i] = a * cos[t, i] - b * sin[t, i]
+                x[t, j, i + half] = b * cos[t, i] + a * sin[t, i]
+
+
+@njit(**_SERIAL)
+def causal_max(s, tq, first):
+    """Scores s [kvh, g*tq, n] of a causal query block, rows ordered (group, query): query i sees
+    keys 0 .. first+i. Subtracts each row's maximum over the keys it sees and sets the rest to
+    -inf (exp gives 0), in one pass instead of numpy's mask add, max and subtract."""
+    kvh, rows, n = s.shape
+    ninf = np.float32(-np.inf)
+    for h in range(kvh):
+        for row in range(rows):
+            end = min(n, first + row % tq + 1)
+            m = ninf
+            for j in range(end):
+                m = max(m, s[h, row, j])
+            for j in range(end):
+                s[h, row, j] -= m
+            for j in range(end, n):
+                s[h, row, j] = ninf

@@ -114,12 +114,49 @@ def _load() -> tuple[bool, str | None]:
         impl.scores_8(q, kf, sc)
         if not (sc == 4.0).all():
             return False, "kernel self-check failed"
+        if not _check_elementwise(impl):
+            return False, "kernel self-check failed"
         if numba.threading_layer() != "omp":
             return False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
     except Exception as e:  # no OpenMP runtime, a numba/numpy mismatch, an unwritable cache...
         return False, f"numba kernels unavailable ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
     _state["impl"] = impl
     return True, None
+
+
+def _check_elementwise(impl) -> bool:
+    """Compile (or load) the element-wise kernels for the array kinds the model passes (a
+    read-only norm weight, a strided qkv view) and check them against numpy."""
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((3, 8), dtype=np.float32), rng.standard_normal(8, dtype=np.float32)
+    w.flags.writeable = False
+    out = np.empty_like(x)
+    impl.rmsnorm(x, w, 1e-5, out)
+    ok = np.allclose(out, x / np.sqrt((x * x).mean(1, keepdims=True) + 1e-5) * w, rtol=1e-4, atol=1e-5)
+    qkv = rng.standard_normal((2, 3, 4), dtype=np.float32)
+    cos, sin = np.ones((2, 2), np.float32), np.zeros((2, 2), np.float32)
+    want = qkv.copy()
+    impl.rope(qkv[:, :2], cos, sin)  # angle 0: unchanged
+    s = np.zeros((1, 4, 3), np.float32)
+    impl.causal_max(s, 2, 1)  # query 0 sees keys 0-1, query 1 keys 0-2
+    return ok and np.array_equal(qkv, want) and bool(np.isneginf(s[0, [0, 2], 2]).all()) and not s[0, 1].any()
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of the rows of x [T, D] times w, in one kernel (a new array). Call only when active()."""
+    out = np.empty(x.shape, np.float32)
+    _state["impl"].rmsnorm(x, w, eps, out)
+    return out
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
+    """RoPE in place on x [T, heads, hd] (NEOX halves). Call only when active()."""
+    _state["impl"].rope(x, cos, sin)
+
+
+def causal_max(s: np.ndarray, tq: int, first: int):
+    """See _cpu_kernels_impl.causal_max. Call only when active()."""
+    _state["impl"].causal_max(s, tq, first)
 
 
 def rowdot(x: np.ndarray, w: np.ndarray) -> np.ndarray:

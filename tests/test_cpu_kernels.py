@@ -104,3 +104,41 @@ def test_decode_same_with_and_without_kernels(tiny, kernels, monkeypatch):
     assert len(with_kernels[2]) == len(without[2])
     for a, b in zip(with_kernels[2], without[2]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("t,past", [(1, 40), (5, 0), (64, 0), (100, 37), (130, 300)])
+@pytest.mark.parametrize("with_mass", [False, True])
+def test_prefill_attention_same_with_and_without_kernels(kernels, monkeypatch, t, past, with_mass):
+    """The causal mask + row max kernel gives paged_attention's numpy result (blocks of
+    Q_BLOCK queries, a short last block, keys before the chunk, extra keys, h2o's mass)."""
+    rng = np.random.default_rng(t + past)
+    kvh, g, hd, bs = 3, 3, 64, 16
+    n_ctx = past + t
+    nb = -(-n_ctx // bs) + 2
+    kl, vl = (rng.standard_normal((nb, bs, kvh, hd), dtype=np.float32) for _ in range(2))
+    table = rng.permutation(nb)[: -(-n_ctx // bs)]
+    q = rng.standard_normal((t, kvh * g, hd), dtype=np.float32)
+    extra = tuple(rng.standard_normal((kvh, 7, hd), dtype=np.float32) for _ in range(2))
+
+    def run():
+        mass = np.zeros((kvh, 7 + n_ctx), np.float32) if with_mass else None
+        out = ops_numpy.paged_attention(q, kl, vl, table, n_ctx, 0.125, mass, extra)
+        return out, mass
+
+    on = run()
+    monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    off = run()
+    np.testing.assert_allclose(on[0], off[0], rtol=1e-5, atol=1e-5)
+    if with_mass:
+        np.testing.assert_allclose(on[1], off[1], rtol=1e-4, atol=1e-5)
+
+
+def test_rmsnorm_and_rope_match_numpy(kernels, monkeypatch):
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((37, 576), dtype=np.float32), rng.standard_normal(576, dtype=np.float32)
+    qkv = rng.standard_normal((37, 15, 64), dtype=np.float32)
+    cos, sin = ops_numpy.rope_tables(64, 37, 10000.0)
+    got_norm, got_rope = ops_numpy.rmsnorm(x, w, 1e-5), ops_numpy.rope(qkv.copy()[:, :12], cos, sin)
+    monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    np.testing.assert_allclose(got_norm, ops_numpy.rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_rope, ops_numpy.rope(qkv.copy()[:, :12], cos, sin), rtol=1e-5, atol=1e-5)
