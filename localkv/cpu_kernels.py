@@ -50,9 +50,9 @@ def load(progress: bool = False) -> bool:
 
 
 def start(progress: bool = False):
-    """load() in a background thread (about 0.4 s from numba's cache: it overlaps the rest of
-    the engine's start and a long prompt's prefill). active() waits for it, so every forward
-    pass that can use the kernels does, whatever the timing."""
+    """load() in a background thread (about 0.4 s from numba's cache), to overlap the model's
+    load. active() waits for it, so every forward pass that can use the kernels does, whatever
+    the timing; the engine waits at the end of its start."""
     with _lock:
         if "ok" in _state or "loader" in _state:
             return
