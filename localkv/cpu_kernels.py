@@ -1,4 +1,5 @@
-"""Compiled CPU kernels (numba) for the matmuls of a few rows: decode steps.
+"""Compiled CPU kernels (numba): the matmuls of a few rows (decode steps), the forks' shared
+prefix scores, and fused one-pass versions of prefill's memory-bound steps.
 
 Why: with few activation rows (one token per sequence) a weight matmul reads the whole weight
 matrix for very little arithmetic. OpenBLAS's gemm first copies ("packs") the weights, at about
@@ -13,7 +14,7 @@ Threads: numba's OpenMP layer starts a kernel in about 5 us (its workers spin be
 the sleeping "workqueue" layer takes 80-120 us, which over 120 kernels a step costs more than it
 saves, so only "omp" is used. Spinning workers and OpenBLAS's own spinning workers must not run
 at once on a 2-core machine (a kernel start then waited 4-5 ms for a time slice), so while
-kernels run the model keeps BLAS on one thread (see ops_numpy.rows_mode), and
+kernels run the model keeps BLAS on one thread (see ops_numpy.begin_forward), and
 localkv/__init__ shortens OpenBLAS's spin after a call (OPENBLAS_THREAD_TIMEOUT).
 
 LOCALKV_CPU_KERNELS=0 turns the kernels off (numpy/BLAS only); so does a missing numba or a
@@ -61,17 +62,13 @@ def start(progress: bool = False):
         atexit.register(_state["loader"].join)  # never tear the interpreter down mid-compile
 
 
-def pending() -> bool:
-    """A background load is still running."""
-    loader = _state.get("loader")
-    return loader is not None and loader.is_alive()
-
-
 def active() -> bool:
-    """The kernels can run (waits for a background load)."""
+    """The kernels can run (waits for a background load). On the hot path: a dict lookup once
+    the load is done."""
     loader = _state.get("loader")
     if loader is not None:
         loader.join()
+        _state.pop("loader", None)
     return _state.get("ok", False)
 
 
@@ -100,28 +97,33 @@ def _load() -> tuple[bool, str | None]:
     try:
         from . import _cpu_kernels_impl as impl
 
-        x = np.ones((8, 4), np.float32)
-        w = np.ones((3, 4), np.float32)
-        w_ro = w.copy()
-        w_ro.flags.writeable = False  # weights mapped from the safetensors cache are read-only
-        for rows, kernel in ((1, impl.rowdot_1), (4, impl.rowdot_4n), (8, impl.rowdot_4n)):
-            for weights in (w, w_ro):  # compiles (or loads) every kernel now, not in a timed step
-                out = np.empty((rows, 3), np.float32)
-                kernel(x[:rows], weights, out)
-                if not (out == 4.0).all():
-                    return False, "kernel self-check failed"
-        q, kf, sc = np.ones((2, 8, 4), np.float32), np.ones((3, 8), np.float32), np.empty((2, 8, 3), np.float32)
-        impl.scores_8(q, kf, sc)
-        if not (sc == 4.0).all():
-            return False, "kernel self-check failed"
-        if not _check_elementwise(impl):
+        if not (_check_matmuls(impl) and _check_elementwise(impl)):
             return False, "kernel self-check failed"
         if numba.threading_layer() != "omp":
             return False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
     except Exception as e:  # no OpenMP runtime, a numba/numpy mismatch, an unwritable cache...
-        return False, f"numba kernels unavailable ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+        from .backend import _first_line
+
+        return False, f"numba kernels unavailable ({type(e).__name__}: {_first_line(e)})"
     _state["impl"] = impl
     return True, None
+
+
+def _check_matmuls(impl) -> bool:
+    """Compile (or load) the matmul kernels now, not inside a timed step, for writable and
+    read-only weights (the safetensors cache maps them read-only), and check their results."""
+    x, w = np.ones((8, 4), np.float32), np.ones((3, 4), np.float32)
+    w_ro = w.copy()
+    w_ro.flags.writeable = False
+    ok = True
+    for rows, kernel in ((1, impl.rowdot_1), (4, impl.rowdot_4n), (8, impl.rowdot_4n)):
+        for weights in (w, w_ro):
+            out = np.empty((rows, 3), np.float32)
+            kernel(x[:rows], weights, out)
+            ok = ok and bool((out == 4.0).all())
+    sc = np.empty((2, 8, 3), np.float32)
+    impl.scores_8(np.ones((2, 8, 4), np.float32), np.ones((3, 8), np.float32), sc)
+    return ok and bool((sc == 4.0).all())
 
 
 def _check_elementwise(impl) -> bool:

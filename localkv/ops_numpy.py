@@ -95,13 +95,11 @@ def begin_forward(rows: int):
     start took 4-5 ms instead of 5 us). Prefill gets the engine's BLAS threads back."""
     if _threads["blas"] is None:
         return
+    if not cpu_kernels.active():
+        return  # BLAS keeps the engine's threads throughout
     if rows > KERNEL_ROWS:
-        if cpu_kernels.pending() or not cpu_kernels.active():
-            return  # no kernel has run yet (or none will): BLAS still has the engine's threads
         want = _threads["blas"]
     else:
-        if not cpu_kernels.active():
-            return
         cpu_kernels.set_threads(_threads["blas"])
         want = 1
     if _threads["libs"] is None:
