@@ -1,4 +1,4 @@
-"""The numba kernels behind cpu_kernels.rowdot (imported only when numba is there).
+"""The numba kernels behind cpu_kernels (imported only when numba is there).
 
 rowdot_1 / rowdot_4n (x [R, K], w [N, K], out [R, N]; R = 1, or a multiple of 4): out = x @ w.T,
 parallel over the N weight rows. Each weight row is read once from memory and multiplied into
@@ -43,8 +43,6 @@ def rowdot_4n(x, w, out):
             out[r + 1, n] = s1
             out[r + 2, n] = s2
             out[r + 3, n] = s3
-
-
 
 
 @njit(**_OPTS)

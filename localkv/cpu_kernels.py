@@ -21,7 +21,6 @@ LOCALKV_CPU_KERNELS=0 turns the kernels off (numpy/BLAS only); so does a missing
 missing OpenMP runtime (libgomp). Compiled code is cached beside this file (numba's cache).
 """
 
-import atexit
 import os
 import sys
 import threading
@@ -50,25 +49,8 @@ def load(progress: bool = False) -> bool:
         return _state["ok"]
 
 
-def start(progress: bool = False):
-    """load() in a background thread (about 0.4 s from numba's cache), to overlap the model's
-    load. active() waits for it, so every forward pass that can use the kernels does, whatever
-    the timing; the engine waits at the end of its start."""
-    with _lock:
-        if "ok" in _state or "loader" in _state:
-            return
-        _state["loader"] = threading.Thread(target=load, args=(progress,), name="localkv-cpu-kernels", daemon=True)
-        _state["loader"].start()
-        atexit.register(_state["loader"].join)  # never tear the interpreter down mid-compile
-
-
 def active() -> bool:
-    """The kernels can run (waits for a background load). On the hot path: a dict lookup once
-    the load is done."""
-    loader = _state.get("loader")
-    if loader is not None:
-        loader.join()
-        _state.pop("loader", None)
+    """The kernels loaded and can run."""
     return _state.get("ok", False)
 
 

@@ -84,13 +84,13 @@ class Engine:
         self.threads = threads or _blas_threads()
         kv_bytes, disk_bytes = parse_size(kv_mem), parse_size(disk_cache_size)  # bad sizes fail before loading
         self.ops = backend.select(device)  # before the model loads: a missing GPU fails fast
-        if self.ops is ops_numpy:  # the CPU kernels (numba) load while the model does; joined below
-            ops_numpy.configure(self.threads, progress)
         backend.tune_malloc()
         self.path = resolve_model(None if model is None else str(model), progress=progress)
         loaded = load_model(self.path, progress=progress)
         self.loaded = loaded
         self.cfg, self.tokenizer = loaded.config, loaded.tokenizer
+        if self.ops is ops_numpy:  # the CPU kernels (numba), after the model: a bad model fails first
+            ops_numpy.configure(self.threads, progress)
         weights = loaded.weights if self.ops is ops_numpy else self.ops.upload_weights(loaded.weights)
         self.model = Llama(self.cfg, weights, self.ops)
         cfg = self.cfg
@@ -115,8 +115,6 @@ class Engine:
             # entries in the pool's own dtype: loading is a checked copy, no conversion (which
             # ran at 2.4 GB/s here and made up most of a warm start)
             self.disk = DiskStore(max_bytes=disk_bytes, dtype=dtype)
-        if self.ops is ops_numpy:
-            ops_numpy.uses_kernels(1)  # waits for the kernels: their load counts as start time, not time to first token
 
     @property
     def cpu_kernels(self) -> bool:
