@@ -578,6 +578,9 @@ class ChatApp(App):
         """Panel refresh: the worker's copy while it runs, else a fresh one (the engine is idle)."""
         if not self.show_panel or self._quitting or (self.engine is None and self._snap is None):
             return
+        panels = self.query(KVPanel)
+        if not panels:  # the interval timer can still fire while the app tears its widgets down
+            return
         snap = self._snap if self.busy else KVSnapshot.of(self.engine)
         if snap is not None:
-            self.panel.snapshot = snap
+            panels.first().snapshot = snap
