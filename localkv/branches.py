@@ -9,9 +9,9 @@ step runs all live branches as one batch: one matmul per weight for all of them.
 import time
 from dataclasses import dataclass, field
 
-from .errors import LocalkvError, PoolExhausted
-from .sampling import Sampler, SamplingParams
-from .sequence import Sequence
+from localkv.errors import LocalkvError, PoolExhausted
+from localkv.sampling import Sampler, SamplingParams
+from localkv.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -44,8 +44,15 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
     return -(-n_tokens // block_size)
 
 
-def generate_branches(engine, prompt_ids: list[int], n: int, params: SamplingParams, max_tokens: int,
-                      ignore_eos: bool = False, on_token=None) -> BranchesResult:
+def generate_branches(
+    engine,
+    prompt_ids: list[int],
+    n: int,
+    params: SamplingParams,
+    max_tokens: int,
+    ignore_eos: bool = False,
+    on_token=None,
+) -> BranchesResult:
     """Sample n replies to one prompt. on_token(branch_index, text_piece) streams pieces."""
     if n < 1:
         raise LocalkvError(f"invalid branch count {n}: must be >= 1")
@@ -54,8 +61,10 @@ def generate_branches(engine, prompt_ids: list[int], n: int, params: SamplingPar
     total = min(len(prompt_ids) + max_tokens, engine.cfg.ctx_len)
     need = blocks_for(len(prompt_ids), bs) + n * (blocks_for(total, bs) - len(prompt_ids) // bs)
     if need > engine.pool.num_free:
-        raise PoolExhausted(f"{n} branches of up to {max_tokens} tokens need {need} KV blocks with sharing; the pool "
-                            f"has {engine.pool.num_free} free (raise --kv-mem, or lower --branches or --max-tokens)")
+        raise PoolExhausted(
+            f"{n} branches of up to {max_tokens} tokens need {need} KV blocks with sharing; the pool "
+            f"has {engine.pool.num_free} free (raise --kv-mem, or lower --branches or --max-tokens)"
+        )
     root, cached = engine.open_sequence(prompt_ids)
     cow0 = engine.stats.cow_copies
     result = BranchesResult([], len(prompt_ids), cached)

@@ -7,16 +7,17 @@ from pathlib import Path
 
 import numpy as np
 
-from . import backend, ops_numpy
-from .block_pool import BlockPool
-from .errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
-from .evict import EvictConfig, Evictor
-from .kv_manager import KVManager
-from .loader import load_model
-from .model import Llama, Span
-from .sampling import Sampler, SamplingParams
-from .sequence import Sequence
-from .stats import Stats
+from localkv import backends as backend
+from localkv.backends import cpu as ops_numpy
+from localkv.errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
+from localkv.kv.block_pool import BlockPool
+from localkv.kv.block_tables import KVManager
+from localkv.kv.evict import EvictConfig, Evictor
+from localkv.model.llama import Llama, Span
+from localkv.model.loader import load_model
+from localkv.sampling import Sampler, SamplingParams
+from localkv.sequence import Sequence
+from localkv.stats import Stats
 
 DEFAULT_KV_MEM = "1GiB"
 DEFAULT_PREFILL_CHUNK = 512
@@ -65,11 +66,22 @@ class Result:
 
 
 class Engine:
-    def __init__(self, model: str | Path | None = None, block_size: int = 16, kv_mem: str | int = DEFAULT_KV_MEM,
-                 threads: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = True,
-                 prefix_caching: bool = True, disk_cache: bool = True, disk_cache_size: str | int = "2GiB",
-                 evict: EvictConfig | None = None, offload_dir: str | Path | None = None, device: str = "auto"):
-        from .registry import resolve_model
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        block_size: int = 16,
+        kv_mem: str | int = DEFAULT_KV_MEM,
+        threads: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        progress: bool = True,
+        prefix_caching: bool = True,
+        disk_cache: bool = True,
+        disk_cache_size: str | int = "2GiB",
+        evict: EvictConfig | None = None,
+        offload_dir: str | Path | None = None,
+        device: str = "auto",
+    ):
+        from localkv.hub.catalog import resolve_model
 
         if block_size < 1 or block_size & (block_size - 1):
             raise LocalkvError(f"invalid block size {block_size}: use a power of two (16 is the default)")
@@ -99,8 +111,16 @@ class Engine:
         if kv_bytes < per_block:
             raise LocalkvError(f"--kv-mem {kv_mem} is smaller than one KV block ({per_block} bytes)")
         self.stats = Stats()
-        self.pool = BlockPool(cfg.n_layers, kv_bytes // per_block, block_size, cfg.n_kv_heads, cfg.head_dim,
-                              dtype=self.ops.kv_dtype, xp=self.ops.xp, stats=self.stats)
+        self.pool = BlockPool(
+            cfg.n_layers,
+            kv_bytes // per_block,
+            block_size,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            dtype=self.ops.kv_dtype,
+            xp=self.ops.xp,
+            stats=self.stats,
+        )
         self.evict = evict or EvictConfig()
         # validates the policy and opens the offload tier before any generation starts
         self.evictor = Evictor(self.evict, self.pool, self.stats, offload_dir)
@@ -110,7 +130,7 @@ class Engine:
         self.prefix_caching = prefix_caching
         self.disk = None
         if prefix_caching and disk_cache:
-            from .disk_store import DiskStore
+            from localkv.kv.disk_store import DiskStore
 
             # entries in the pool's own dtype: loading is a checked copy, no conversion (which
             # ran at 2.4 GB/s here and made up most of a warm start)
@@ -145,8 +165,9 @@ class Engine:
         self._enforce_budget(seqs, counts)
         need = sum(self.kv.need(s, n) for s, n in zip(seqs, counts) if n)
         if need > self.pool.num_free:  # before any sequence is touched: a failed step changes nothing
-            raise PoolExhausted(f"KV pool exhausted: this step needs {need} blocks, {self.pool.num_free} are free "
-                                "(raise --kv-mem)")
+            raise PoolExhausted(
+                f"KV pool exhausted: this step needs {need} blocks, {self.pool.num_free} are free (raise --kv-mem)"
+            )
         for seq, n in zip(seqs, counts):
             if not n:
                 raise LocalkvError("internal: step on a sequence with no pending tokens")
@@ -155,14 +176,23 @@ class Engine:
             positions.extend(range(seq.num_computed, seq.num_computed + n))
             slots.append(self.kv.append_slots(seq, n))
             tokens.extend(chunk)
-            spans.append(Span(start, n, np.asarray(seq.block_table), seq.num_stored, self.evictor.mass_for(seq),
-                              self.evictor.retriever(seq)))
+            spans.append(
+                Span(
+                    start,
+                    n,
+                    np.asarray(seq.block_table),
+                    seq.num_stored,
+                    self.evictor.mass_for(seq),
+                    self.evictor.retriever(seq),
+                )
+            )
             rows.append(len(tokens) - 1)
         if all_logits:
             rows = list(range(len(tokens)))
         self.model.ensure_positions(max(positions) + 1)
-        logits = self.model.forward(np.asarray(tokens), np.asarray(positions), np.concatenate(slots), spans,
-                                    self.pool, rows)
+        logits = self.model.forward(
+            np.asarray(tokens), np.asarray(positions), np.concatenate(slots), spans, self.pool, rows
+        )
         for seq, sp in zip(seqs, spans):
             self.evictor.observe(seq, sp.mass, sp.length)
             if self.evictor.tier is not None:
@@ -179,11 +209,14 @@ class Engine:
         for seq, n in zip(seqs, counts):
             if ev.policy == "none":
                 if seq.num_stored + n > ev.budget:
-                    raise BudgetReached(f"KV budget of {ev.budget} tokens is full (policy none; choose --evict "
-                                        "sliding, h2o or offload to keep going)")
+                    raise BudgetReached(
+                        f"KV budget of {ev.budget} tokens is full (policy none; choose --evict "
+                        "sliding, h2o or offload to keep going)"
+                    )
             elif self.evictor.make_room(seq, n) > 0:
-                raise BudgetReached(f"KV budget of {ev.budget} tokens is full and the remaining blocks are shared "
-                                    "with another sequence")
+                raise BudgetReached(
+                    f"KV budget of {ev.budget} tokens is full and the remaining blocks are shared with another sequence"
+                )
 
     def fork(self, seq: Sequence) -> Sequence:
         child = self.kv.fork(seq)
@@ -224,8 +257,9 @@ class Engine:
         seq = Sequence(list(prompt_ids))
         if not self.prefix_caching:
             return seq, 0
-        mem, disk = self.kv.match_prefix(seq, _DiskPrefix(self.disk, self.cfg.fingerprint, self.pool)
-                                         if self.disk else None)
+        mem, disk = self.kv.match_prefix(
+            seq, _DiskPrefix(self.disk, self.cfg.fingerprint, self.pool) if self.disk else None
+        )
         if self.disk:
             self.disk.record(len(prompt_ids), mem + disk)
         return seq, mem + disk
@@ -239,7 +273,7 @@ class Engine:
             return
         fp, name, bs = self.cfg.fingerprint, self.cfg.name, self.block_size
         for i in range(n_cached // bs, min(n_prompt // bs, len(seq.block_hashes))):
-            h, toks = seq.block_hashes[i], tuple(seq.tokens[i * bs:(i + 1) * bs])
+            h, toks = seq.block_hashes[i], tuple(seq.tokens[i * bs : (i + 1) * bs])
             if self.disk.contains(fp, h) and self.disk.read(fp, h, toks) is not None:
                 continue
             bid = seq.block_table[i]
@@ -253,21 +287,29 @@ class Engine:
         if n_prompt == 0:
             raise LocalkvError("empty prompt: nothing to run")
         if n_prompt >= ctx:
-            raise ContextOverflow(f"prompt is {n_prompt} tokens; the model's context holds {ctx} "
-                                  "(shorten the prompt)")
+            raise ContextOverflow(f"prompt is {n_prompt} tokens; the model's context holds {ctx} (shorten the prompt)")
         if ev.policy == "none" and ev.budget is not None and n_prompt > ev.budget:
-            raise BudgetReached(f"prompt is {n_prompt} tokens, more than the KV budget of {ev.budget} "
-                                "(raise --kv-budget or choose an --evict policy)")
+            raise BudgetReached(
+                f"prompt is {n_prompt} tokens, more than the KV budget of {ev.budget} "
+                "(raise --kv-budget or choose an --evict policy)"
+            )
         total = n_prompt + max_tokens if ev.policy != "none" else min(n_prompt + max_tokens, ctx)
         if ev.budget is not None:
             total = min(total, ev.budget + self.block_size)
         need = -(-total // self.block_size) * n_seqs
         if need > self.pool.num_free:
-            raise PoolExhausted(f"request needs {need} KV blocks ({total} tokens), the pool has {self.pool.num_free} "
-                                f"free of {self.pool.num_blocks} (raise --kv-mem or lower --max-tokens)")
+            raise PoolExhausted(
+                f"request needs {need} KV blocks ({total} tokens), the pool has {self.pool.num_free} "
+                f"free of {self.pool.num_blocks} (raise --kv-mem or lower --max-tokens)"
+            )
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int = 512,
-                 ignore_eos: bool = False) -> "Generation":
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        max_tokens: int = 512,
+        ignore_eos: bool = False,
+    ) -> "Generation":
         return Generation(self, prompt_ids, params or SamplingParams(), max_tokens, ignore_eos)
 
 
@@ -275,8 +317,9 @@ class Generation:
     """Iterate for text pieces as tokens are sampled; .result holds the record.
     Ctrl-C during iteration ends it cleanly with finish_reason 'interrupted'."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                 ignore_eos: bool):
+    def __init__(
+        self, engine: Engine, prompt_ids: list[int], params: SamplingParams, max_tokens: int, ignore_eos: bool
+    ):
         if max_tokens < 1:
             raise LocalkvError(f"invalid max tokens {max_tokens}: must be >= 1")
         self.sampler = Sampler(params)

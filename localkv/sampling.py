@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import LocalkvError
+from localkv.errors import LocalkvError
 
 
 @dataclass(slots=True)

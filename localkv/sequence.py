@@ -18,4 +18,4 @@ class Sequence:
 
     @property
     def pending(self) -> list[int]:
-        return self.tokens[self.num_computed:]
+        return self.tokens[self.num_computed :]

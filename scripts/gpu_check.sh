@@ -28,10 +28,10 @@ status=0
   echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   echo "- python: $($PY -c 'import sys; print(sys.version.split()[0])')"
   echo "- cupy: $($PY -c 'import cupy; print(cupy.__version__)' 2>&1 | tail -1)"
-  echo "- devices: $($PY -c 'from localkv.backend import available_devices as a; print(a())' 2>&1 | tail -1)"
+  echo "- devices: $($PY -c 'from localkv.backends import available_devices as a; print(a())' 2>&1 | tail -1)"
 } > "$REPORT/report.md"
 
-if ! why=$($PY -c "from localkv.backend import select; select('cuda')" 2>&1); then
+if ! why=$($PY -c "from localkv.backends import select; select('cuda')" 2>&1); then
   echo "NO GPU BACKEND: $(echo "$why" | tail -n 1)" | tee -a "$REPORT/report.md"
   status=2  # still run the rest, so the report shows what could run
 fi
@@ -64,7 +64,7 @@ import cupy as cp
 import numpy as np
 from cupyx.profiler import benchmark
 
-from localkv import ops_cupy as oc
+from localkv.backends import cuda as oc
 
 report = sys.argv[1]
 dev = cp.cuda.Device()
@@ -144,7 +144,7 @@ echo "== end to end (real model)"
 } >> "$REPORT/report.md"
 if ! localkv bench --help 2>/dev/null | grep -q -- "--device"; then
   echo "skipped: localkv bench has no --device option yet" | tee -a "$REPORT/report.md"
-elif ! $PY -c "import sys; from localkv import registry; from localkv.pull import is_pulled; \
+elif ! $PY -c "import sys; from localkv.hub import catalog as registry; from localkv.hub.pull import is_pulled; \
 sys.exit(0 if is_pulled(registry.lookup('smollm2-135m')) else 1)" 2>/dev/null; then
   echo "skipped: smollm2-135m is not pulled (no network here: run 'localkv pull' beforehand)" | tee -a "$REPORT/report.md"
 else

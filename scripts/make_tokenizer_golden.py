@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing localkv
 
 PROSE = (
     "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times; "
-    "Mr. Darcy's estate (Pemberley) was \"magnificent\" -- or so they said!"
+    'Mr. Darcy\'s estate (Pemberley) was "magnificent" -- or so they said!'
 )
 PYTHON = 'def add(a, b):\n    """Add two numbers."""\n    if a > b:\n        return a + b\n    return b - a  # done\n'
 TABS = "for (int i = 0; i < n; i++) {\n\tif (x[i] != 0)\n\t\tcount += 1;\n}\n"
@@ -75,7 +75,7 @@ def main():
     if len(sys.argv) > 1:
         path = sys.argv[1]
     else:
-        from localkv.pull import ensure_model
+        from localkv.hub.pull import ensure_model
 
         path = str(ensure_model("smollm2-135m", progress=False))
     import llama_cpp

@@ -26,7 +26,7 @@ def private_home(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def real_model_path():
     """The real SmolLM2-135M GGUF, pulled into the user's LOCALKV_HOME on first use."""
-    from localkv.pull import ensure_model
+    from localkv.hub.pull import ensure_model
 
     saved = os.environ.get("LOCALKV_HOME")
     os.environ["LOCALKV_HOME"] = REAL_HOME

@@ -4,19 +4,42 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from localkv import bench
+from localkv.bench import speed as bench
 from localkv.errors import LocalkvError
 
-LLAMA_BENCH_KEYS = {"test", "n_prompt", "n_gen", "avg_ts", "stddev_ts", "samples_ts", "backend", "n_threads",
-                    "model_type", "model_filename", "model_size", "model_n_params"}
+LLAMA_BENCH_KEYS = {
+    "test",
+    "n_prompt",
+    "n_gen",
+    "avg_ts",
+    "stddev_ts",
+    "samples_ts",
+    "backend",
+    "n_threads",
+    "model_type",
+    "model_filename",
+    "model_size",
+    "model_n_params",
+}
 
 
 def _row(engine="localkv", test="pp512", ts=(100.0, 102.0)):
     n_prompt, n_gen = (int(test[2:]), 0) if test.startswith("pp") else (0, int(test[2:]))
-    return {"engine": engine, "model_type": "llama 135M Q4_1", "model_filename": "m.gguf",
-            "model_size": 98362432, "model_n_params": 134515008, "backend": "CPU", "n_threads": 2,
-            "test": test, "n_prompt": n_prompt, "n_gen": n_gen, "avg_ts": sum(ts) / len(ts),
-            "stddev_ts": bench._sd(ts), "samples_ts": list(ts)}
+    return {
+        "engine": engine,
+        "model_type": "llama 135M Q4_1",
+        "model_filename": "m.gguf",
+        "model_size": 98362432,
+        "model_n_params": 134515008,
+        "backend": "CPU",
+        "n_threads": 2,
+        "test": test,
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+        "avg_ts": sum(ts) / len(ts),
+        "stddev_ts": bench._sd(ts),
+        "samples_ts": list(ts),
+    }
 
 
 def test_parse_tests():
@@ -32,18 +55,36 @@ def test_md_table_like_llama_bench():
     lines = md.splitlines()
     assert "cores" in lines[0] and "localkv bench -t 2" in lines[1]
     table = [ln for ln in lines if ln.startswith("|")]
-    assert [c.strip() for c in table[0].strip("|").split("|")] == \
-        ["model", "size", "params", "backend", "threads", "test", "t/s"]
-    assert [c.strip() for c in table[2].strip("|").split("|")] == \
-        ["llama 135M Q4_1", "93.81 MiB", "134.52 M", "CPU", "2", "pp512", "101.00 ± 1.41"]
+    assert [c.strip() for c in table[0].strip("|").split("|")] == [
+        "model",
+        "size",
+        "params",
+        "backend",
+        "threads",
+        "test",
+        "t/s",
+    ]
+    assert [c.strip() for c in table[2].strip("|").split("|")] == [
+        "llama 135M Q4_1",
+        "93.81 MiB",
+        "134.52 M",
+        "CPU",
+        "2",
+        "pp512",
+        "101.00 ± 1.41",
+    ]
     assert table[1].startswith("| ---") and table[1].rstrip("| ").endswith(":")  # t/s right-aligned
     assert "40.00 ± 0.00" in table[3]
     assert len({len(ln) for ln in table}) == 1  # columns line up
 
 
 def test_md_compared_has_engine_and_ratio_columns():
-    rows = [_row(ts=(300.0,)), _row("llama.cpp", ts=(100.0,)),
-            _row(test="tg128", ts=(20.0,)), _row("llama.cpp", test="tg128", ts=(50.0,))]
+    rows = [
+        _row(ts=(300.0,)),
+        _row("llama.cpp", ts=(100.0,)),
+        _row(test="tg128", ts=(20.0,)),
+        _row("llama.cpp", test="tg128", ts=(50.0,)),
+    ]
     r = bench.ratios(rows)
     assert r == pytest.approx({"pp512": 3.0, "tg128": 0.4})
     table = [ln for ln in bench.format_md(rows, r).splitlines() if ln.startswith("|")]
@@ -60,7 +101,7 @@ def test_ratios_skip_tests_without_peer():
 
 def test_json_uses_llama_bench_names():
     out = json.loads(bench.format_json([_row()]))
-    assert isinstance(out, list) and LLAMA_BENCH_KEYS <= out[0].keys()
+    assert isinstance(out, list) and out[0].keys() >= LLAMA_BENCH_KEYS
     assert out[0]["test"] == "pp512" and out[0]["backend"] == "CPU"
 
 
@@ -75,10 +116,20 @@ def _app():
     return app
 
 
-@pytest.mark.parametrize("args", [["--vs", "vllm"], ["-o", "xml"], ["-p", "0", "-n", "0"], ["nope"],
-                                  ["memory", "-o", "html"], ["fork", "-r", "0"], ["evict", "--vs", "vllm"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--vs", "vllm"],
+        ["-o", "xml"],
+        ["-p", "0", "-n", "0"],
+        ["nope"],
+        ["memory", "-o", "html"],
+        ["fork", "-r", "0"],
+        ["evict", "--vs", "vllm"],
+    ],
+)
 def test_bad_options_raise_before_loading(args, monkeypatch):
-    from localkv import bench_suites
+    from localkv.bench import suites as bench_suites
 
     def no_engine(*a, **k):
         raise AssertionError("engine loaded before the options were checked")
@@ -101,15 +152,30 @@ def test_bad_output_names_the_formats():
 
 
 def _call(**kw):
-    args = dict(model=None, n_prompt=16, n_gen=4, repetitions=1, threads=None, vs=None, output="md", block_size=16,
-                kv_mem="1GiB", quick=False, plot=None, long=False, seed=0, device="auto", suite="speed")
+    args = dict(
+        model=None,
+        n_prompt=16,
+        n_gen=4,
+        repetitions=1,
+        threads=None,
+        vs=None,
+        output="md",
+        block_size=16,
+        kv_mem="1GiB",
+        quick=False,
+        plot=None,
+        long=False,
+        seed=0,
+        device="auto",
+        suite="speed",
+    )
     return bench.bench_command(**(args | kw))
 
 
 def test_vs_without_llama_cpp_says_how_to_install(monkeypatch):
-    import localkv.peer
+    from localkv.bench import peer
 
-    monkeypatch.setattr(localkv.peer, "peer_available", lambda: False)
+    monkeypatch.setattr(peer, "peer_available", lambda: False)
     with pytest.raises(LocalkvError, match=r"pip install -e '\.\[peer\]'"):
         _call(vs="llama.cpp")
 
@@ -139,7 +205,7 @@ def engine(real_model_path):
 def _check(rows, engines):
     assert [(r["engine"], r["test"]) for r in rows] == [(e, t) for t in ("pp16", "tg4") for e in engines]
     for r in rows:
-        assert LLAMA_BENCH_KEYS <= r.keys()
+        assert r.keys() >= LLAMA_BENCH_KEYS
         assert r["backend"] == "CPU" and r["n_threads"] == 1 and r["model_size"] > 0 and r["model_n_params"] > 0
         assert (r["n_prompt"], r["n_gen"]) == ((16, 0) if r["test"] == "pp16" else (0, 4))
         assert len(r["samples_ts"]) == 1 and r["avg_ts"] > 0

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from localkv import bench_evict as be
+from localkv.bench import ppl as be
 from localkv.engine import Engine
 from tiny_model import write_gguf
 
@@ -34,8 +34,15 @@ def test_perplexity_matches_a_direct_computation(tiny):
 def test_budgets_are_respected_and_rows_reported(tiny, monkeypatch):
     monkeypatch.setattr(be, "text_tokens", lambda eng, n: TOKENS[:n])
     rows = be.run(make(tiny), n_tokens=120, budgets_pct=(30, 50), chunk=8)
-    assert [(r.policy, r.budget) for r in rows] == [("full", None), ("sliding", 36), ("h2o", 36), ("offload", 36),
-                                                     ("sliding", 60), ("h2o", 60), ("offload", 60)]
+    assert [(r.policy, r.budget) for r in rows] == [
+        ("full", None),
+        ("sliding", 36),
+        ("h2o", 36),
+        ("offload", 36),
+        ("sliding", 60),
+        ("h2o", 60),
+        ("offload", 60),
+    ]
     assert all(r.peak_active <= r.budget for r in rows if r.budget) and all(r.ppl > 1 for r in rows)
     assert any(r.evictions for r in rows) and any(r.offloads for r in rows)
     lines = be.verdict(rows)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from localkv import bench_memory as bm
+from localkv.bench import memory as bm
 from localkv.errors import LocalkvError
 
 R = bm.Request
@@ -59,8 +59,15 @@ def test_first_fit_coalesces_free_ranges():
 
 
 def _cfg(**kw):
-    base = dict(n_requests=80, seed=3, max_len=256, prompt_range=(4, 128), output_range=(4, 128), arena_slots=1024,
-                block_size=16)
+    base = dict(
+        n_requests=80,
+        seed=3,
+        max_len=256,
+        prompt_range=(4, 128),
+        output_range=(4, 128),
+        arena_slots=1024,
+        block_size=16,
+    )
     return bm.MemoryConfig(**(base | kw))
 
 
@@ -100,8 +107,16 @@ def test_run_paged_beats_contiguous_on_the_same_memory():
     assert paged.external_frag == 0
     assert contig.peak_batch == 1024 // 256
     row = paged.row()
-    assert {"utilization", "internal_frag", "reserved_for_later", "never_used", "external_frag", "mean_batch",
-            "peak_batch", "preemptions"} <= row.keys()
+    assert {
+        "utilization",
+        "internal_frag",
+        "reserved_for_later",
+        "never_used",
+        "external_frag",
+        "mean_batch",
+        "peak_batch",
+        "preemptions",
+    } <= row.keys()
     assert len(paged.series["step"]) == len(paged.series["reserved"]) <= 2000
 
 
@@ -110,8 +125,16 @@ def test_arena_from_kv_mem():
     assert bm.arena_slots(1 << 30, 32) % 32 == 0
 
 
-@pytest.mark.parametrize("kw", [dict(n_requests=0), dict(block_size=12), dict(arena_slots=100),
-                                dict(prompt_range=(0, 10)), dict(output_range=(9, 3))])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(n_requests=0),
+        dict(block_size=12),
+        dict(arena_slots=100),
+        dict(prompt_range=(0, 10)),
+        dict(output_range=(9, 3)),
+    ],
+)
 def test_bad_configs(kw):
     with pytest.raises(LocalkvError):
         _cfg(**kw).validate()

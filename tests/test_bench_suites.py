@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from localkv import bench_report as br
-from localkv import bench_suites as bs
+from localkv.bench import report as br
+from localkv.bench import suites as bs
 from localkv.cli import main
 from tiny_model import write_gguf
 
@@ -26,7 +26,7 @@ def _opts(tiny, **kw):
 
 def _check_report(rep, suite):
     assert rep.suite == suite and rep.what and rep.rows and rep.seconds > 0
-    assert HW_KEYS <= rep.hardware.keys() and rep.hardware["cores"] >= 1
+    assert rep.hardware.keys() >= HW_KEYS and rep.hardware["cores"] >= 1
     assert rep.command.startswith(f"localkv bench {suite}") and "--quick" in rep.command
     md = br.format_md(rep)
     assert "hardware:" in md and f"`{rep.command}`" in md and "load:" in md
@@ -68,7 +68,7 @@ def test_cache_quick(tiny):
     assert set(by) == {("localkv", "cold"), ("localkv", "warm disk")}
     assert by["localkv", "cold"]["cached_tokens"] == 0 and by["localkv", "warm disk"]["cached_tokens"] > 0
     assert by["localkv", "cold"]["disk_bytes"] > 0 and all(r["ttft_s"] > 0 for r in rep.rows)
-    (name, _, chat), = rep.more
+    ((name, _, chat),) = rep.more
     assert name == "chat" and [r["turn"] for r in chat] == [1, 2, 3]
     assert chat[0]["hit_tokens"] == 0 and all(r["hit_tokens"] > 0 for r in chat[1:])
     assert all(r["hit_tokens"] <= r["reusable_tokens"] < r["prompt_tokens"] for r in chat[1:])
@@ -78,10 +78,14 @@ def test_cache_quick(tiny):
 def test_evict_quick_with_long(tiny):
     rep = bs.run_evict(_opts(tiny, long=True))
     _check_report(rep, "evict")
-    assert [(r["policy"], r["budget_pct"]) for r in rep.rows] == [("full", 100), ("sliding", 50), ("h2o", 50),
-                                                                    ("offload", 50)]
+    assert [(r["policy"], r["budget_pct"]) for r in rep.rows] == [
+        ("full", 100),
+        ("sliding", 50),
+        ("h2o", 50),
+        ("offload", 50),
+    ]
     assert all(r["peak_active"] <= r["budget"] for r in rep.rows if r["budget"])
-    (name, _, long_rows), = rep.more
+    ((name, _, long_rows),) = rep.more
     assert name == "long" and [r["policy"] for r in long_rows] == ["sliding", "h2o", "offload"]
     assert all(r["generated"] == 200 and r["peak_active"] <= 64 for r in long_rows)
     assert any(t.name.startswith("active KV") and t.ok for t in rep.targets)
@@ -125,8 +129,11 @@ def test_plot_writes_pngs(tmp_path, tiny):
     rep = bs.run_memory(bs.Options(quick=True))
     (png,) = br.plot(rep, tmp_path)
     assert png.name == "bench-memory.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    ev = br.Report("evict", "x", rows=[{"policy": "full", "budget_pct": 100, "ppl": 5.0},
-                                       {"policy": "h2o", "budget_pct": 20, "ppl": 6.0}])
+    ev = br.Report(
+        "evict",
+        "x",
+        rows=[{"policy": "full", "budget_pct": 100, "ppl": 5.0}, {"policy": "h2o", "budget_pct": 20, "ppl": 6.0}],
+    )
     assert br.plot(ev, tmp_path)[0].stat().st_size > 0
 
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from localkv.block_pool import BlockPool
 from localkv.errors import PoolExhausted
-from localkv.kv_manager import KVManager
+from localkv.kv.block_pool import BlockPool
+from localkv.kv.block_tables import KVManager
 from localkv.sequence import Sequence
 
 

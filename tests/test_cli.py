@@ -28,8 +28,14 @@ def localkv(*args, stdin: str | None = None, env_home=None):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if env_home:
         env["LOCALKV_HOME"] = str(env_home)
-    return subprocess.run([sys.executable, "-m", "localkv", *args], input=stdin if stdin is not None else "",
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "localkv", *args],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def assert_one_line_error(p, needle):
@@ -50,15 +56,21 @@ def test_run_json_has_the_documented_fields(tiny):
 
 
 def test_same_seed_same_text(tiny):
-    runs = [localkv("run", "hi", "-m", tiny, "-n", "12", "--ignore-eos", "-t", "30", "--seed", s, "--raw",
-                    "--no-stream").stdout for s in ("1", "1", "2")]
+    runs = [
+        localkv(
+            "run", "hi", "-m", tiny, "-n", "12", "--ignore-eos", "-t", "30", "--seed", s, "--raw", "--no-stream"
+        ).stdout
+        for s in ("1", "1", "2")
+    ]
     assert runs[0] == runs[1] != runs[2]
 
 
 def test_stdin_is_prepended_to_the_prompt(tiny):
     piped = localkv("run", "world", "-m", tiny, "-n", "1", "--raw", "--json", "-t", "0", stdin="hello")
     both = localkv("run", "hello\nworld", "-m", tiny, "-n", "1", "--raw", "--json", "-t", "0")
-    assert json.loads(piped.stdout)["prompt_tokens"] == json.loads(both.stdout)["prompt_tokens"] == 10  # "he" is one merged token
+    assert (
+        json.loads(piped.stdout)["prompt_tokens"] == json.loads(both.stdout)["prompt_tokens"] == 10
+    )  # "he" is one merged token
 
 
 def test_verbose_reports_timings_on_stderr(tiny):
@@ -69,18 +81,21 @@ def test_verbose_reports_timings_on_stderr(tiny):
     assert "eval rate" not in p.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["run", ""], "empty prompt"),
-    (["run", "hi", "-t", "-1"], "invalid temperature"),
-    (["run", "hi", "--top-p", "0"], "invalid top-p"),
-    (["run", "hi", "--top-k", "-3"], "invalid top-k"),
-    (["run", "hi", "-n", "0"], "invalid --max-tokens"),
-    (["run", "hi", "-m", "no-such-model"], "unknown model 'no-such-model'"),
-    (["run", "hi", "--block-size", "12"], "block size"),
-    (["run", "hi", "--kv-mem", "much"], "invalid size"),
-    (["run", "hi", "--bogus"], "No such option"),
-    (["frobnicate"], "No such command"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["run", ""], "empty prompt"),
+        (["run", "hi", "-t", "-1"], "invalid temperature"),
+        (["run", "hi", "--top-p", "0"], "invalid top-p"),
+        (["run", "hi", "--top-k", "-3"], "invalid top-k"),
+        (["run", "hi", "-n", "0"], "invalid --max-tokens"),
+        (["run", "hi", "-m", "no-such-model"], "unknown model 'no-such-model'"),
+        (["run", "hi", "--block-size", "12"], "block size"),
+        (["run", "hi", "--kv-mem", "much"], "invalid size"),
+        (["run", "hi", "--bogus"], "No such option"),
+        (["frobnicate"], "No such command"),
+    ],
+)
 def test_bad_input_is_one_clear_line(tiny, args, needle):
     if "-m" not in args and args[0] == "run":
         args = args + ["-m", tiny]
@@ -130,21 +145,53 @@ def test_models_lists_the_pulled_default(real_model_path):
 
 
 def test_eviction_flags_bound_memory_and_report_it(tiny):
-    p = localkv("run", "x" * 20, "-m", tiny, "-n", "80", "--ignore-eos", "--raw", "--json", "--no-save",
-                "--kv-budget", "48", "--evict", "sliding", "--block-size", "8")
+    p = localkv(
+        "run",
+        "x" * 20,
+        "-m",
+        tiny,
+        "-n",
+        "80",
+        "--ignore-eos",
+        "--raw",
+        "--json",
+        "--no-save",
+        "--kv-budget",
+        "48",
+        "--evict",
+        "sliding",
+        "--block-size",
+        "8",
+    )
     out = json.loads(p.stdout)
     assert out["completion_tokens"] == 80 and out["kv"]["peak_active_tokens"] <= 48 and out["kv"]["evictions"] > 0
 
 
 def test_policy_none_reports_why_it_stopped(tiny):
-    p = localkv("run", "x" * 20, "-m", tiny, "-n", "80", "--ignore-eos", "--raw", "--no-save", "--kv-budget", "32",
-                "--block-size", "8")
+    p = localkv(
+        "run",
+        "x" * 20,
+        "-m",
+        tiny,
+        "-n",
+        "80",
+        "--ignore-eos",
+        "--raw",
+        "--no-save",
+        "--kv-budget",
+        "32",
+        "--block-size",
+        "8",
+    )
     assert p.returncode == 0 and "stopped: KV budget of 32 tokens is full" in p.stderr
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--evict", "lru", "--kv-budget", "64"], "unknown KV policy 'lru'"),
-    (["--evict", "sliding", "--kv-budget", "8"], "too small"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--evict", "lru", "--kv-budget", "64"], "unknown KV policy 'lru'"),
+        (["--evict", "sliding", "--kv-budget", "8"], "too small"),
+    ],
+)
 def test_bad_eviction_flags(tiny, args, needle):
     assert_one_line_error(localkv("run", "x", "-m", tiny, *args), needle)

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from test_cli import assert_one_line_error, localkv
+
 from tiny_model import write_gguf
 
 
@@ -51,14 +51,17 @@ def test_fork_text_output_ends_with_the_memory_line(tiny):
     assert p.stdout.strip().splitlines()[-1].startswith("kv: ")
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["fork", "x", "-b", "0"], "invalid --branches"),
-    (["fork", "x", "-b", "500", "--kv-mem", "2MiB"], "500 branches"),
-    (["run", "x", "--cid", "zzzzzzz"], "no conversation matches"),
-    (["fork", "--from", "abcdef1", "-b", "2"], "no message matches"),
-    (["run", "x", "-c"], "no saved conversation"),
-    (["run", "x", "-c", "--cid", "abcd"], "only one of"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["fork", "x", "-b", "0"], "invalid --branches"),
+        (["fork", "x", "-b", "500", "--kv-mem", "2MiB"], "500 branches"),
+        (["run", "x", "--cid", "zzzzzzz"], "no conversation matches"),
+        (["fork", "--from", "abcdef1", "-b", "2"], "no message matches"),
+        (["run", "x", "-c"], "no saved conversation"),
+        (["run", "x", "-c", "--cid", "abcd"], "only one of"),
+    ],
+)
 def test_bad_conversation_input(tiny, args, needle):
     assert_one_line_error(localkv(*args, "-m", tiny), needle)
 
@@ -77,8 +80,9 @@ def test_cache_commands_and_no_cache(tiny):
     run_json("run", "a prompt long enough to fill more than one block of sixteen tokens", "-m", tiny, "-n", "1")
     stats = run_json("cache", "stats")
     assert stats["entries"] > 0 and stats["bytes"] > 0
-    again = run_json("run", "a prompt long enough to fill more than one block of sixteen tokens", "-m", tiny, "-n",
-                     "1", "--no-cache")
+    again = run_json(
+        "run", "a prompt long enough to fill more than one block of sixteen tokens", "-m", tiny, "-n", "1", "--no-cache"
+    )
     assert again["cached_tokens"] == 0
     p = localkv("cache", "clear")
     assert p.returncode == 0 and "removed" in p.stdout

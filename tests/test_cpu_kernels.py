@@ -4,7 +4,8 @@ off the kernels' cores while they run, and a clean fallback when they are off.""
 import numpy as np
 import pytest
 
-from localkv import cpu_kernels, ops_numpy
+from localkv.backends import cpu as ops_numpy
+from localkv.backends import cpu_kernels
 from localkv.engine import Engine
 from localkv.sampling import SamplingParams
 from tiny_model import write_gguf
@@ -91,8 +92,9 @@ def test_decode_same_with_and_without_kernels(tiny, kernels, monkeypatch):
 
         eng.model.forward = keep
         solo = eng.generate(PROMPT, SamplingParams(temperature=0), 10, ignore_eos=True).run()
-        res = generate_branches(eng, PROMPT * 3, 5, SamplingParams(temperature=1.0, seed=4), max_tokens=6,
-                                ignore_eos=True)
+        res = generate_branches(
+            eng, PROMPT * 3, 5, SamplingParams(temperature=1.0, seed=4), max_tokens=6, ignore_eos=True
+        )
         return solo.tokens, [b.tokens for b in res.branches], logits
 
     with_kernels = run()

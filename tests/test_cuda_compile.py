@@ -24,8 +24,8 @@ NVCC = shutil.which("nvcc")
 
 
 def _ops_cupy_constant(name: str):
-    """A literal module constant of localkv/ops_cupy.py, read without importing it (no CuPy here)."""
-    tree = ast.parse((ROOT / "localkv" / "ops_cupy.py").read_text(encoding="utf-8"))
+    """A literal module constant of localkv/backends/cuda.py, read without importing it (no CuPy here)."""
+    tree = ast.parse((ROOT / "localkv" / "backends" / "cuda.py").read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
             return ast.literal_eval(node.value)
@@ -65,8 +65,18 @@ def test_every_source_is_listed():
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
 def test_nvcc_compiles(src, arch, tmp_path):
     inc = _include_dir()
-    cmd = [NVCC, "-std=c++17", f"-arch={arch}", "-c", str(src), "-o", str(tmp_path / f"{src.stem}.o"),
-           "-Werror", "all-warnings", *(["-I", str(inc)] if inc else [])]
+    cmd = [
+        NVCC,
+        "-std=c++17",
+        f"-arch={arch}",
+        "-c",
+        str(src),
+        "-o",
+        str(tmp_path / f"{src.stem}.o"),
+        "-Werror",
+        "all-warnings",
+        *(["-I", str(inc)] if inc else []),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
     assert (tmp_path / f"{src.stem}.o").stat().st_size > 0
@@ -80,8 +90,9 @@ def test_nvcc_ptx_has_every_kernel(src, tmp_path):
     cmd = [NVCC, "-std=c++17", "-arch=sm_80", "--ptx", str(src), "-o", str(ptx), *(["-I", str(inc)] if inc else [])]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    entries = {line.split()[2].split("(")[0] for line in ptx.read_text().splitlines()
-               if line.startswith(".visible .entry")}
+    entries = {
+        line.split()[2].split("(")[0] for line in ptx.read_text().splitlines() if line.startswith(".visible .entry")
+    }
     missing = set(KERNELS[src.name]) - entries
     assert not missing, f"{src.name}: kernels ops_cupy launches are not in the PTX: {sorted(missing)}"
 
@@ -122,8 +133,13 @@ def _nvrtc_compile(src: Path, arch: str) -> bytes:
     assert rc == 0, f"nvrtcCreateProgram: {rc}"
     try:
         inc = _include_dir()
-        opts = ["--std=c++17", f"-arch={arch}", "--device-as-default-execution-space", *_ops_cupy_constant_defines(),
-                *([f"-I{inc}"] if inc else [])]
+        opts = [
+            "--std=c++17",
+            f"-arch={arch}",
+            "--device-as-default-execution-space",
+            *_ops_cupy_constant_defines(),
+            *([f"-I{inc}"] if inc else []),
+        ]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         size = ctypes.c_size_t()
@@ -142,7 +158,7 @@ def _nvrtc_compile(src: Path, arch: str) -> bytes:
 
 def _ops_cupy_constant_defines() -> list[str]:
     """ops_cupy's -D options, rebuilt from its constants."""
-    tree = ast.parse((ROOT / "localkv" / "ops_cupy.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "localkv" / "backends" / "cuda.py").read_text(encoding="utf-8"))
     vals = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple):

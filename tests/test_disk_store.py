@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from localkv import disk_store as ds
-from localkv.cli_cache import cache_app
-from localkv.disk_store import DiskStore
+from localkv.cli.cache import cache_app
+from localkv.kv import disk_store as ds
+from localkv.kv.disk_store import DiskStore
 
 FP = "ab" * 32  # a sha256-like model fingerprint
 FP2 = "cd" * 32
@@ -84,8 +84,7 @@ def test_wrong_tokens_fingerprint_or_hash_is_a_miss_and_keeps_the_entry(tmp_path
     assert store.get(FP, h, t) is not None, "a valid entry must survive misses"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "truncate_header", "empty", "flip_payload", "flip_header",
-                                    "flip_last"])
+@pytest.mark.parametrize("damage", ["truncate", "truncate_header", "empty", "flip_payload", "flip_header", "flip_last"])
 def test_damaged_file_is_a_miss_and_removed(tmp_path, damage):
     store = DiskStore(tmp_path)
     h, t, k, v = block(4)
@@ -94,9 +93,9 @@ def test_damaged_file_is_a_miss_and_removed(tmp_path, damage):
     data = bytearray(p.read_bytes())
     n = ds.FIXED.size + ds.FIXED.unpack_from(data)[2]
     if damage == "truncate":
-        data = data[:len(data) // 2]
+        data = data[: len(data) // 2]
     elif damage == "truncate_header":
-        data = data[:n - 5]
+        data = data[: n - 5]
     elif damage == "empty":
         data = b""
     elif damage == "flip_payload":
@@ -150,8 +149,15 @@ def test_foreign_files_are_ignored_and_kept(tmp_path):
     x = f"{h:032x}"
     sub = tmp_path / FP[:16] / x[:2]
     sub.mkdir(parents=True)
-    foreign = [tmp_path / "README.txt", sub / "notes.kvb", sub / "notes.txt", tmp_path / FP[:16] / "x.kvb",
-               sub / f"{x}.kvb.bak", tmp_path / ".hidden.tmp", sub / ".other.tmp"]
+    foreign = [
+        tmp_path / "README.txt",
+        sub / "notes.kvb",
+        sub / "notes.txt",
+        tmp_path / FP[:16] / "x.kvb",
+        sub / f"{x}.kvb.bak",
+        tmp_path / ".hidden.tmp",
+        sub / ".other.tmp",
+    ]
     for f in foreign:
         f.write_bytes(b"not ours")
     lookalike = sub / f"{x}.kvb"  # named like the entry, but without our magic
@@ -234,8 +240,12 @@ def test_two_processes_at_once_leave_only_valid_entries(tmp_path, capped):
     shared = list(range(100, 130))
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(2)
-    procs = [ctx.Process(target=_worker, args=(str(tmp_path / "c"), shared + list(range(200 + 100 * i, 230 + 100 * i)),
-                                               barrier, cap)) for i in range(2)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(str(tmp_path / "c"), shared + list(range(200 + 100 * i, 230 + 100 * i)), barrier, cap)
+        )
+        for i in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -256,7 +266,7 @@ def test_two_processes_at_once_leave_only_valid_entries(tmp_path, capped):
             np.testing.assert_allclose(got[1], v, atol=2e-3)
     assert present == len(files)
     if capped:
-        assert 0 < present and sum(p.stat().st_size for p in files) <= cap + 2 * size
+        assert present > 0 and sum(p.stat().st_size for p in files) <= cap + 2 * size
     else:
         assert present == len(seeds)
 
@@ -299,11 +309,12 @@ def test_stats_ls_clear_per_model(tmp_path):
     s = store.stats()
     a, b = (sum(p.stat().st_size for p in entries(tmp_path / f[:16])) for f in (FP, FP2))
     assert (s["entries"], s["bytes"], s["max_bytes"]) == (5, a + b, 10 << 20)
-    assert s["models"] == [{"name": "alpha", "fingerprint": FP[:16], "entries": 3, "bytes": a},
-                           {"name": "beta", "fingerprint": FP2[:16], "entries": 2, "bytes": b}]
+    assert s["models"] == [
+        {"name": "alpha", "fingerprint": FP[:16], "entries": 3, "bytes": a},
+        {"name": "beta", "fingerprint": FP2[:16], "entries": 2, "bytes": b},
+    ]
     rows = store.ls()
-    assert len(rows) == 5 and set(rows[0]) == {"model", "fingerprint", "hash", "tokens", "dtype", "bytes",
-                                               "last_used"}
+    assert len(rows) == 5 and set(rows[0]) == {"model", "fingerprint", "hash", "tokens", "dtype", "bytes", "last_used"}
     assert rows[0]["tokens"] == SHAPE[1] and len(rows[0]["hash"]) == 12
     assert [r["last_used"] for r in rows] == sorted((r["last_used"] for r in rows), reverse=True)
     assert store.clear("beta") == 2 and store.cleared_bytes == b

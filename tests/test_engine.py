@@ -39,7 +39,7 @@ def dense_reference(tokens, seed=0):
     cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
 
     def rope(x):  # HF rotate_half
-        rot = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        rot = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
         return x * cos[:, None] + rot * sin[:, None]
 
     x = w["model.embed_tokens.weight"][tokens].astype(np.float64)
@@ -91,7 +91,7 @@ def test_block_size_and_chunking_do_not_change_logits(gguf_path, block_size, chu
 def test_batched_decode_equals_each_sequence_alone(gguf_path, monkeypatch, chunk, max_rows):
     # several logits rows: the vocabulary in one slice, in 100-row slices (the last one partial),
     # or in one call (more rows than the slicing is for)
-    from localkv import model
+    from localkv.model import llama as model
 
     monkeypatch.setattr(model, "LOGIT_CHUNK", chunk)
     monkeypatch.setattr(model, "LOGIT_CHUNK_MAX_ROWS", max_rows)
@@ -109,8 +109,9 @@ def test_batched_decode_equals_each_sequence_alone(gguf_path, monkeypatch, chunk
 
 def test_hf_directory_gives_same_logits_as_gguf(gguf_path, tmp_path):
     hf = engine(write_hf_dir(tmp_path / "hf", ctx=128))
-    np.testing.assert_allclose(hf.prefill(Sequence(PROMPT)), engine(gguf_path).prefill(Sequence(PROMPT)), rtol=1e-4,
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        hf.prefill(Sequence(PROMPT)), engine(gguf_path).prefill(Sequence(PROMPT)), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_generation_frees_its_blocks_and_respects_max_tokens(gguf_path):
@@ -159,8 +160,15 @@ def test_interrupt_frees_blocks(gguf_path):
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
-@pytest.mark.parametrize("kw,msg", [({"block_size": 3}, "block size"), ({"kv_mem": "lots"}, "invalid size"),
-                                    ({"kv_mem": "1KiB"}, "smaller than one KV block"), ({"threads": 0}, "thread")])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"block_size": 3}, "block size"),
+        ({"kv_mem": "lots"}, "invalid size"),
+        ({"kv_mem": "1KiB"}, "smaller than one KV block"),
+        ({"threads": 0}, "thread"),
+    ],
+)
 def test_bad_engine_settings(gguf_path, kw, msg):
     with pytest.raises(LocalkvError, match=msg):
         engine(gguf_path, **kw)
@@ -173,7 +181,7 @@ def test_parse_size():
 MALLOC_PROBE = r"""
 import json, resource, sys
 import numpy as np
-from localkv import backend
+from localkv import backends as backend
 tuned = backend.tune_malloc()
 def churn():  # a forward's temporaries: several sizes, allocated, written, freed
     for mb in (1, 3, 7, 2, 12, 5):
@@ -193,11 +201,19 @@ def test_malloc_tuning_keeps_temporaries_mapped():
     """After tune_malloc, freed temporaries are reused without page faults; a user's own
     MALLOC_*_ tunables switch it off."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = json.loads(subprocess.run([sys.executable, "-c", MALLOC_PROBE], env=env, capture_output=True, text=True,
-                                    check=True).stdout)
+    out = json.loads(
+        subprocess.run([sys.executable, "-c", MALLOC_PROBE], env=env, capture_output=True, text=True, check=True).stdout
+    )
     if not out["tuned"]:
         pytest.skip("not glibc")
     assert out["faults"] < 50  # 5 x 30 MB of temporaries would be ~38,000 faults if each were fresh
-    off = json.loads(subprocess.run([sys.executable, "-c", MALLOC_PROBE], env=env | {"MALLOC_TOP_PAD_": "131072"},
-                                    capture_output=True, text=True, check=True).stdout)
+    off = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", MALLOC_PROBE],
+            env=env | {"MALLOC_TOP_PAD_": "131072"},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     assert off["tuned"] is False

@@ -3,12 +3,19 @@
 import numpy as np
 import pytest
 
-from localkv.block_pool import BlockPool
+from localkv.backends.cpu import paged_attention
 from localkv.errors import LocalkvError
-from localkv.evict import (EvictConfig, Evictor, OffloadTier, SeqKV, apply_eviction, choose_victims, quest_scores,
-                           ref_counts)
-from localkv.kv_manager import KVManager
-from localkv.ops_numpy import paged_attention
+from localkv.kv.block_pool import BlockPool
+from localkv.kv.block_tables import KVManager
+from localkv.kv.evict import (
+    EvictConfig,
+    Evictor,
+    OffloadTier,
+    SeqKV,
+    choose_victims,
+    quest_scores,
+    ref_counts,
+)
 from localkv.sequence import Sequence
 
 BS, LAYERS, KVH, HEADS, HD = 4, 2, 2, 4, 8
@@ -47,6 +54,7 @@ def events(pool, kind):
 
 
 # ------------------------------------------------------------ config
+
 
 def test_validation_errors():
     with pytest.raises(LocalkvError, match="unknown KV policy 'lru'"):
@@ -97,6 +105,7 @@ def test_default_recent_window():
 
 # ------------------------------------------------------------ choosing victims
 
+
 def test_sliding_keeps_sinks_and_recent_and_drops_oldest_first():
     pool, kv = make()
     ev = Evictor(EvictConfig("sliding", budget=16, sinks=4), pool)  # recent: 8
@@ -141,9 +150,9 @@ def test_h2o_each_layer_head_keeps_its_own_top_tokens():
     def mass_fn(mass, hh):  # token p gets 0.01 * p, each layer-head's favourites get 10
         base = np.zeros(mass.shape[2] - hh.n)
         first = ev.state(seq).start
-        ctx = np.concatenate([np.arange(s, s + BS) for s in first])[:len(base)]
+        ctx = np.concatenate([np.arange(s, s + BS) for s in first])[: len(base)]
         for (l, h), fav in favourite.items():
-            mass[l, h, hh.n:] = 0.01 * ctx + np.where(np.isin(ctx, list(fav)), 10.0, 0.0)
+            mass[l, h, hh.n :] = 0.01 * ctx + np.where(np.isin(ctx, list(fav)), 10.0, 0.0)
 
     saved_k = {}
     seq = Sequence([])
@@ -155,7 +164,7 @@ def test_h2o_each_layer_head_keeps_its_own_top_tokens():
     assert hh.n == 12 and ev.active_tokens(seq) == seq.num_stored + 12 <= cfg.budget
     assert positions_held(pool, seq)[0] == 0 and len(seq.block_table) <= 3
     for (l, h), fav in favourite.items():
-        held = sorted(hh.pos[l, h, :hh.n].tolist())
+        held = sorted(hh.pos[l, h, : hh.n].tolist())
         assert set(fav) <= set(held)  # the favourites beat later tokens' larger 0.01 * p
         for j in range(hh.n):  # exact K/V of the token each slot claims to hold
             p = int(hh.pos[l, h, j])
@@ -185,7 +194,7 @@ def test_h2o_matches_a_brute_force_top_k_over_everything_that_left():
     def mass_fn(mass, hh):
         mass[:] = rng.random(mass.shape)
         first = ev.state(seq).start
-        ctx = np.concatenate([np.arange(s, s + BS) for s in first])[:mass.shape[2] - hh.n]
+        ctx = np.concatenate([np.arange(s, s + BS) for s in first])[: mass.shape[2] - hh.n]
         for l in range(LAYERS):
             for h in range(KVH):
                 for j in range(hh.n):
@@ -203,7 +212,7 @@ def test_h2o_matches_a_brute_force_top_k_over_everything_that_left():
             pool_ = ref | {p for s in left for p in range(s, s + BS)}
             best = sorted(pool_, key=lambda p: -total[l, h, p])[:cap]
             alive[l, h] = set(best)
-            assert set(hh.pos[l, h, :hh.n].tolist()) == alive[l, h]
+            assert set(hh.pos[l, h, : hh.n].tolist()) == alive[l, h]
             for j in range(hh.n):
                 assert np.isclose(hh.score[l, h, j], total[l, h, int(hh.pos[l, h, j])])
     assert hh.n == cap and pool.stats.evictions > 8
@@ -285,7 +294,7 @@ def test_budget_never_exceeded_and_tables_stay_aligned(cfg, bs):
         assert ev.active_tokens(seq) <= cfg.budget
         held = positions_held(pool, seq)
         assert held == ev.state(seq).start.tolist() == sorted(held)
-        assert held[:sinks // bs] == list(range(0, sinks, bs))
+        assert held[: sinks // bs] == list(range(0, sinks, bs))
         covered = {p for s in held for p in range(s, s + bs)}
         assert set(range(max(0, seq.num_computed - recent), seq.num_computed)) <= covered
         assert seq.num_stored == (len(held) - 1) * bs + (seq.num_computed - held[-1])
@@ -316,8 +325,9 @@ def test_mass_is_per_layer_and_kv_head_and_covers_heavy_hitters():
         ret = ev.retriever(seq)
         for layer in range(LAYERS):
             extra = ret(layer, q) if ret is not None else None
-            paged_attention(q, pool.k[layer], pool.v[layer], np.asarray(seq.block_table), seq.num_stored, 0.3,
-                            mass[layer], extra)
+            paged_attention(
+                q, pool.k[layer], pool.v[layer], np.asarray(seq.block_table), seq.num_stored, 0.3, mass[layer], extra
+            )
         np.testing.assert_allclose(mass.sum(axis=2), n * HEADS // KVH, rtol=1e-5)
         ev.observe(seq, mass)
         queries += n
@@ -325,10 +335,11 @@ def test_mass_is_per_layer_and_kv_head_and_covers_heavy_hitters():
     assert hh.n > 0 and pool.stats.evictions > 0
     # no token was dropped yet (12 heavy slots hold all that left): every unit of mass is on a kept token
     assert hh.n < ev.cfg.heavy_tokens(BS)
-    assert np.isclose(hh.score[:, :, :hh.n].sum() + hh.live.sum(), queries * HEADS * LAYERS)
+    assert np.isclose(hh.score[:, :, : hh.n].sum() + hh.live.sum(), queries * HEADS * LAYERS)
 
 
 # ------------------------------------------------------------ offload tier
+
 
 @pytest.mark.parametrize("spill", [False, True], ids=["ram", "memmap"])
 def test_offload_round_trips_k_v_bit_exactly(spill, tmp_path):
@@ -337,8 +348,10 @@ def test_offload_round_trips_k_v_bit_exactly(spill, tmp_path):
     seq = new_seq(kv, 24, rng)  # 6 blocks
     state = SeqKV(BS).sync(seq)
     tier = OffloadTier((LAYERS, BS, KVH, HD), pool.k.dtype, tmp_path / "spill" if spill else None, capacity=1)
-    saved = {start: (pool.k[:, seq.block_table[i]].copy(), pool.v[:, seq.block_table[i]].copy())
-             for i, start in ((1, 4), (3, 12))}
+    saved = {
+        start: (pool.k[:, seq.block_table[i]].copy(), pool.v[:, seq.block_table[i]].copy())
+        for i, start in ((1, 4), (3, 12))
+    }
     bids = [seq.block_table[i] for i in (3, 1)]
     tier.offload(seq, state, 3, pool, pool.stats)
     tier.offload(seq, state, 1, pool, pool.stats)  # grows the tier past its capacity of 1
@@ -423,7 +436,9 @@ def test_each_layer_reads_back_its_own_best_blocks():
         k, v = ret(layer, q)
         assert k.shape == v.shape == (KVH, BS, HD)
         for h in range(KVH):
-            assert np.array_equal(k[h], saved[want][0][layer, :, h]) and np.array_equal(v[h], saved[want][1][layer, :, h])
+            assert np.array_equal(k[h], saved[want][0][layer, :, h]) and np.array_equal(
+                v[h], saved[want][1][layer, :, h]
+            )
     assert sorted(ret.picked) == [8, 12] and ret.most == BS
     ev.recalled(seq, ret)
     assert [e.positions for e in events(pool, "recall")] == [(8, 12), (12, 16)]
@@ -446,7 +461,7 @@ def test_fork_copies_heavy_hitters_and_free_forgets():
     assert twin is not hh and twin.n == hh.n and np.array_equal(twin.k, hh.k) and np.array_equal(twin.pos, hh.pos)
     twin.k[:] = 0.0
     twin.score[:] = -1
-    assert not np.array_equal(hh.k[:, :, :hh.n], twin.k[:, :, :hh.n]) and (hh.score[:, :, :hh.n] >= 0).all()
+    assert not np.array_equal(hh.k[:, :, : hh.n], twin.k[:, :, : hh.n]) and (hh.score[:, :, : hh.n] >= 0).all()
     assert ev.state(child).start.tolist() == ev.state(parent).start.tolist()
     ev.free(child)
     kv.free(child)

@@ -6,7 +6,7 @@ import pytest
 from localkv.branches import generate_branches
 from localkv.engine import Engine
 from localkv.errors import BudgetReached, LocalkvError
-from localkv.evict import EvictConfig
+from localkv.kv.evict import EvictConfig
 from localkv.sampling import SamplingParams
 from tiny_model import write_gguf
 
@@ -20,8 +20,9 @@ def tiny(tmp_path_factory):
 
 
 def engine(path, policy="none", budget=None, **kw):
-    return Engine(path, progress=False, block_size=8, prefix_caching=False,
-                  evict=EvictConfig(policy=policy, budget=budget), **kw)
+    return Engine(
+        path, progress=False, block_size=8, prefix_caching=False, evict=EvictConfig(policy=policy, budget=budget), **kw
+    )
 
 
 @pytest.mark.parametrize("policy", ["sliding", "h2o", "offload"])
@@ -70,6 +71,7 @@ def test_h2o_attends_to_its_heavy_hitters(tiny):
         out = real_step(seqs, *a, **kw)
         seq_peak.append((len(seqs[0].block_table), eng.evictor.active_tokens(seqs[0])))
         return out
+
     eng.step = step
     got = eng.score(tokens)
     assert eng.stats.evictions >= 7 and max(b for b, _ in seq_peak) <= 4 and max(a for _, a in seq_peak) <= 96
@@ -93,10 +95,13 @@ def test_shared_blocks_are_never_evicted_from_under_a_fork(tiny):
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
-@pytest.mark.parametrize("cfg,msg", [
-    (EvictConfig(policy="lru", budget=64), "unknown"),
-    (EvictConfig(policy="sliding", budget=8), "budget"),
-])
+@pytest.mark.parametrize(
+    "cfg,msg",
+    [
+        (EvictConfig(policy="lru", budget=64), "unknown"),
+        (EvictConfig(policy="sliding", budget=8), "budget"),
+    ],
+)
 def test_bad_policy_settings_fail_before_generation(tiny, cfg, msg):
     with pytest.raises(LocalkvError, match=msg):
         Engine(tiny, progress=False, block_size=8, evict=cfg)
@@ -106,5 +111,10 @@ def test_unwritable_offload_dir(tiny, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(LocalkvError):
-        Engine(tiny, progress=False, block_size=8, evict=EvictConfig(policy="offload", budget=64),
-               offload_dir=blocker / "sub")
+        Engine(
+            tiny,
+            progress=False,
+            block_size=8,
+            evict=EvictConfig(policy="offload", budget=64),
+            offload_dir=blocker / "sub",
+        )

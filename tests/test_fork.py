@@ -2,13 +2,14 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from localkv.block_pool import BlockPool
 from localkv.branches import generate_branches
 from localkv.engine import Engine
 from localkv.errors import LocalkvError, PoolExhausted
-from localkv.kv_manager import KVManager
+from localkv.kv.block_pool import BlockPool
+from localkv.kv.block_tables import KVManager
 from localkv.sampling import SamplingParams
 from localkv.sequence import Sequence
 from tiny_model import write_gguf
@@ -23,8 +24,9 @@ def tiny(tmp_path_factory):
 
 # ------------------------------------------------------------ allocator properties
 
-ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free"]), st.integers(0, 7), st.integers(1, 20)),
-               max_size=60)
+ops = st.lists(
+    st.tuples(st.sampled_from(["new", "append", "fork", "free"]), st.integers(0, 7), st.integers(1, 20)), max_size=60
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -110,7 +112,7 @@ def test_branch_texts_equal_solo_generations(tiny):
 def test_branches_decode_together(tiny, monkeypatch, n):
     """One forward per step for all live branches, and in it one matmul call per weight and
     layer whose input holds every branch's row (not a branch after another)."""
-    from localkv import ops_numpy
+    from localkv.backends import cpu as ops_numpy
 
     eng = Engine(tiny, progress=False, block_size=8, prefix_caching=False)
     forwards, weight_rows, logit_rows = [], [], []

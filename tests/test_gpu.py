@@ -13,7 +13,8 @@ import types
 import numpy as np
 import pytest
 
-from localkv import backend, ops_numpy
+from localkv import backends as backend
+from localkv.backends import cpu as ops_numpy
 from localkv.errors import LocalkvError
 
 # ---------------------------------------------------------------- backend selection (CPU only)
@@ -88,7 +89,7 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(bool(_SKIP), reason=_SKIP or "GPU pre
 
 @pytest.fixture(scope="module")
 def oc():
-    from localkv import ops_cupy
+    from localkv.backends import cuda as ops_cupy
 
     return ops_cupy
 
@@ -195,8 +196,9 @@ class TestKernels:
         extra = tuple(rng.standard_normal((2, 32, 64)).astype(np.float32) for _ in range(2))
         mass_ref, mass = np.zeros(40, np.float32), np.zeros(40, np.float32)
         ref = ops_numpy.paged_attention(q.astype(np.float32), kn, vn, table, 40, 0.125, mass_ref, extra)
-        got = oc.paged_attention(cp.asarray(q), kg, vg, cp.asarray(table), 40, 0.125, mass,
-                                 tuple(cp.asarray(a, cp.float16) for a in extra))
+        got = oc.paged_attention(
+            cp.asarray(q), kg, vg, cp.asarray(table), 40, 0.125, mass, tuple(cp.asarray(a, cp.float16) for a in extra)
+        )
         _close(oc.to_host(got), ref)
         np.testing.assert_allclose(mass, mass_ref, rtol=2e-3, atol=1e-4)
 
@@ -209,8 +211,9 @@ class TestKernels:
         extra = tuple(rng.standard_normal((2, 24, 64)).astype(np.float32) for _ in range(2))
         mass_ref, mass = np.zeros((2, 64), np.float32), cp.zeros((2, 64), cp.float32)
         ref = ops_numpy.paged_attention(q.astype(np.float32), kn, vn, table, 40, 0.125, mass_ref, extra)
-        got = oc.paged_attention(cp.asarray(q), kg, vg, cp.asarray(table), 40, 0.125, mass,
-                                 tuple(cp.asarray(a, cp.float16) for a in extra))
+        got = oc.paged_attention(
+            cp.asarray(q), kg, vg, cp.asarray(table), 40, 0.125, mass, tuple(cp.asarray(a, cp.float16) for a in extra)
+        )
         _close(oc.to_host(got), ref)
         np.testing.assert_allclose(oc.to_host(mass), mass_ref, rtol=2e-3, atol=1e-4)
         assert np.isclose(mass_ref.sum(), T * 6, rtol=1e-4)
@@ -248,19 +251,23 @@ class TestKernels:
         tables, used = [], 0
         for n in lens:
             nb = -(-n // bs)
-            tables.append(perm[used:used + nb])
+            tables.append(perm[used : used + nb])
             used += nb
         width = max(len(t) for t in tables) + 2
         bt = np.zeros((len(lens), width), np.int32)
         for i, t in enumerate(tables):
-            bt[i, :len(t)] = t
+            bt[i, : len(t)] = t
         q = rng.standard_normal((len(lens), H, hd)).astype(np.float16)
-        got = oc.to_host(oc.paged_decode(cp.asarray(q), cp.asarray(kn), cp.asarray(vn), cp.asarray(bt),
-                                         cp.asarray(np.array(lens, np.int32)), 0.1))
+        got = oc.to_host(
+            oc.paged_decode(
+                cp.asarray(q), cp.asarray(kn), cp.asarray(vn), cp.asarray(bt), cp.asarray(np.array(lens, np.int32)), 0.1
+            )
+        )
         for i, n in enumerate(lens):
-            ref = ops_numpy.paged_attention(q[i:i + 1].astype(np.float32), kn.astype(np.float32),
-                                            vn.astype(np.float32), tables[i], n, 0.1)
-            _close(got[i:i + 1], ref)
+            ref = ops_numpy.paged_attention(
+                q[i : i + 1].astype(np.float32), kn.astype(np.float32), vn.astype(np.float32), tables[i], n, 0.1
+            )
+            _close(got[i : i + 1], ref)
 
     @pytest.mark.parametrize("src_dtype", [np.float16, np.float32])
     def test_write_kv_strided_input_and_padding_slots(self, cp, oc, src_dtype):
@@ -272,10 +279,10 @@ class TestKernels:
         kn = np.zeros((nb, bs, kvh, hd), np.float32)
         vn = np.zeros_like(kn)
         keep = slots >= 0
-        ops_numpy.write_kv(kn, vn, slots[keep], qkv[keep, H:H + kvh], qkv[keep, H + kvh:])
+        ops_numpy.write_kv(kn, vn, slots[keep], qkv[keep, H : H + kvh], qkv[keep, H + kvh :])
         kg, vg = cp.zeros(kn.shape, cp.float16), cp.zeros(kn.shape, cp.float16)
         g = cp.asarray(qkv)
-        oc.write_kv(kg, vg, cp.asarray(slots), g[:, H:H + kvh], g[:, H + kvh:])
+        oc.write_kv(kg, vg, cp.asarray(slots), g[:, H : H + kvh], g[:, H + kvh :])
         np.testing.assert_array_equal(oc.to_host(kg), kn.astype(np.float16))
         np.testing.assert_array_equal(oc.to_host(vg), vn.astype(np.float16))
 
@@ -312,8 +319,9 @@ class TestKernels:
         ref = ops_numpy.rmsnorm(x.astype(np.float32), w, 1e-5)
         got = oc.rmsnorm(cp.asarray(x), cp.asarray(w), 1e-5)
         assert got.dtype == dtype
-        _close(oc.to_host(got), ref, rtol=2e-3 if dtype == np.float16 else 1e-5, atol=2e-3 if dtype == np.float16
-               else 1e-5)
+        _close(
+            oc.to_host(got), ref, rtol=2e-3 if dtype == np.float16 else 1e-5, atol=2e-3 if dtype == np.float16 else 1e-5
+        )
 
     @pytest.mark.parametrize("dtype", [np.float16, np.float32])
     @pytest.mark.parametrize("hd", [64, 128])
@@ -326,10 +334,10 @@ class TestKernels:
         pos = rng.integers(0, 64, T)
         qkv = rng.standard_normal((T, H + 2 * K, hd)).astype(dtype)
         ref = qkv.astype(np.float32)
-        ops_numpy.rope(ref[:, :H + K], cos[pos], sin[pos])
+        ops_numpy.rope(ref[:, : H + K], cos[pos], sin[pos])
         g = cp.asarray(qkv)
         gpos = cp.asarray(pos)
-        out = oc.rope(g[:, :H + K], gcos[gpos], gsin[gpos])
+        out = oc.rope(g[:, : H + K], gcos[gpos], gsin[gpos])
         tol = 2e-3 if dtype == np.float16 else 1e-5
         _close(oc.to_host(g), ref, rtol=tol, atol=tol)  # rotated in place, v untouched
         assert out.shape == (T, H + K, hd)
@@ -361,11 +369,11 @@ class TestKernels:
 
 def _step(model, kv, seqs, max_tokens=None, masses=None):
     """Engine.step without prefix caching: one forward pass over the pending tokens of seqs."""
-    from localkv.model import Span
+    from localkv.model.llama import Span
 
     tokens, positions, slots, spans, rows = [], [], [], [], []
     budget = max_tokens or sum(len(s.pending) for s in seqs)
-    for i, seq in enumerate(seqs):
+    for _i, seq in enumerate(seqs):
         chunk = seq.pending[:budget]
         budget -= len(chunk)
         start = len(tokens)
@@ -384,7 +392,7 @@ def _step(model, kv, seqs, max_tokens=None, masses=None):
 def _run_model(model, pool, prompts, chunk, decode_steps=3):
     """Prefill each prompt in chunks, then decode all sequences together; every step's logits and
     the attention masses of the last step."""
-    from localkv.kv_manager import KVManager
+    from localkv.kv.block_tables import KVManager
     from localkv.sequence import Sequence
 
     kv = KVManager(pool)
@@ -411,12 +419,13 @@ def _assert_logits_close(got, ref, rel=1e-2):
 
 @pytest.fixture(scope="module", params=[(256, 4, 2), (384, 3, 1), (64, 4, 2)], ids=["hd64", "hd128", "hd16"])
 def tiny_model(request, tmp_path_factory):
-    from localkv.loader import load_model
+    from localkv.model.loader import load_model
     from tiny_model import write_gguf
 
     dim, heads, kv_heads = request.param
-    path = write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", ctx=512, dim=dim, ffn=2 * dim, n_heads=heads,
-                      n_kv_heads=kv_heads)
+    path = write_gguf(
+        tmp_path_factory.mktemp("gguf") / "tiny.gguf", ctx=512, dim=dim, ffn=2 * dim, n_heads=heads, n_kv_heads=kv_heads
+    )
     return load_model(path)
 
 
@@ -424,8 +433,8 @@ class TestModel:
     pytestmark = GPU
 
     def _models(self, cp, oc, loaded, num_blocks=64, bs=16):
-        from localkv.block_pool import BlockPool
-        from localkv.model import Llama
+        from localkv.kv.block_pool import BlockPool
+        from localkv.model.llama import Llama
 
         cfg = loaded.config
         cpu = Llama(cfg, loaded.weights)
@@ -460,10 +469,17 @@ class TestModel:
                 s.tokens.append(7 + t)
             positions = [s.num_computed for s in seqs]
             ref = _step(gpu, kv, seqs)
-            got = graph.run([s.tokens[-1] for s in seqs], positions,
-                            [s.block_table[(s.num_stored - 1) // pg.block_size] * pg.block_size
-                             + (s.num_stored - 1) % pg.block_size for s in seqs],
-                            [s.block_table for s in seqs], [s.num_stored for s in seqs])
+            got = graph.run(
+                [s.tokens[-1] for s in seqs],
+                positions,
+                [
+                    s.block_table[(s.num_stored - 1) // pg.block_size] * pg.block_size
+                    + (s.num_stored - 1) % pg.block_size
+                    for s in seqs
+                ],
+                [s.block_table for s in seqs],
+                [s.num_stored for s in seqs],
+            )
             _assert_logits_close(got, ref, rel=5e-3)
 
     def test_decode_graph_captures(self, cp, oc, tiny_model):

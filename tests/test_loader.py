@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from localkv.errors import ModelError
-from localkv.loader import load_model
+from localkv.model.loader import load_model
 from tiny_model import tiny_weights, write_gguf
 
 
@@ -78,7 +78,7 @@ def test_untied_output_weights(tmp_path):
 
 
 def test_a_new_cache_removes_other_format_versions(tmp_path):
-    from localkv.loader import CACHE_VERSION
+    from localkv.model.loader import CACHE_VERSION
 
     path = write_gguf(tmp_path / "m.gguf")
     stale = tmp_path / f"m.gguf.localkv-v{CACHE_VERSION + 7}.safetensors"

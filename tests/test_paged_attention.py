@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from localkv import ops_numpy as ops
+from localkv.backends import cpu as ops
 
 
 def dense_attention(q, k, v, scale):
@@ -70,8 +70,10 @@ def test_rope_rotates_halves_and_keeps_norm():
     assert y[1, 0, 0] == pytest.approx(a * np.cos(1) - b * np.sin(1), rel=1e-5)
 
 
-@pytest.mark.parametrize("block_size,prefix_blocks,tails", [(4, 3, [1, 5, 9]), (16, 2, [3, 16, 17, 40]), (8, 1, [1, 1]),
-                                                             (16, 4, [21] * 8), (4, 2, [4, 4, 4])])  # lockstep: batched
+@pytest.mark.parametrize(
+    "block_size,prefix_blocks,tails",
+    [(4, 3, [1, 5, 9]), (16, 2, [3, 16, 17, 40]), (8, 1, [1, 1]), (16, 4, [21] * 8), (4, 2, [4, 4, 4])],
+)  # lockstep: batched
 def test_shared_prefix_decode_equals_per_sequence_attention(block_size, prefix_blocks, tails):
     rng = np.random.default_rng(block_size + len(tails))
     H, kvh, hd, nb = 9, 3, 8, 40
@@ -85,7 +87,7 @@ def test_shared_prefix_decode_equals_per_sequence_attention(block_size, prefix_b
         own = np.array([rest.pop() for _ in range(-(-n // block_size))])
         tail_specs.append((own, n))
         table = np.concatenate([prefix, own])
-        want.append(ops.paged_attention(q[b:b + 1], kl, vl, table, prefix_blocks * block_size + n, 0.3)[0])
+        want.append(ops.paged_attention(q[b : b + 1], kl, vl, table, prefix_blocks * block_size + n, 0.3)[0])
     got = ops.shared_prefix_decode(q, kl, vl, prefix, tail_specs, 0.3)
     np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5)
     # as the model passes them: frozen tables, the lockstep tails stacked once
@@ -105,10 +107,13 @@ def test_plain_tails_are_stacked_when_read():
     prefix = np.array([0, 1])
     tails = [(np.array([2, 3]), 6), (np.array([4, 5]), 6)]
     for _ in range(2):
-        want = [ops.paged_attention(q[b:b + 1], kl, vl, np.concatenate([prefix, t]), 2 * bs + n, 0.3)[0]
-                for b, (t, n) in enumerate(tails)]
-        np.testing.assert_allclose(ops.shared_prefix_decode(q, kl, vl, prefix, tails, 0.3), np.stack(want),
-                                   rtol=1e-4, atol=1e-5)
+        want = [
+            ops.paged_attention(q[b : b + 1], kl, vl, np.concatenate([prefix, t]), 2 * bs + n, 0.3)[0]
+            for b, (t, n) in enumerate(tails)
+        ]
+        np.testing.assert_allclose(
+            ops.shared_prefix_decode(q, kl, vl, prefix, tails, 0.3), np.stack(want), rtol=1e-4, atol=1e-5
+        )
         tails[1][0][:] = [7, 8]  # same list, same array objects, other blocks
 
 
@@ -165,12 +170,13 @@ def test_a_run_of_consecutive_blocks_is_read_in_place(first, n_ctx, T):
     kl = rng.standard_normal((first + nb + 2, bs, kvh, hd)).astype(np.float32)
     vl = rng.standard_normal(kl.shape).astype(np.float32)
     table = np.arange(first, first + nb)
-    k = kl[first:first + nb].reshape(-1, kvh, hd)[:n_ctx]
-    v = vl[first:first + nb].reshape(-1, kvh, hd)[:n_ctx]
+    k = kl[first : first + nb].reshape(-1, kvh, hd)[:n_ctx]
+    v = vl[first : first + nb].reshape(-1, kvh, hd)[:n_ctx]
     assert np.shares_memory(ops.gather_kv(kl, table, n_ctx), kl)
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
-    np.testing.assert_allclose(ops.paged_attention(q, kl, vl, table, n_ctx, 0.3), dense_attention(q, k, v, 0.3),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        ops.paged_attention(q, kl, vl, table, n_ctx, 0.3), dense_attention(q, k, v, 0.3), rtol=1e-4, atol=1e-5
+    )
     if nb >= 4:  # same first and last ids, not consecutive: the copying path
         odd = table.copy()
         odd[1], odd[-2] = odd[-2], odd[1]
@@ -196,8 +202,9 @@ def test_frozen_table_carries_its_run_check():
         frozen[0] = 7
     np.testing.assert_array_equal(ops.gather_kv(kl, frozen, 16), kl[2:6].reshape(-1, kvh, hd).transpose(1, 0, 2))
     assert ops.frozen_table([5, 1]).run_start == -1
-    np.testing.assert_array_equal(ops.gather_kv(kl, ops.frozen_table([5, 1]), 8),
-                                  kl[[5, 1]].reshape(-1, kvh, hd).transpose(1, 0, 2))
+    np.testing.assert_array_equal(
+        ops.gather_kv(kl, ops.frozen_table([5, 1]), 8), kl[[5, 1]].reshape(-1, kvh, hd).transpose(1, 0, 2)
+    )
     tail = frozen[1:]  # a view: blocks 3..5 start at 3, not at the whole table's 2
     assert tail.run_start is None
     np.testing.assert_array_equal(ops.gather_kv(kl, tail, 12), kl[3:6].reshape(-1, kvh, hd).transpose(1, 0, 2))

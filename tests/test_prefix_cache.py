@@ -6,9 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from localkv.block_pool import BlockPool
 from localkv.engine import Engine
-from localkv.kv_manager import KVManager, block_hash
+from localkv.kv.block_pool import BlockPool
+from localkv.kv.block_tables import KVManager, block_hash
 from localkv.sampling import SamplingParams
 from localkv.sequence import Sequence
 from tiny_model import write_gguf
@@ -28,7 +28,7 @@ def engine(path, **kw):
 
 
 def test_hash_is_stable_across_processes():
-    code = "from localkv.kv_manager import block_hash; print(block_hash(b'model', None, [1, 2, 3]))"
+    code = "from localkv.kv.block_tables import block_hash; print(block_hash(b'model', None, [1, 2, 3]))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert int(out) == block_hash(b"model", None, [1, 2, 3])
     assert block_hash(b"model", None, [1, 2, 3]) != block_hash(b"other", None, [1, 2, 3])
@@ -89,8 +89,9 @@ def test_disk_tier_serves_a_new_engine_with_identical_output(tiny):
     eng = engine(tiny)
     s, hit = eng.open_sequence(PROMPT)
     assert hit == 64
-    np.testing.assert_allclose(eng.prefill(s), engine(tiny, prefix_caching=False).prefill(Sequence(PROMPT)),
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        eng.prefill(s), engine(tiny, prefix_caching=False).prefill(Sequence(PROMPT)), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_corrupt_disk_entries_are_recomputed(tiny, private_home):

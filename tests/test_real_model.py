@@ -39,8 +39,9 @@ def test_logits_match_llama_cpp(engine, real_model_path):
     ids = engine.tokenizer.encode(TEXT)[:256]
     assert len(ids) == 256
     ours = engine.score(ids)
-    llm = llama_cpp.Llama(model_path=str(real_model_path), n_ctx=512, n_batch=512, logits_all=True, verbose=False,
-                          n_threads=2)
+    llm = llama_cpp.Llama(
+        model_path=str(real_model_path), n_ctx=512, n_batch=512, logits_all=True, verbose=False, n_threads=2
+    )
     llm.eval(ids)
     theirs = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
     top1 = float((ours.argmax(-1) == theirs.argmax(-1)).mean())

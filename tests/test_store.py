@@ -12,9 +12,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from localkv.cli_log import log_command
+from localkv.cli.log import log_command
+from localkv.conversations.store import SCHEMA_VERSION, ConversationStore
 from localkv.errors import LocalkvError
-from localkv.store import SCHEMA_VERSION, ConversationStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,9 +35,16 @@ def forked(st):
     cid = st.new_conversation("tiny")
     sys_ = st.add_message(cid, None, "system", "Be brief.")
     u1 = st.add_message(cid, sys_, "user", "What is KV caching?\nExplain.")
-    a1 = st.add_message(cid, u1, "assistant", "Keys and values are kept.", model="tiny",
-                        sampling={"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 1, "max_tokens": 64},
-                        prompt_tokens=12, completion_tokens=5)
+    a1 = st.add_message(
+        cid,
+        u1,
+        "assistant",
+        "Keys and values are kept.",
+        model="tiny",
+        sampling={"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 1, "max_tokens": 64},
+        prompt_tokens=12,
+        completion_tokens=5,
+    )
     u2 = st.add_message(cid, a1, "user", "More?")
     a3 = st.add_message(cid, u2, "assistant", "Pages of blocks.")
     a2 = st.add_message(cid, u1, "assistant", "It caches attention state.")
@@ -56,8 +63,13 @@ def test_tree_path_children_leaves(st):
     assert st.children(m["a3"]) == []
     assert ids(st.leaves(cid)) == [m["a3"], m["a2"]]
     got = st.get_message(m["a1"])
-    assert (got.conversation_id, got.parent_id, got.role, got.content, got.model) == \
-        (cid, m["u1"], "assistant", "Keys and values are kept.", "tiny")
+    assert (got.conversation_id, got.parent_id, got.role, got.content, got.model) == (
+        cid,
+        m["u1"],
+        "assistant",
+        "Keys and values are kept.",
+        "tiny",
+    )
     assert got.sampling == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 1, "max_tokens": 64}
     assert (got.prompt_tokens, got.completion_tokens) == (12, 5)
     assert st.get_message(m["sys"]).sampling == {}
@@ -121,11 +133,17 @@ def _insert_ids(db, conv_ids, msg_ids=()):
     con = sqlite3.connect(db)
     with con:
         for c in conv_ids:
-            con.execute("INSERT INTO conversations VALUES (?, '', '2024-01-01T00:00:00.000000+00:00', "
-                        "'2024-01-01T00:00:00.000000+00:00', '')", (c,))
+            con.execute(
+                "INSERT INTO conversations VALUES (?, '', '2024-01-01T00:00:00.000000+00:00', "
+                "'2024-01-01T00:00:00.000000+00:00', '')",
+                (c,),
+            )
         for i in msg_ids:
-            con.execute("INSERT INTO messages (id, conversation_id, role, content, created) VALUES "
-                        "(?, ?, 'user', 'x', '2024-01-01T00:00:00.000000+00:00')", (i, conv_ids[0]))
+            con.execute(
+                "INSERT INTO messages (id, conversation_id, role, content, created) VALUES "
+                "(?, ?, 'user', 'x', '2024-01-01T00:00:00.000000+00:00')",
+                (i, conv_ids[0]),
+            )
     con.close()
 
 
@@ -193,8 +211,9 @@ def test_locked_database_gives_clear_error_and_loses_nothing(db):
     s = ConversationStore(db, busy_timeout=0.1)
     other = sqlite3.connect(db, isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")
-    other.execute("INSERT INTO conversations VALUES "
-                  "('e' || lower(hex(randomblob(15))), 'other', '2000-01-01', '2000-01-01', '')")
+    other.execute(
+        "INSERT INTO conversations VALUES ('e' || lower(hex(randomblob(15))), 'other', '2000-01-01', '2000-01-01', '')"
+    )
     with pytest.raises(LocalkvError, match="^conversation database is locked by another localkv process; try again$"):
         s.add_message(cid, m["a3"], "user", "blocked")
     with pytest.raises(LocalkvError, match="locked"):
@@ -214,8 +233,9 @@ def test_random_bytes_file_is_corrupt_and_untouched(db):
     db.write_bytes(junk)
     with pytest.raises(LocalkvError) as e:
         ConversationStore(db)
-    assert str(e.value) == (f"conversation database {db} is corrupt: not an SQLite database "
-                            "(move it aside to start fresh)")
+    assert str(e.value) == (
+        f"conversation database {db} is corrupt: not an SQLite database (move it aside to start fresh)"
+    )
     assert db.read_bytes() == junk
     assert sorted(p.name for p in db.parent.iterdir()) == ["conversations.db"]  # no -wal/-shm left
 
@@ -260,8 +280,9 @@ def test_concurrent_writers_threads(db):
 
 def test_shared_store_across_threads(st):
     cid = st.new_conversation("tiny")
-    threads = [threading.Thread(target=lambda: [st.add_message(cid, None, "user", "x") for _ in range(25)])
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: [st.add_message(cid, None, "user", "x") for _ in range(25)]) for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -273,8 +294,10 @@ def test_concurrent_writers_processes(db):
     with ConversationStore(db) as s:
         cid = s.new_conversation("tiny")
         root = s.add_message(cid, None, "user", "root")
-    code = ("import sys; from localkv.store import ConversationStore as S; s = S(sys.argv[1]); "
-            "[s.add_message(sys.argv[2], sys.argv[3], 'assistant', 'p%d' % i) for i in range(30)]")
+    code = (
+        "import sys; from localkv.conversations.store import ConversationStore as S; s = S(sys.argv[1]); "
+        "[s.add_message(sys.argv[2], sys.argv[3], 'assistant', 'p%d' % i) for i in range(30)]"
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(db), cid, root], env=env) for _ in range(2)]
     with ConversationStore(db) as s:
@@ -285,6 +308,7 @@ def test_concurrent_writers_processes(db):
 
 
 # --- localkv log ---------------------------------------------------------------------------------
+
 
 @pytest.fixture()
 def cli(db, monkeypatch):
@@ -298,6 +322,7 @@ def cli(db, monkeypatch):
         if r.exception and not isinstance(r.exception, SystemExit):
             raise r.exception
         return r
+
     return invoke
 
 

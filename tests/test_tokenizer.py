@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from localkv.errors import ModelError
-from localkv.tokenizer import CHATML_TEMPLATE, Tokenizer, _byte_decoder
+from localkv.model.tokenizer import CHATML_TEMPLATE, Tokenizer, _byte_decoder
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "tokenizer_golden.json").read_text())
 CASES = GOLDEN["cases"]
@@ -181,8 +181,8 @@ def test_hf_dir_add_bos_flag(tiny, tmp_path):
 
 
 def test_hf_dir_without_bytelevel_decoder_is_refused(tiny, tmp_path):
-    from tokenizers import decoders
     from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders
 
     hf = HFTokenizer.from_file(str(save_hf_dir(tiny, tmp_path) / "tokenizer.json"))
     hf.decoder = decoders.Metaspace()
@@ -278,7 +278,18 @@ def test_from_hf_dir_matches_golden(hf_dir):
 
 # ---- live comparison with llama.cpp --------------------------------------------------
 
-EXTRA = ["\x06\x13\x14\x16!!\x04\n", "\U000f0000\U00100000\uffff\x7f\x00", "  x", "x  \n  y", "   \n\n  \t ", "a1b22c333", "naïve\u00a0café", WIDE_TEXT, "'''\"\"\"``", "<|im_end|><|im_end|>"]
+EXTRA = [
+    "\x06\x13\x14\x16!!\x04\n",
+    "\U000f0000\U00100000\uffff\x7f\x00",
+    "  x",
+    "x  \n  y",
+    "   \n\n  \t ",
+    "a1b22c333",
+    "naïve\u00a0café",
+    WIDE_TEXT,
+    "'''\"\"\"``",
+    "<|im_end|><|im_end|>",
+]
 
 
 @pytest.fixture(scope="session")

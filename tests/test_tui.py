@@ -5,10 +5,10 @@ from uuid import UUID
 
 import pytest
 
+from localkv.conversations.store import ConversationStore
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
 from localkv.sampling import SamplingParams
-from localkv.store import ConversationStore
 from localkv.tui.app import ChatApp
 from localkv.tui.kv_panel import KVPanel, bar_widths, fmt_bytes
 from localkv.tui.widgets import BranchTree, ChatMessage, Notice, clean
@@ -33,7 +33,7 @@ def engine(model_path):
 def ids(monkeypatch):
     """Deterministic message ids (for snapshots): 00000000..., 00000001..."""
     counter = itertools.count()
-    monkeypatch.setattr("localkv.store.uuid4", lambda: UUID(int=next(counter) << 96))
+    monkeypatch.setattr("localkv.conversations.store.uuid4", lambda: UUID(int=next(counter) << 96))
 
 
 def fake_clock(step=0.01):
@@ -215,10 +215,16 @@ async def test_slash_commands(engine):
         await send(pilot, "/set seed none")
         await send(pilot, "/set max_tokens 5")
         assert (app.params.top_k, app.params.seed, app.max_tokens) == (7, None, 5)
-        for bad, why in [("/set bogus 1", "unknown setting 'bogus'"), ("/set top_p 2", "invalid top-p"),
-                         ("/set top_k many", "expected a number"), ("/set temperature", "needs a value"),
-                         ("/set max_tokens 0", "must be >= 1"), ("/set evict h2o", "needs a budget"),
-                         ("/set evict lru", "unknown KV policy"), ("/frobnicate", "unknown command")]:
+        for bad, why in [
+            ("/set bogus 1", "unknown setting 'bogus'"),
+            ("/set top_p 2", "invalid top-p"),
+            ("/set top_k many", "expected a number"),
+            ("/set temperature", "needs a value"),
+            ("/set max_tokens 0", "must be >= 1"),
+            ("/set evict h2o", "needs a budget"),
+            ("/set evict lru", "unknown KV policy"),
+            ("/frobnicate", "unknown command"),
+        ]:
             await send(pilot, bad)
             text, error = notices(app)[-1]
             assert error and why in text and "\n" not in text, bad
@@ -263,13 +269,17 @@ async def test_panel_shows_the_engine_numbers(engine):
         assert s.evictions > 0  # the budget was hit: the log has events
         shown = panel.shown
         assert shown["blocks"] == f"{u['blocks']} × {u['block_size']} tok"
-        assert [shown[k] for k in ("used", "shared", "cached", "free")] == \
-            [str(u[k]) for k in ("used", "shared", "cached_free", "free")]
+        assert [shown[k] for k in ("used", "shared", "cached", "free")] == [
+            str(u[k]) for k in ("used", "shared", "cached_free", "free")
+        ]
         assert shown["kv bytes"] == fmt_bytes(u["used"] * u["bytes_per_block"])
         assert shown["cow copies"] == str(s.cow_copies)
         assert shown["reuse total"].startswith(f"{s.prefix_hits}/{s.prefix_queries}")
-        assert [shown[k] for k in ("evictions", "offloads", "recalls")] == \
-            [str(s.evictions), str(s.offloads), str(s.recalls)]
+        assert [shown[k] for k in ("evictions", "offloads", "recalls")] == [
+            str(s.evictions),
+            str(s.offloads),
+            str(s.recalls),
+        ]
         assert (shown["policy"], shown["budget"]) == ("h2o", "64 tok")
         r = app.store.get_message(app.at)
         assert shown["reuse last"].endswith(f"/{r.prompt_tokens} tok")
@@ -347,9 +357,23 @@ def test_chat_command_checks_ids_before_the_ui(monkeypatch):
 
 
 def _defaults(**kw):
-    base = dict(model=None, system=None, cont=False, cid=None, temperature=0.8, top_k=40, top_p=0.95, seed=None,
-                max_tokens=512, kv_budget=None, evict="none", block_size=16, kv_mem="1GiB", no_cache=False,
-                device="cpu")
+    base = dict(
+        model=None,
+        system=None,
+        cont=False,
+        cid=None,
+        temperature=0.8,
+        top_k=40,
+        top_p=0.95,
+        seed=None,
+        max_tokens=512,
+        kv_budget=None,
+        evict="none",
+        block_size=16,
+        kv_mem="1GiB",
+        no_cache=False,
+        device="cpu",
+    )
     return base | kw
 
 

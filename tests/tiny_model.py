@@ -7,8 +7,10 @@ from pathlib import Path
 import numpy as np
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def byte_vocab() -> list[str]:
@@ -31,8 +33,10 @@ def tiny_weights(seed=0, n_layers=2, dim=64, ffn=96, n_heads=4, n_kv_heads=2, vo
         return (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)
 
     hd = dim // n_heads
-    w = {"model.embed_tokens.weight": rng.standard_normal((vocab, dim)).astype(np.float32),
-         "model.norm.weight": (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)}
+    w = {
+        "model.embed_tokens.weight": rng.standard_normal((vocab, dim)).astype(np.float32),
+        "model.norm.weight": (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32),
+    }
     if not tied:
         w["lm_head.weight"] = mat(vocab, dim)
     for i in range(n_layers):
@@ -55,9 +59,17 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def write_gguf(path: Path, quant: str = "F32", ctx: int = 256, seed: int = 0, arch: str = "llama", **kw) -> Path:
@@ -98,8 +110,11 @@ def write_gguf(path: Path, quant: str = "F32", ctx: int = 256, seed: int = 0, ar
                 a = _permute(a, hp["n_kv_heads"])
             gname = f"blk.{i}.{_GGUF_NAMES[key]}.weight"
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         if a.ndim == 2 and quant != "F32":
             writer.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)
         else:
@@ -113,23 +128,39 @@ def write_gguf(path: Path, quant: str = "F32", ctx: int = 256, seed: int = 0, ar
 
 def write_hf_dir(path: Path, seed: int = 0, ctx: int = 256, **kw) -> Path:
     from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     w, hp = tiny_weights(seed, **kw)
     path.mkdir(parents=True, exist_ok=True)
     save_file(w, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": hp["n_layers"],
-        "hidden_size": hp["dim"], "intermediate_size": hp["ffn"], "num_attention_heads": hp["n_heads"],
-        "num_key_value_heads": hp["n_kv_heads"], "vocab_size": hp["vocab"], "max_position_embeddings": ctx,
-        "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": "lm_head.weight" not in w,
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "num_hidden_layers": hp["n_layers"],
+                "hidden_size": hp["dim"],
+                "intermediate_size": hp["ffn"],
+                "num_attention_heads": hp["n_heads"],
+                "num_key_value_heads": hp["n_kv_heads"],
+                "vocab_size": hp["vocab"],
+                "max_position_embeddings": ctx,
+                "rope_theta": 10000.0,
+                "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": "lm_head.weight" not in w,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     vocab = byte_vocab()
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[tuple(m.split()) for m in MERGES]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
+    )
     return path

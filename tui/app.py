@@ -6,9 +6,9 @@ worker thread at a time; the UI thread reads the engine only while `busy` is Fal
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from textual import on, work
@@ -18,15 +18,14 @@ from textual.containers import Container, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import Footer, Header, Tree
 
-from localkv.conversation import Turn
+from localkv.conversations.store import ConversationStore, preview
+from localkv.conversations.turn import Turn
 from localkv.engine import Engine, Result
 from localkv.errors import LocalkvError
-from localkv.evict import EvictConfig
+from localkv.kv.evict import EvictConfig
 from localkv.sampling import SamplingParams
-from localkv.store import ConversationStore, preview
-
-from .kv_panel import KVPanel, KVSnapshot
-from .widgets import BranchTree, ChatMessage, Notice, PromptInput, clean
+from localkv.tui.kv_panel import KVPanel, KVSnapshot
+from localkv.tui.widgets import BranchTree, ChatMessage, Notice, PromptInput, clean
 
 FLUSH_S = 0.05  # streamed text reaches the UI at most this often: one Markdown append per batch
 RATE_S = 0.25  # tokens/s sample period; the worker also snapshots the pool for the panel this often
@@ -49,6 +48,7 @@ F2 KV panel · F3 tree · ↑↓ history · Tab focus · Ctrl-Q quit"""
 @dataclass(slots=True)
 class Outcome:
     """What a generation worker hands back to the UI thread."""
+
     view: ChatMessage
     user_view: ChatMessage | None
     prompt: str | None
@@ -68,9 +68,17 @@ def default_factory(engine: Engine) -> Callable[[EvictConfig], Engine]:
     device = "cuda" if getattr(getattr(engine, "ops", None), "name", "CPU") == "CUDA" else "cpu"
 
     def build(evict: EvictConfig) -> Engine:
-        return Engine(engine.path, block_size=engine.block_size, kv_mem=engine.pool.num_blocks *
-                      engine.pool.bytes_per_block, progress=False, prefix_caching=engine.prefix_caching,
-                      disk_cache=engine.disk is not None, evict=evict, device=device)
+        return Engine(
+            engine.path,
+            block_size=engine.block_size,
+            kv_mem=engine.pool.num_blocks * engine.pool.bytes_per_block,
+            progress=False,
+            prefix_caching=engine.prefix_caching,
+            disk_cache=engine.disk is not None,
+            evict=evict,
+            device=device,
+        )
+
     return build
 
 
@@ -106,11 +114,21 @@ class ChatApp(App):
     show_panel = reactive(True, init=False)
     show_tree = reactive(False, init=False)
 
-    def __init__(self, engine: Engine | Callable[[EvictConfig], Engine], store: ConversationStore | None = None,
-                 conversation: str | None = None, system: str | None = None, sampling: SamplingParams | None = None,
-                 max_tokens: int = 512, *, factory: Callable[[EvictConfig], Engine] | None = None,
-                 leaf: str | None = None, ignore_eos: bool = False, panel: bool | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        engine: Engine | Callable[[EvictConfig], Engine],
+        store: ConversationStore | None = None,
+        conversation: str | None = None,
+        system: str | None = None,
+        sampling: SamplingParams | None = None,
+        max_tokens: int = 512,
+        *,
+        factory: Callable[[EvictConfig], Engine] | None = None,
+        leaf: str | None = None,
+        ignore_eos: bool = False,
+        panel: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         super().__init__()
         if isinstance(engine, Engine):
             self.engine, self.factory = engine, factory or default_factory(engine)
@@ -198,8 +216,9 @@ class ChatApp(App):
 
     def _update_header(self) -> None:
         eng = self.engine
-        device = getattr(getattr(eng, "ops", None), "name", None) or ("CPU" if isinstance(eng.pool.k, np.ndarray)
-                                                                        else "GPU")
+        device = getattr(getattr(eng, "ops", None), "name", None) or (
+            "CPU" if isinstance(eng.pool.k, np.ndarray) else "GPU"
+        )
         self.title = eng.cfg.name
         self.sub_title = f"{device} · system: {preview(self.system, 48) if self.system else 'none'}"
 
@@ -286,8 +305,10 @@ class ChatApp(App):
             await self._say("nothing to save yet: each exchange is saved when its reply ends")
             return
         c = self.store.get_conversation(self.cid)
-        await self._say(f"saved as conversation {c['id']} ({c['messages']} messages, {c['branches']} branches) in "
-                        f"{self.store.db_path}: `localkv chat --cid {c['id']}` continues it")
+        await self._say(
+            f"saved as conversation {c['id']} ({c['messages']} messages, {c['branches']} branches) in "
+            f"{self.store.db_path}: `localkv chat --cid {c['id']}` continues it"
+        )
 
     async def _cmd_system(self, arg: str) -> None:
         if not arg:
@@ -295,8 +316,9 @@ class ChatApp(App):
             return
         # the system prompt is the root of a branch: a new one starts a new branch from the root
         await self._goto(self.cid, None, arg)
-        await self._say("system prompt set" + (": the next message starts a new branch from the root"
-                                               if self.cid else ""))
+        await self._say(
+            "system prompt set" + (": the next message starts a new branch from the root" if self.cid else "")
+        )
 
     async def _cmd_branches(self, arg: str) -> None:
         self.show_tree = True
@@ -307,16 +329,21 @@ class ChatApp(App):
         key, value = key.lower().replace("-", "_"), value.strip()
         if not key:
             p, ev = self.params, self.engine.evict
-            await self._say(f"temperature {p.temperature} · top_p {p.top_p} · top_k {p.top_k} · max_tokens "
-                            f"{self.max_tokens} · seed {p.seed} · evict {ev.policy} · budget {ev.budget}")
+            await self._say(
+                f"temperature {p.temperature} · top_p {p.top_p} · top_k {p.top_k} · max_tokens "
+                f"{self.max_tokens} · seed {p.seed} · evict {ev.policy} · budget {ev.budget}"
+            )
             return
         if key not in SETTINGS:
             raise LocalkvError(f"unknown setting {key!r}: use one of {', '.join(SETTINGS)}")
         if not value:
             raise LocalkvError(f"/set {key} needs a value")
         if key in ("evict", "budget"):
-            ev = (replace(self.engine.evict, policy=value.lower()) if key == "evict" else
-                  replace(self.engine.evict, budget=_number(key, value)))
+            ev = (
+                replace(self.engine.evict, policy=value.lower())
+                if key == "evict"
+                else replace(self.engine.evict, budget=_number(key, value))
+            )
             ev.validate(self.engine.block_size)  # a bad policy fails here, before any rebuild
             self.busy = True
             await self._say(f"{key} = {value}: building a new engine (the in-memory prefix cache starts empty)")
@@ -382,8 +409,13 @@ class ChatApp(App):
     def _turn(self) -> Turn:
         """Where the next exchange attaches, as `localkv run` plans it (conversation.Turn)."""
         path = self.store.path(self.at) if self.at else []
-        return Turn(self.store, self.cid, self.at, [{"role": m.role, "content": m.content} for m in path],
-                    system=None if path else self.system)
+        return Turn(
+            self.store,
+            self.cid,
+            self.at,
+            [{"role": m.role, "content": m.content} for m in path],
+            system=None if path else self.system,
+        )
 
     # ------------------------------------------------------------ actions (keys)
 
@@ -432,8 +464,9 @@ class ChatApp(App):
 
     # ------------------------------------------------------------ generation (worker thread)
 
-    def _start(self, turn: Turn, prompt: str | None, params: SamplingParams, view: ChatMessage,
-               user_view: ChatMessage | None) -> None:
+    def _start(
+        self, turn: Turn, prompt: str | None, params: SamplingParams, view: ChatMessage, user_view: ChatMessage | None
+    ) -> None:
         self.busy = True
         self._stop.clear()
         view.border_subtitle = "…"
@@ -451,14 +484,14 @@ class ChatApp(App):
             # closing: the widgets may be gone already, and nobody is left to show it to
 
     @work(thread=True, exclusive=True, group="engine")
-    def _generate(self, turn: Turn, prompt: str | None, params: SamplingParams, view: ChatMessage,
-                  user_view: ChatMessage | None) -> None:
+    def _generate(
+        self, turn: Turn, prompt: str | None, params: SamplingParams, view: ChatMessage, user_view: ChatMessage | None
+    ) -> None:
         eng, clock, max_tokens = self.engine, self.clock, self.max_tokens
         out = Outcome(view, user_view, prompt)
         try:
             tok = eng.tokenizer
-            gen = eng.generate(tok.encode(tok.render_chat(turn.messages(prompt))), params, max_tokens,
-                               self.ignore_eos)
+            gen = eng.generate(tok.encode(tok.render_chat(turn.messages(prompt))), params, max_tokens, self.ignore_eos)
         except Exception as e:  # too long for the context, pool too small, ...: nothing ran
             out.error, out.snap = _error_line(e), KVSnapshot.of(eng)
             self._ui(self._finish, out)
@@ -498,12 +531,19 @@ class ChatApp(App):
             try:
                 if turn.conversation_id and turn.parent_id is None and turn.system:
                     # a new system prompt in an existing conversation: a new root branch
-                    turn.parent_id = self.store.add_message(turn.conversation_id, None, "system", turn.system,
-                                                            model=eng.cfg.name)
-                sampling = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                            "seed": params.seed, "max_tokens": max_tokens}
-                out.user_id, ids = turn.save(eng.cfg.name, prompt, [(r.text, r.completion_tokens)],
-                                             r.prompt_tokens, sampling)
+                    turn.parent_id = self.store.add_message(
+                        turn.conversation_id, None, "system", turn.system, model=eng.cfg.name
+                    )
+                sampling = {
+                    "temperature": params.temperature,
+                    "top_k": params.top_k,
+                    "top_p": params.top_p,
+                    "seed": params.seed,
+                    "max_tokens": max_tokens,
+                }
+                out.user_id, ids = turn.save(
+                    eng.cfg.name, prompt, [(r.text, r.completion_tokens)], r.prompt_tokens, sampling
+                )
                 out.cid, out.reply_id = turn.conversation_id, ids[0]
             except LocalkvError as e:
                 out.error = f"error: not saved: {e}"
@@ -531,8 +571,9 @@ class ChatApp(App):
         else:
             if out.tail:
                 await out.view.append(clean(out.tail))
-            out.view.border_subtitle = (f"{r.completion_tokens} tok · {r.cached_tokens}/{r.prompt_tokens} "
-                                        f"cached · {out.reason}")
+            out.view.border_subtitle = (
+                f"{r.completion_tokens} tok · {r.cached_tokens}/{r.prompt_tokens} cached · {out.reason}"
+            )
             self.panel.last_turn = (r.cached_tokens, r.prompt_tokens)
             if out.tps is not None:
                 self.panel.add_rate(out.tps)
@@ -569,8 +610,10 @@ class ChatApp(App):
             self.engine = engine
             self._update_header()
             ev = engine.evict
-            await self._say(f"ready: {engine.cfg.name}, KV policy {ev.policy}" +
-                            (f", budget {ev.budget} tokens" if ev.budget is not None else ""))
+            await self._say(
+                f"ready: {engine.cfg.name}, KV policy {ev.policy}"
+                + (f", budget {ev.budget} tokens" if ev.budget is not None else "")
+            )
         self.busy = self.engine is None
         self._tick()
 

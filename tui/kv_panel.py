@@ -12,9 +12,21 @@ from textual.widgets import Label, Sparkline, Static
 
 SEGMENTS = (("used", "█"), ("shared", "▓"), ("cached", "▒"), ("free", "░"))
 # rows of the counter block: KVPanel.shown keys, a pair shares one row
-LINES = (("blocks",), ("used", "shared"), ("cached",), ("free",), ("kv bytes",), ("cow copies",), ("reuse last",),
-         ("reuse total",), ("disk hits",), ("policy",), ("budget",), ("evictions",),
-         ("offloads", "recalls"))
+LINES = (
+    ("blocks",),
+    ("used", "shared"),
+    ("cached",),
+    ("free",),
+    ("kv bytes",),
+    ("cow copies",),
+    ("reuse last",),
+    ("reuse total",),
+    ("disk hits",),
+    ("policy",),
+    ("budget",),
+    ("evictions",),
+    ("offloads", "recalls"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +50,19 @@ class KVSnapshot:
     @classmethod
     def of(cls, engine, n_events: int = 6) -> "KVSnapshot":
         s = engine.stats
-        return cls(engine.pool.usage(), s.prefix_queries, s.prefix_hits, s.disk_hits, s.cow_copies, s.evictions,
-                   s.offloads, s.recalls, tuple(list(s.events)[-n_events:]), engine.evict.policy, engine.evict.budget)
+        return cls(
+            engine.pool.usage(),
+            s.prefix_queries,
+            s.prefix_hits,
+            s.disk_hits,
+            s.cow_copies,
+            s.evictions,
+            s.offloads,
+            s.recalls,
+            tuple(list(s.events)[-n_events:]),
+            engine.evict.policy,
+            engine.evict.budget,
+        )
 
 
 def fmt_bytes(n: float) -> str:
@@ -74,8 +97,9 @@ class PoolBar(Widget):
         u = self.usage or {"used": 0, "shared": 0, "cached_free": 0, "free": 0}
         counts = [u["used"] - u["shared"], u["shared"], u["cached_free"], u["free"]]
         styles = [self.get_component_rich_style(f"poolbar--{name}") for name, _ in SEGMENTS]
-        bar = Text.assemble(*((ch * n, st) for (_, ch), n, st in zip(SEGMENTS, bar_widths(counts, self.size.width),
-                                                                      styles)))
+        bar = Text.assemble(
+            *((ch * n, st) for (_, ch), n, st in zip(SEGMENTS, bar_widths(counts, self.size.width), styles))
+        )
         legend = Text.assemble(*(item for (name, ch), st in zip(SEGMENTS, styles) for item in ((ch, st), f"{name} ")))
         return Text("\n").join([bar, legend])
 
@@ -138,9 +162,16 @@ class KVPanel(VerticalScroll):
             "offloads": str(snap.offloads),
             "recalls": str(snap.recalls),
         }
-        self.query_one("#kv-stats", Static).update("\n".join(
-            "".join(f"{k:<12}{self.shown[k]}" if i == 0 else f"  {k} {self.shown[k]}" for i, k in enumerate(keys))
-            for keys in LINES))
-        self.query_one("#kv-events", Static).update("\n".join(
-            f"{e.kind:<8}blk {e.block} @{e.positions[0]}-{e.positions[1]}" + (f" {e.score:.2f}" if e.score else "")
-            for e in snap.events) or "none yet")
+        self.query_one("#kv-stats", Static).update(
+            "\n".join(
+                "".join(f"{k:<12}{self.shown[k]}" if i == 0 else f"  {k} {self.shown[k]}" for i, k in enumerate(keys))
+                for keys in LINES
+            )
+        )
+        self.query_one("#kv-events", Static).update(
+            "\n".join(
+                f"{e.kind:<8}blk {e.block} @{e.positions[0]}-{e.positions[1]}" + (f" {e.score:.2f}" if e.score else "")
+                for e in snap.events
+            )
+            or "none yet"
+        )

@@ -6,13 +6,14 @@ from textual.message import Message as TMessage
 from textual.reactive import var
 from textual.widgets import Input, Markdown, Static, Tree
 
-from localkv.store import preview
+from localkv.conversations.store import preview
 
 ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
 # C0 controls (except tab/newline), DEL and C1 would move the terminal's cursor or be dropped
 # silently; a random or confused model can emit them, so they are shown as visible symbols
-_CONTROLS = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127: 0x2421} | {c: 0xFFFD for c in
-                                                                                         range(128, 160)}
+_CONTROLS = (
+    {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127: 0x2421} | dict.fromkeys(range(128, 160), 65533)
+)
 
 
 def clean(text: str) -> str:
@@ -41,9 +42,12 @@ class Notice(Static):
 class PromptInput(Input):
     """The message box: up/down walk the lines sent before, like a shell."""
 
-    BINDINGS = [Binding("up", "history(-1)", show=False), Binding("down", "history(1)", show=False),
-                # out of the box, letters are commands (p panel, b tree, r regen, f fork; i comes back)
-                Binding("escape", "app.focus('transcript')", show=False)]
+    BINDINGS = [
+        Binding("up", "history(-1)", show=False),
+        Binding("down", "history(1)", show=False),
+        # out of the box, letters are commands (p panel, b tree, r regen, f fork; i comes back)
+        Binding("escape", "app.focus('transcript')", show=False),
+    ]
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -102,8 +106,16 @@ class BranchTree(Tree[str]):
             box, node, head = stack.pop()
             mid, kids = node["full_id"], node["children"]
             label = f"{ROLE_TITLES[node['role']]}: {preview(clean(node['preview']), 40)}"
-            item = box.add(Text.assemble(("● " if mid == leaf else "", "bold"), (node["id"], "dim"), " ",
-                                         (label, "bold" if mid in path else "")), data=mid, expand=True)
+            item = box.add(
+                Text.assemble(
+                    ("● " if mid == leaf else "", "bold"),
+                    (node["id"], "dim"),
+                    " ",
+                    (label, "bold" if mid in path else ""),
+                ),
+                data=mid,
+                expand=True,
+            )
             if mid == leaf:
                 cursor = item
             if len(kids) == 1:

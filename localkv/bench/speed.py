@@ -20,10 +20,10 @@ from time import perf_counter
 import numpy as np
 import typer
 
-from .bench_report import OUTPUTS, check_output, cpu_info  # noqa: F401  (OUTPUTS, cpu_info: kept importable here)
-from .engine import DEFAULT_KV_MEM, Engine
-from .errors import LocalkvError
-from .sequence import Sequence
+from localkv.bench.report import OUTPUTS, check_output, cpu_info  # noqa: F401  (OUTPUTS, cpu_info: kept importable here)
+from localkv.engine import DEFAULT_KV_MEM, Engine
+from localkv.errors import LocalkvError
+from localkv.sequence import Sequence
 
 PEERS = ("llama.cpp",)
 SUITE_NAMES = ("speed", "memory", "fork", "cache", "evict", "all")
@@ -88,8 +88,15 @@ def _tokens(test: Test, vocab: int, rep: int, seed: int, warm: bool = False) -> 
     return rng.integers(0, vocab, max(test.n_prompt, 1)).tolist()
 
 
-def speed_rows(engine: Engine, tests=("pp512", "tg128"), reps: int = 5, warmup: int = 1, vs: str | None = None,
-               seed: int = 0, progress=None) -> list[dict]:
+def speed_rows(
+    engine: Engine,
+    tests=("pp512", "tg128"),
+    reps: int = 5,
+    warmup: int = 1,
+    vs: str | None = None,
+    seed: int = 0,
+    progress=None,
+) -> list[dict]:
     """One row per (test, engine); with vs="llama.cpp" a llama.cpp row follows each localkv row.
     progress(msg) is called before each rep (bench_command sends it to stderr)."""
     tests = [t if isinstance(t, Test) else Test.parse(t) for t in tests]
@@ -100,7 +107,7 @@ def speed_rows(engine: Engine, tests=("pp512", "tg128"), reps: int = 5, warmup: 
         engine.check_fits(max(t.n_prompt, 1), t.n_gen)
     runners = [LocalRunner(engine)]
     if vs:
-        from .peer import PeerRunner
+        from localkv.bench.peer import PeerRunner
 
         n_ctx = -(-max(t.n_ctx for t in tests) // 256) * 256
         runners.append(PeerRunner(engine.path, engine.threads, n_ctx))
@@ -197,22 +204,32 @@ def format_speed_table(rows: list[dict], ratios: dict[str, float] | None = None)
     left = {"engine", "model", "backend"}  # llama-bench left-aligns text, right-aligns numbers
     table = [cols] + [[_cell(r, c, ratios) for c in cols] for r in rows]
     w = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    fmt = lambda row: "| " + " | ".join(v.ljust(n) if c in left else v.rjust(n)
-                                         for c, v, n in zip(cols, row, w)) + " |"
+
+    def fmt(row):
+        return "| " + " | ".join(v.ljust(n) if c in left else v.rjust(n) for c, v, n in zip(cols, row, w)) + " |"
+
     rule = "| " + " | ".join("-" * n if c in left else "-" * (n - 1) + ":" for c, n in zip(cols, w)) + " |"
     return "\n".join([fmt(table[0]), rule] + [fmt(r) for r in table[1:]]) + "\n"
 
 
 def _cell(r: dict, col: str, ratios: dict[str, float]) -> str:
     match col:
-        case "engine": return r["engine"]
-        case "model": return r["model_type"]
-        case "size": return _size(r["model_size"])
-        case "params": return _params(r["model_n_params"])
-        case "backend": return r["backend"]
-        case "threads": return str(r["n_threads"])
-        case "test": return r["test"]
-        case "t/s": return f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}"
+        case "engine":
+            return r["engine"]
+        case "model":
+            return r["model_type"]
+        case "size":
+            return _size(r["model_size"])
+        case "params":
+            return _params(r["model_n_params"])
+        case "backend":
+            return r["backend"]
+        case "threads":
+            return str(r["n_threads"])
+        case "test":
+            return r["test"]
+        case "t/s":
+            return f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}"
         case "vs llama.cpp":
             x = ratios.get(r["test"]) if r["engine"] == "localkv" else None
             return f"{x:.2f}x" if x is not None else ""
@@ -243,31 +260,45 @@ def bench_command(
     model: str | None = typer.Option(None, "-m", "--model", help="Catalog name, .gguf file or model directory."),
     n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="speed: prompt tokens of the pp test (0: skip it)."),
     n_gen: int = typer.Option(128, "-n", "--n-gen", help="speed: generated tokens of the tg test (0: skip it)."),
-    repetitions: int | None = typer.Option(None, "-r", "--repetitions",
-                                           help="Timed reps, interleaved with --vs: speed 5 (mean ± sd, as llama-bench), fork and cache 3 (medians), --quick 1."),
+    repetitions: int | None = typer.Option(
+        None,
+        "-r",
+        "--repetitions",
+        help="Timed reps, interleaved with --vs: speed 5 (mean ± sd, as llama-bench), fork and cache 3 (medians), "
+        "--quick 1.",
+    ),
     threads: int | None = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores)."),
-    vs: str | None = typer.Option(None, "--vs", help="Also run llama.cpp (llama-cpp-python) on the same work, "
-                                                     "interleaved, with a ratio column (speed, fork, cache)."),
+    vs: str | None = typer.Option(
+        None,
+        "--vs",
+        help="Also run llama.cpp (llama-cpp-python) on the same work, "
+        "interleaved, with a ratio column (speed, fork, cache).",
+    ),
     output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
-    kv_mem: str = typer.Option(DEFAULT_KV_MEM, "--kv-mem", help="KV pool size, e.g. 512MiB (memory: the memory "
-                                                                  "both allocators share)."),
+    kv_mem: str = typer.Option(
+        DEFAULT_KV_MEM, "--kv-mem", help="KV pool size, e.g. 512MiB (memory: the memory both allocators share)."
+    ),
     quick: bool = typer.Option(False, "--quick", help="Smoke run of the suite at tiny sizes (seconds; CI)."),
     plot: str | None = typer.Option(None, "--plot", help="Write PNG charts into this folder (needs matplotlib)."),
-    long: bool = typer.Option(False, "--long", help="evict: also a 10,000-token generation under a 1,024-token "
-                                                    "budget per policy."),
+    long: bool = typer.Option(
+        False, "--long", help="evict: also a 10,000-token generation under a 1,024-token budget per policy."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the workloads, random tokens and sampling."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    suite: str = typer.Argument("speed", help="speed (pp/tg t/s), memory (paged vs contiguous KV use), fork "
-                                              "(best-of-8 sharing), cache (TTFT cold/warm, chat hit rate), evict "
-                                              "(perplexity under KV budgets), or all."),
+    suite: str = typer.Argument(
+        "speed",
+        help="speed (pp/tg t/s), memory (paged vs contiguous KV use), fork "
+        "(best-of-8 sharing), cache (TTFT cold/warm, chat hit rate), evict "
+        "(perplexity under KV budgets), or all.",
+    ),
 ):
     """Measure localkv: speed (default; pp512/tg128 like llama-bench), memory, fork, cache, evict or all.
 
     Each suite prints what it measured, the hardware and load, the command that reproduces it, and
     the targets it checks. --vs llama.cpp runs llama-cpp-python on the same work in the same run."""
-    from . import bench_report as br
-    from .bench_suites import RUNNERS, SUITES, Options
+    from localkv.bench import report as br
+    from localkv.bench.suites import RUNNERS, SUITES, Options
 
     _check_suite(suite)
     _check_vs(vs)
@@ -279,14 +310,29 @@ def bench_command(
     if repetitions is not None and repetitions < 1:
         raise LocalkvError(f"invalid repetitions {repetitions}: must be >= 1")
     if vs:
-        from .peer import INSTALL_HINT, peer_available
+        from localkv.bench.peer import INSTALL_HINT, peer_available
 
         if not peer_available():  # before the engine loads, so the error comes at once
             raise LocalkvError(f"--vs llama.cpp needs llama-cpp-python, which is not installed ({INSTALL_HINT})")
-    say = lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True)
-    opts = Options(model=model, threads=threads, vs=vs, block_size=block_size, kv_mem=kv_mem, quick=quick,
-                   long=long, seed=seed, reps=repetitions, n_prompt=n_prompt, n_gen=n_gen, device=device,
-                   progress=say)
+
+    def say(msg):
+        return print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+    opts = Options(
+        model=model,
+        threads=threads,
+        vs=vs,
+        block_size=block_size,
+        kv_mem=kv_mem,
+        quick=quick,
+        long=long,
+        seed=seed,
+        reps=repetitions,
+        n_prompt=n_prompt,
+        n_gen=n_gen,
+        device=device,
+        progress=say,
+    )
     names = SUITES if suite == "all" else (suite,)
     reports = []
     for i, name in enumerate(names):

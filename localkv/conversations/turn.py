@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass, field
 
-from .errors import LocalkvError
-from .store import ConversationStore
+from localkv.conversations.store import ConversationStore
+from localkv.errors import LocalkvError
 
 
 @dataclass(slots=True)
@@ -19,8 +19,9 @@ class Turn:
         tail = [{"role": "user", "content": prompt}] if prompt is not None else []
         return head + self.history + tail
 
-    def save(self, model: str, prompt: str | None, replies: list[tuple[str, int]], prompt_tokens: int,
-             sampling: dict) -> tuple[str | None, list[str]]:
+    def save(
+        self, model: str, prompt: str | None, replies: list[tuple[str, int]], prompt_tokens: int, sampling: dict
+    ) -> tuple[str | None, list[str]]:
         """Store the user message (unless re-sampling) and each reply as siblings under it.
         Returns (user message id, reply ids); nothing when saving is off."""
         if self.store is None:
@@ -32,15 +33,28 @@ class Turn:
                 self.parent_id = st.add_message(self.conversation_id, None, "system", self.system, model=model)
         parent = self.parent_id
         if prompt is not None:
-            parent = st.add_message(self.conversation_id, parent, "user", prompt, model=model,
-                                    prompt_tokens=prompt_tokens)
-        ids = [st.add_message(self.conversation_id, parent, "assistant", text, model=model, sampling=sampling,
-                              prompt_tokens=prompt_tokens, completion_tokens=n) for text, n in replies]
+            parent = st.add_message(
+                self.conversation_id, parent, "user", prompt, model=model, prompt_tokens=prompt_tokens
+            )
+        ids = [
+            st.add_message(
+                self.conversation_id,
+                parent,
+                "assistant",
+                text,
+                model=model,
+                sampling=sampling,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=n,
+            )
+            for text, n in replies
+        ]
         return parent, ids
 
 
-def plan_turn(save: bool, cont: bool, cid: str | None, from_msg: str | None, system: str | None,
-              prompt: str | None) -> Turn:
+def plan_turn(
+    save: bool, cont: bool, cid: str | None, from_msg: str | None, system: str | None, prompt: str | None
+) -> Turn:
     """Resolve -c / --cid / --from into a place in the tree (ids are checked before any model work)."""
     if sum(map(bool, (cont, cid, from_msg))) > 1:
         raise LocalkvError("use only one of -c/--continue, --cid and --from")
@@ -52,15 +66,15 @@ def plan_turn(save: bool, cont: bool, cid: str | None, from_msg: str | None, sys
         turn.system = system
         return turn
     if system:
-        raise LocalkvError("-s/--system sets the system prompt of a new conversation; it cannot change an "
-                           "existing one")
+        raise LocalkvError("-s/--system sets the system prompt of a new conversation; it cannot change an existing one")
     if from_msg:
         msg = store.get_message(store.resolve_message(from_msg))
         if prompt is None and msg.role == "assistant":
             msg = store.get_message(msg.parent_id)  # re-sample: new siblings of that reply
         elif prompt is None and msg.role != "user":
-            raise LocalkvError(f"message {store.short_id(msg.id)} is a {msg.role} message: give a PROMPT to "
-                               "branch after it")
+            raise LocalkvError(
+                f"message {store.short_id(msg.id)} is a {msg.role} message: give a PROMPT to branch after it"
+            )
         at = msg
     else:
         conv = store.resolve_conversation(cid) if cid else store.latest_conversation()

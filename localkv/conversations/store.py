@@ -11,8 +11,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from uuid import uuid4
 
-from .errors import LocalkvError
-from .home import home
+from localkv.errors import LocalkvError
+from localkv.home import home
 
 ROLES = ("system", "user", "assistant")
 SHORT_LEN = 7  # like git: short ids grow past this only when needed to stay unique
@@ -113,8 +113,9 @@ class ConversationStore:
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self._check_header()
         try:
-            self._conn = sqlite3.connect(self.db_path, timeout=busy_timeout, isolation_level=None,
-                                         check_same_thread=False)
+            self._conn = sqlite3.connect(
+                self.db_path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+            )
         except sqlite3.Error as e:
             raise self._translate(e) from e
         try:
@@ -182,11 +183,14 @@ class ConversationStore:
 
     def _open(self) -> None:
         # one statement, one snapshot: a concurrent first-time migration is seen whole or not at all
-        v, tables = self._all("SELECT (SELECT user_version FROM pragma_user_version), "
-                              "(SELECT count(*) FROM sqlite_master)")[0]
+        v, tables = self._all(
+            "SELECT (SELECT user_version FROM pragma_user_version), (SELECT count(*) FROM sqlite_master)"
+        )[0]
         if v > SCHEMA_VERSION:
-            raise LocalkvError(f"conversation database {self.db_path} has schema version {v}, newer than this "
-                               f"localkv understands ({SCHEMA_VERSION}); upgrade localkv")
+            raise LocalkvError(
+                f"conversation database {self.db_path} has schema version {v}, newer than this "
+                f"localkv understands ({SCHEMA_VERSION}); upgrade localkv"
+            )
         if v == 0 and tables:
             raise LocalkvError(f"{self.db_path} is not a localkv conversation database (move it aside to start fresh)")
         with self._guard() as c:
@@ -205,8 +209,9 @@ class ConversationStore:
         with self._guard() as c:
             for table in ("conversations", "messages"):
                 for op, order in (("<", "DESC"), (">", "ASC")):
-                    row = c.execute(f"SELECT id FROM {table} WHERE id {op} ? ORDER BY id {order} LIMIT 1",
-                                    (id,)).fetchone()
+                    row = c.execute(
+                        f"SELECT id FROM {table} WHERE id {op} ? ORDER BY id {order} LIMIT 1", (id,)
+                    ).fetchone()
                     if row:
                         n = max(n, len(os.path.commonprefix([id, row[0]])))
         return id[: max(SHORT_LEN, n + 1)]
@@ -217,8 +222,9 @@ class ConversationStore:
             raise LocalkvError(f"{noun} id '{prefix}' is too short: give at least {MIN_PREFIX} characters")
         ids = []
         if _HEX.fullmatch(p):  # ids are lowercase hex, so every match sorts in [p, p + "g")
-            ids = [r[0] for r in self._all(f"SELECT id FROM {table} WHERE id >= ? AND id < ? ORDER BY id",
-                                           (p, p + "g"))]
+            ids = [
+                r[0] for r in self._all(f"SELECT id FROM {table} WHERE id >= ? AND id < ? ORDER BY id", (p, p + "g"))
+            ]
         if not ids:
             raise NotFound(f"no {noun} matches '{prefix}'")
         if len(ids) > 1:
@@ -238,12 +244,23 @@ class ConversationStore:
         cid = uuid4().hex
         with self._write() as c:
             now = _now()
-            c.execute("INSERT INTO conversations (id, title, created, updated, model) VALUES (?, ?, ?, ?, ?)",
-                      (cid, title, now, now, model))
+            c.execute(
+                "INSERT INTO conversations (id, title, created, updated, model) VALUES (?, ?, ?, ?, ?)",
+                (cid, title, now, now, model),
+            )
         return cid
 
-    def add_message(self, conversation_id: str, parent_id: str | None, role: str, content: str, model: str = "",
-                    sampling: dict | None = None, prompt_tokens: int = 0, completion_tokens: int = 0) -> str:
+    def add_message(
+        self,
+        conversation_id: str,
+        parent_id: str | None,
+        role: str,
+        content: str,
+        model: str = "",
+        sampling: dict | None = None,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+    ) -> str:
         if role not in ROLES:
             raise LocalkvError(f"invalid role {role!r}: must be one of {', '.join(ROLES)}")
         mid = uuid4().hex
@@ -257,13 +274,27 @@ class ConversationStore:
                 if row[0] != conversation_id:
                     raise LocalkvError(f"message {parent_id[:SHORT_LEN]} belongs to another conversation")
             now = _now()  # under the write lock, so creation order matches commit order
-            c.execute(f"INSERT INTO messages ({', '.join(_COLS)}) VALUES ({', '.join('?' * len(_COLS))})",
-                      (mid, conversation_id, parent_id, role, content, now, model,
-                       json.dumps(sampling, sort_keys=True) if sampling else None, prompt_tokens, completion_tokens))
+            c.execute(
+                f"INSERT INTO messages ({', '.join(_COLS)}) VALUES ({', '.join('?' * len(_COLS))})",
+                (
+                    mid,
+                    conversation_id,
+                    parent_id,
+                    role,
+                    content,
+                    now,
+                    model,
+                    json.dumps(sampling, sort_keys=True) if sampling else None,
+                    prompt_tokens,
+                    completion_tokens,
+                ),
+            )
             c.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
             if role == "user":
-                c.execute("UPDATE conversations SET title = ? WHERE id = ? AND title = ''",
-                          (title_from(content), conversation_id))
+                c.execute(
+                    "UPDATE conversations SET title = ? WHERE id = ? AND title = ''",
+                    (title_from(content), conversation_id),
+                )
         return mid
 
     # --- reads --------------------------------------------------------------------------------
@@ -275,26 +306,33 @@ class ConversationStore:
         return _message(rows[0])
 
     def path(self, message_id: str) -> list[Message]:
-        rows = self._all(f"""
+        rows = self._all(
+            f"""
             WITH RECURSIVE up(id, depth) AS (
                 SELECT id, 0 FROM messages WHERE id = ?
                 UNION ALL
                 SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id
                 WHERE m.parent_id IS NOT NULL)
-            SELECT {_MCOLS} FROM messages m JOIN up ON m.id = up.id ORDER BY up.depth DESC""", (message_id,))
+            SELECT {_MCOLS} FROM messages m JOIN up ON m.id = up.id ORDER BY up.depth DESC""",
+            (message_id,),
+        )
         if not rows:
             raise NotFound(f"no message {message_id}")
         return [_message(r) for r in rows]
 
     def children(self, message_id: str) -> list[Message]:
-        rows = self._all(f"SELECT {_MCOLS} FROM messages m WHERE m.parent_id = ? ORDER BY m.created, m.rowid",
-                         (message_id,))
+        rows = self._all(
+            f"SELECT {_MCOLS} FROM messages m WHERE m.parent_id = ? ORDER BY m.created, m.rowid", (message_id,)
+        )
         return [_message(r) for r in rows]
 
     def leaves(self, conversation_id: str) -> list[Message]:
-        rows = self._all(f"""SELECT {_MCOLS} FROM messages m WHERE m.conversation_id = ?
+        rows = self._all(
+            f"""SELECT {_MCOLS} FROM messages m WHERE m.conversation_id = ?
                              AND NOT EXISTS (SELECT 1 FROM messages k WHERE k.parent_id = m.id)
-                             ORDER BY m.created, m.rowid""", (conversation_id,))
+                             ORDER BY m.created, m.rowid""",
+            (conversation_id,),
+        )
         return [_message(r) for r in rows]
 
     def latest_leaf(self, conversation_id: str) -> Message | None:
@@ -306,14 +344,27 @@ class ConversationStore:
         return rows[0][0] if rows else None
 
     def _conversations(self, where: str = "", args=()) -> list[dict]:
-        rows = self._all(f"""
+        rows = self._all(
+            f"""
             SELECT c.id, c.title, c.updated, c.model,
                 (SELECT count(*) FROM messages m WHERE m.conversation_id = c.id),
                 (SELECT count(*) FROM messages m WHERE m.conversation_id = c.id
                     AND NOT EXISTS (SELECT 1 FROM messages k WHERE k.parent_id = m.id))
-            FROM conversations c {where} ORDER BY c.updated DESC, c.rowid DESC""", args)
-        return [{"id": self.short_id(cid), "full_id": cid, "title": title, "messages": n, "branches": b,
-                 "updated": updated, "model": model} for cid, title, updated, model, n, b in rows]
+            FROM conversations c {where} ORDER BY c.updated DESC, c.rowid DESC""",
+            args,
+        )
+        return [
+            {
+                "id": self.short_id(cid),
+                "full_id": cid,
+                "title": title,
+                "messages": n,
+                "branches": b,
+                "updated": updated,
+                "model": model,
+            }
+            for cid, title, updated, model, n, b in rows
+        ]
 
     def list_conversations(self) -> list[dict]:
         return self._conversations()
@@ -326,14 +377,29 @@ class ConversationStore:
 
     def tree(self, conversation_id: str) -> dict:
         conv = self.get_conversation(conversation_id)
-        top = {"id": conv["id"], "full_id": conversation_id, "title": conv["title"], "model": conv["model"],
-               "children": []}
-        rows = self._all(f"SELECT {_MCOLS} FROM messages m WHERE m.conversation_id = ? ORDER BY m.created, m.rowid",
-                         (conversation_id,))
+        top = {
+            "id": conv["id"],
+            "full_id": conversation_id,
+            "title": conv["title"],
+            "model": conv["model"],
+            "children": [],
+        }
+        rows = self._all(
+            f"SELECT {_MCOLS} FROM messages m WHERE m.conversation_id = ? ORDER BY m.created, m.rowid",
+            (conversation_id,),
+        )
         msgs = [_message(r) for r in rows]
         # built without recursion: a long chat is a chain thousands of messages deep
-        nodes = {m.id: {"id": self.short_id(m.id), "full_id": m.id, "role": m.role, "preview": preview(m.content),
-                        "children": []} for m in msgs}
+        nodes = {
+            m.id: {
+                "id": self.short_id(m.id),
+                "full_id": m.id,
+                "role": m.role,
+                "preview": preview(m.content),
+                "children": [],
+            }
+            for m in msgs
+        }
         for m in msgs:
             (nodes[m.parent_id] if m.parent_id else top)["children"].append(nodes[m.id])
         return top

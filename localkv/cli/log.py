@@ -5,11 +5,10 @@ import shutil
 import sys
 from dataclasses import asdict
 from datetime import datetime
-from typing import Optional
 
 import typer
 
-from .store import ConversationStore, NotFound, preview
+from localkv.conversations.store import ConversationStore, NotFound, preview
 
 
 def _local(iso: str) -> str:
@@ -63,8 +62,10 @@ def tree_lines(store: ConversationStore, cid: str) -> list[str]:
     lines = [f"conversation {t['id']}  {t['title'] or '(untitled)'}"]
     # an only child continues its parent's column; branches fan out with ├─ / └─.
     # An explicit stack, not recursion: chains can be thousands of messages deep.
-    stack = [(n, "", "" if len(t["children"]) == 1 else ("└─ " if i == 0 else "├─ "))
-             for i, n in enumerate(reversed(t["children"]))]
+    stack = [
+        (n, "", "" if len(t["children"]) == 1 else ("└─ " if i == 0 else "├─ "))
+        for i, n in enumerate(reversed(t["children"]))
+    ]
     while stack:
         node, lead, conn = stack.pop()
         mark = " (latest)" if latest and node["full_id"] == latest.id else ""
@@ -90,22 +91,28 @@ def _show(store: ConversationStore, ref: str, tree: bool, as_json: bool) -> None
         return
     msgs = store.path(mid) if mid else []
     if as_json:
-        print(json.dumps([dict(asdict(m), id=store.short_id(m.id), full_id=m.id) for m in msgs],
-                         indent=2, ensure_ascii=False))
+        print(
+            json.dumps(
+                [dict(asdict(m), id=store.short_id(m.id), full_id=m.id) for m in msgs], indent=2, ensure_ascii=False
+            )
+        )
         return
     print(f"conversation {conv['id']}  {conv['title'] or '(untitled)'}")
     for m in msgs:
         model = f"  {m.model}" if m.model else ""
         print(f"\n{store.short_id(m.id)} [{m.role}] {_local(m.created)}{model}\n{m.content}")
     if conv["branches"] > 1:
-        print(f"(one of {conv['branches']} branches: `localkv log {conv['id']} --tree` shows them all)",
-              file=sys.stderr)
+        print(
+            f"(one of {conv['branches']} branches: `localkv log {conv['id']} --tree` shows them all)", file=sys.stderr
+        )
 
 
 def log_command(
-    conversation: Optional[str] = typer.Argument(
-        None, metavar="ID",
-        help="Conversation ID (or a unique prefix of it) to show; a message ID shows the branch ending there."),
+    conversation: str | None = typer.Argument(
+        None,
+        metavar="ID",
+        help="Conversation ID (or a unique prefix of it) to show; a message ID shows the branch ending there.",
+    ),
     tree: bool = typer.Option(False, "--tree", help="Draw the branch tree, with the message IDs to pass to --from."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):

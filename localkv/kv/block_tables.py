@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .block_pool import BlockPool
-from .errors import PoolExhausted
-from .sequence import Sequence
+from localkv.errors import PoolExhausted
+from localkv.kv.block_pool import BlockPool
+from localkv.sequence import Sequence
 
 
 def block_hash(salt: bytes, parent: int | None, tokens) -> int:
@@ -49,8 +49,10 @@ class KVManager:
         cow = self._needs_cow(seq)
         need = self.need(seq, n_new)  # checked up front: a failed call changes nothing
         if need > self.pool.num_free:
-            raise PoolExhausted(f"KV pool exhausted: {n_new} more tokens need {need} blocks, "
-                                f"{self.pool.num_free} are free (raise --kv-mem)")
+            raise PoolExhausted(
+                f"KV pool exhausted: {n_new} more tokens need {need} blocks, "
+                f"{self.pool.num_free} are free (raise --kv-mem)"
+            )
         if cow:
             self._copy_on_write(seq)
         while len(seq.block_table) * self.bs < start + n_new:
@@ -75,7 +77,9 @@ class KVManager:
         """Hashes of the first n_blocks full blocks of tokens, continuing a known chain."""
         hashes = list(start)
         for i in range(len(hashes), n_blocks):
-            hashes.append(block_hash(self.salt, hashes[-1] if hashes else None, tokens[i * self.bs:(i + 1) * self.bs]))
+            hashes.append(
+                block_hash(self.salt, hashes[-1] if hashes else None, tokens[i * self.bs : (i + 1) * self.bs])
+            )
         return hashes
 
     def match_prefix(self, seq: Sequence, disk=None) -> tuple[int, int]:
@@ -92,7 +96,7 @@ class KVManager:
         hashes = self.chain(seq.tokens, n_full)
         jobs = []  # (table index, hash, tokens, block id) to load from disk
         for i, h in enumerate(hashes):
-            toks = tuple(seq.tokens[i * self.bs:(i + 1) * self.bs])
+            toks = tuple(seq.tokens[i * self.bs : (i + 1) * self.bs])
             bid = self.pool.lookup(h, toks)
             if bid is not None:
                 self.pool.incref(bid)
@@ -130,7 +134,9 @@ class KVManager:
             return
         seq.block_hashes = self.chain(seq.tokens, n_full, seq.block_hashes)
         for i in range(done, n_full):
-            self.pool.register(seq.block_table[i], seq.block_hashes[i], tuple(seq.tokens[i * self.bs:(i + 1) * self.bs]))
+            self.pool.register(
+                seq.block_table[i], seq.block_hashes[i], tuple(seq.tokens[i * self.bs : (i + 1) * self.bs])
+            )
 
     # ------------------------------------------------------------ sharing
 
@@ -138,8 +144,14 @@ class KVManager:
         """A child sharing every block of seq (full ones forever, the partial one until written)."""
         for bid in seq.block_table:
             self.pool.incref(bid)
-        return Sequence(list(seq.tokens), list(seq.block_table), seq.num_computed, seq.num_stored,
-                        list(seq.block_hashes), seq.hashable)
+        return Sequence(
+            list(seq.tokens),
+            list(seq.block_table),
+            seq.num_computed,
+            seq.num_stored,
+            list(seq.block_hashes),
+            seq.hashable,
+        )
 
     def free(self, seq: Sequence):
         for bid in reversed(seq.block_table):  # tail first: the prefix stays cached longest

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import PoolExhausted
-from .stats import Stats
+from localkv.errors import PoolExhausted
+from localkv.stats import Stats
 
 
 @dataclass(slots=True)
@@ -26,8 +26,17 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype=np.float32, xp=np, stats: Stats | None = None):
+    def __init__(
+        self,
+        n_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype=np.float32,
+        xp=np,
+        stats: Stats | None = None,
+    ):
         if num_blocks < 1:
             raise PoolExhausted("the KV memory budget is too small for even one block")
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
@@ -62,8 +71,10 @@ class BlockPool:
         the free queue's order: never-used blocks, then cached ones least recently freed first
         (one loses its hash: recomputing it costs 20x its page faults, hence last)."""
         if not self.free_queue:
-            raise PoolExhausted(f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens are in use "
-                                "(raise --kv-mem)")
+            raise PoolExhausted(
+                f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens are in use "
+                "(raise --kv-mem)"
+            )
         while self._warm:
             bid = self._warm.pop()
             if bid in self.free_queue and self.blocks[bid].hash is None:
@@ -92,8 +103,9 @@ class BlockPool:
             if block.hash is None:
                 self._warm.append(bid)
                 if len(self._warm) > 2 * self.num_blocks:  # stale ids pile up only in odd patterns
-                    self._warm = [b for b in dict.fromkeys(self._warm) if b in self.free_queue
-                                  and self.blocks[b].hash is None]
+                    self._warm = [
+                        b for b in dict.fromkeys(self._warm) if b in self.free_queue and self.blocks[b].hash is None
+                    ]
 
     def register(self, bid: int, h: int, tokens: tuple[int, ...]):
         """Make a full block findable by its prefix hash (first writer wins)."""
@@ -115,9 +127,15 @@ class BlockPool:
     def usage(self) -> dict:
         shared = sum(1 for b in self.blocks if b.ref_count > 1)
         cached_free = sum(1 for bid in self.free_queue if self.blocks[bid].hash is not None)
-        return {"blocks": self.num_blocks, "used": self.num_blocks - self.num_free, "shared": shared,
-                "cached_free": cached_free, "free": self.num_free - cached_free, "block_size": self.block_size,
-                "bytes_per_block": self.bytes_per_block}
+        return {
+            "blocks": self.num_blocks,
+            "used": self.num_blocks - self.num_free,
+            "shared": shared,
+            "cached_free": cached_free,
+            "free": self.num_free - cached_free,
+            "block_size": self.block_size,
+            "bytes_per_block": self.bytes_per_block,
+        }
 
     def check(self, tables: list[list[int]] = ()):
         """Assert the invariants; tables are all live block tables."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .home import home
+from localkv.home import home
 
 MAGIC = b"LKVB"
 VERSION = 2  # 2: CRC-32 checksum (1 used BLAKE2b; such files read as another version: a miss)
@@ -83,13 +83,13 @@ def _decode(data: bytes) -> tuple[dict, memoryview] | None:
     if version < VERSION:  # an older localkv's: never read again, so it must make way for a rewrite
         raise _Corrupt(f"format {version}, older than {VERSION}")
     try:
-        meta = json.loads(data[FIXED.size:FIXED.size + n])
+        meta = json.loads(data[FIXED.size : FIXED.size + n])
         check = meta.pop("checksum")
         shape = [int(x) for x in meta["shape"]]
         size = 2 * int(np.prod(shape)) * np.dtype(meta["dtype"]).itemsize
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise _Corrupt(f"bad header: {e}") from None
-    payload = memoryview(data)[FIXED.size + n:]
+    payload = memoryview(data)[FIXED.size + n :]
     if len(shape) != 4 or len(payload) != size or _digest(meta, payload) != check:
         raise _Corrupt("size or checksum mismatch")
     return meta, payload
@@ -195,8 +195,14 @@ class DiskStore:
             kv = np.stack([k, v]).astype(self.dtype)
         if self.dtype == np.float16 and not np.isfinite(kv).all():
             kv = np.stack([k, v]).astype(np.float32)  # fp16 would overflow: keep this block exact
-        meta = {"fingerprint": fingerprint, "model": model_name, "hash": f"{h:032x}",
-                "tokens": [int(t) for t in tokens], "dtype": kv.dtype.name, "shape": list(k.shape)}
+        meta = {
+            "fingerprint": fingerprint,
+            "model": model_name,
+            "hash": f"{h:032x}",
+            "tokens": [int(t) for t in tokens],
+            "dtype": kv.dtype.name,
+            "shape": list(k.shape),
+        }
         chunks = _encode(meta, memoryview(np.ascontiguousarray(kv)).cast("B"))
         try:
             if self._total is None:
@@ -328,22 +334,36 @@ class DiskStore:
         for e in self._scan():
             m = _header(e.path)
             if m is not None:
-                rows.append({"model": m.get("model", "?"), "fingerprint": str(m.get("fingerprint", ""))[:16],
-                             "hash": str(m.get("hash", ""))[:12], "tokens": len(m.get("tokens", ())),
-                             "dtype": m.get("dtype", "?"), "bytes": e.size, "last_used": e.mtime})
+                rows.append(
+                    {
+                        "model": m.get("model", "?"),
+                        "fingerprint": str(m.get("fingerprint", ""))[:16],
+                        "hash": str(m.get("hash", ""))[:12],
+                        "tokens": len(m.get("tokens", ())),
+                        "dtype": m.get("dtype", "?"),
+                        "bytes": e.size,
+                        "last_used": e.mtime,
+                    }
+                )
         return sorted(rows, key=lambda r: -r["last_used"])
 
     def stats(self) -> dict:
         models: dict[str, dict] = {}
         for r in self.ls():  # newest first: a model shows its most recent name
-            m = models.setdefault(r["fingerprint"], {"name": r["model"], "fingerprint": r["fingerprint"],
-                                                     "entries": 0, "bytes": 0})
+            m = models.setdefault(
+                r["fingerprint"], {"name": r["model"], "fingerprint": r["fingerprint"], "entries": 0, "bytes": 0}
+            )
             m["entries"] += 1
             m["bytes"] += r["bytes"]
         ms = sorted(models.values(), key=lambda m: -m["bytes"])
-        return {"root": str(self.root), "entries": sum(m["entries"] for m in ms),
-                "bytes": sum(m["bytes"] for m in ms), "max_bytes": self.max_bytes, "models": ms,
-                **self._counters()}
+        return {
+            "root": str(self.root),
+            "entries": sum(m["entries"] for m in ms),
+            "bytes": sum(m["bytes"] for m in ms),
+            "max_bytes": self.max_bytes,
+            "models": ms,
+            **self._counters(),
+        }
 
     def clear(self, model: str | None = None) -> int:
         """Delete entries of model (a model name or fingerprint prefix), or all. Entries
@@ -351,8 +371,9 @@ class DiskStore:
         n = freed = 0
         for e in self._scan():
             m = _header(e.path)
-            if m is None or (model is not None and m.get("model") != model
-                             and not str(m.get("fingerprint", "")).startswith(model)):
+            if m is None or (
+                model is not None and m.get("model") != model and not str(m.get("fingerprint", "")).startswith(model)
+            ):
                 continue
             if _unlink(e.path):
                 n += 1

@@ -17,9 +17,8 @@ import json
 from functools import cached_property
 from pathlib import Path
 
-from tokenizers import Regex
+from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
 
 from localkv.errors import ModelError
 
@@ -37,8 +36,15 @@ _PRE_SPLITS = {
 
 # Tokens that end a turn in common chat formats (llama.cpp treats them as end-of-generation too).
 _END_OF_TURN = {
-    "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
-    "<end_of_turn>", "<|end_of_text|>", "<EOT>", "<end_of_utterance>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "<end_of_utterance>",
 }
 
 CHATML_TEMPLATE = (
@@ -252,7 +258,9 @@ class Tokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         # Same environment settings as HF transformers' apply_chat_template.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = _raise_template_error
         try:

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import ops_numpy
-from .block_pool import BlockPool
-from .config import ModelConfig
+from localkv.backends import cpu as ops_numpy
+from localkv.kv.block_pool import BlockPool
+from localkv.model.config import ModelConfig
 
 LOGIT_CHUNK = 1024  # vocabulary rows per matmul when few logits rows are wanted (see Llama._logits_rows)
 LOGIT_CHUNK_MAX_ROWS = 64
@@ -17,6 +17,7 @@ LOGIT_CHUNK_MAX_ROWS = 64
 class Span:
     """One sequence's rows in a batch: tokens [start, start+length) are the last
     `length` of its n_ctx-token context, stored through block_table."""
+
     start: int
     length: int
     block_table: np.ndarray
@@ -35,8 +36,16 @@ class Llama:
         # For several logits rows OpenBLAS runs tok_embd @ h.T faster than h @ output (8 rows:
         # 14.2 vs 18.5 ms); for one row, slower (4.8 vs 3.3 ms).
         emb = weights.get("tok_embd")
-        self.output_t = emb if cfg.tied_embeddings and ops.xp is np and emb is not None and \
-            emb.dtype == self.output.dtype and emb.flags.c_contiguous and emb.shape[::-1] == self.output.shape else None
+        self.output_t = (
+            emb
+            if cfg.tied_embeddings
+            and ops.xp is np
+            and emb is not None
+            and emb.dtype == self.output.dtype
+            and emb.flags.c_contiguous
+            and emb.shape[::-1] == self.output.shape
+            else None
+        )
 
     def _logits_rows(self, h: np.ndarray) -> np.ndarray:
         """Logits for several rows h [R, D] as tok_embd @ h.T. Up to LOGIT_CHUNK_MAX_ROWS rows the
@@ -48,21 +57,23 @@ class Llama:
         hT = np.ascontiguousarray(h.T)
         out = np.empty((len(emb), R), np.float32)
         for i in range(0, len(emb), LOGIT_CHUNK):
-            np.matmul(emb[i:i + LOGIT_CHUNK], hT, out=out[i:i + LOGIT_CHUNK])
+            np.matmul(emb[i : i + LOGIT_CHUNK], hT, out=out[i : i + LOGIT_CHUNK])
         return np.ascontiguousarray(out.T)
 
     def ensure_positions(self, n: int):
         """RoPE tables for positions up to n (past the context: eviction lets a sequence run on)."""
         if n > len(self.cos):
-            self.cos, self.sin = self.ops.rope_tables(self.cfg.head_dim, max(n, 2 * len(self.cos)),
-                                                      self.cfg.rope_theta)
+            self.cos, self.sin = self.ops.rope_tables(self.cfg.head_dim, max(n, 2 * len(self.cos)), self.cfg.rope_theta)
 
     def _shared_prefix(self, spans: list[Span], block_size: int):
         """(prefix table, [(tail table, tail tokens)]) when every span is one decode token of a
         sequence sharing leading full blocks with all the others (and no policy needs the
         per-token attention mass); else None."""
-        if len(spans) < 2 or not hasattr(self.ops, "shared_prefix_decode") or \
-                any(sp.length != 1 or sp.mass is not None or sp.retrieve is not None for sp in spans):
+        if (
+            len(spans) < 2
+            or not hasattr(self.ops, "shared_prefix_decode")
+            or any(sp.length != 1 or sp.mass is not None or sp.retrieve is not None for sp in spans)
+        ):
             return None
         first = spans[0].block_table
         p = min(len(sp.block_table) for sp in spans)
@@ -73,11 +84,19 @@ class Llama:
         if p < 1:
             return None
         freeze = self.ops.frozen_table
-        return freeze(first[:p]), self.ops.frozen_tails([(freeze(sp.block_table[p:]), sp.n_ctx - p * block_size)
-                                                         for sp in spans])
+        return freeze(first[:p]), self.ops.frozen_tails(
+            [(freeze(sp.block_table[p:]), sp.n_ctx - p * block_size) for sp in spans]
+        )
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, spans: list[Span],
-                pool: BlockPool, logit_rows: list[int]) -> np.ndarray:
+    def forward(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        spans: list[Span],
+        pool: BlockPool,
+        logit_rows: list[int],
+    ) -> np.ndarray:
         """Runs T tokens; writes their K/V at slots; returns logits [len(logit_rows), vocab]."""
         cfg, w, ops = self.cfg, self.w, self.ops
         H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -106,8 +125,9 @@ class Llama:
                     extra = None if sp.retrieve is None else sp.retrieve(i, q[rows])
                     if extra is not None:
                         extra = tuple(xp.asarray(a, dtype=kl.dtype) for a in extra)
-                    attn[rows] = ops.paged_attention(q[rows], kl, vl, table, sp.n_ctx,
-                                                     self.scale, None if sp.mass is None else sp.mass[i], extra)
+                    attn[rows] = ops.paged_attention(
+                        q[rows], kl, vl, table, sp.n_ctx, self.scale, None if sp.mass is None else sp.mass[i], extra
+                    )
             x += ops.linear(attn.reshape(T, H * hd), w[f"{i}.wo"], "wo")
             h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
             x += ops.linear(ops.silu_mul(ops.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")), w[f"{i}.w_down"], "w_down")

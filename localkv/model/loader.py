@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ModelError
-from .home import home
+from localkv.errors import ModelError
+from localkv.home import home
+from localkv.model.config import ModelConfig
 
 CACHE_VERSION = 4  # 2: output [D, V] stored contiguous even when tied (decode reads it every token)
 # 3: ffn_down kept [D, F]: one decode row reads it 1.5x faster as W @ a than as a @ W.T
@@ -145,7 +145,7 @@ def _hf_weights(tensors: dict, cfg: ModelConfig, rows_gguf_order: bool) -> dict[
 
 
 def _load_gguf(path: Path, progress: bool):
-    from .tokenizer import Tokenizer
+    from localkv.model.tokenizer import Tokenizer
 
     if not path.exists():
         raise ModelError(f"model file not found: {path}")
@@ -173,12 +173,20 @@ def _load_gguf(path: Path, progress: bool):
     except KeyError as e:
         raise ModelError(f"{path.name}: missing tensor {e}") from None
     st = path.stat()
-    _write_safetensors(cache, weights, {
-        "version": str(CACHE_VERSION), "source_size": str(st.st_size), "source_mtime_ns": str(st.st_mtime_ns),
-        "fingerprint": cfg.fingerprint, "quant": cfg.quant, "n_params": str(n_params),
-        "tied": "1" if cfg.tied_embeddings else "0",
-        "gguf_meta": json.dumps(meta, default=_jsonable),
-    })
+    _write_safetensors(
+        cache,
+        weights,
+        {
+            "version": str(CACHE_VERSION),
+            "source_size": str(st.st_size),
+            "source_mtime_ns": str(st.st_mtime_ns),
+            "fingerprint": cfg.fingerprint,
+            "quant": cfg.quant,
+            "n_params": str(n_params),
+            "tied": "1" if cfg.tied_embeddings else "0",
+            "gguf_meta": json.dumps(meta, default=_jsonable),
+        },
+    )
     return cfg, weights, tok, False
 
 
@@ -261,7 +269,10 @@ def _read_cache(cache: Path, src: Path) -> tuple[dict[str, np.ndarray], dict] | 
         _, meta = _read_header(cache)
         st = src.stat()
         if (meta.get("version"), meta.get("source_size"), meta.get("source_mtime_ns")) != (
-                str(CACHE_VERSION), str(st.st_size), str(st.st_mtime_ns)):
+            str(CACHE_VERSION),
+            str(st.st_size),
+            str(st.st_mtime_ns),
+        ):
             return None
         return _read_safetensors(cache)
     except (OSError, ValueError, KeyError):
@@ -344,7 +355,7 @@ _HF_LAYER = {
 
 
 def _load_hf_dir(path: Path):
-    from .tokenizer import Tokenizer
+    from localkv.model.tokenizer import Tokenizer
 
     try:
         hf = json.loads((path / "config.json").read_text())

@@ -3,11 +3,10 @@
 
 import json
 import time
-from typing import Optional
 
 import typer
 
-from .disk_store import DiskStore
+from localkv.kv.disk_store import DiskStore
 
 cache_app = typer.Typer(
     help="The on-disk prefix cache of KV blocks under LOCALKV_HOME/kvcache.",
@@ -27,7 +26,7 @@ def _size(n: int) -> str:
         n /= 1024
 
 
-def _matches(row: dict, model: Optional[str]) -> bool:
+def _matches(row: dict, model: str | None) -> bool:
     return model is None or row["model"] == model or row["fingerprint"].startswith(model[:16])
 
 
@@ -49,8 +48,10 @@ def stats(as_json: bool = JsonOpt):
 
 
 @cache_app.command("ls")
-def ls(as_json: bool = JsonOpt,
-       model: Optional[str] = typer.Option(None, "-m", "--model", help="Only this model (name or fingerprint prefix).")):
+def ls(
+    as_json: bool = JsonOpt,
+    model: str | None = typer.Option(None, "-m", "--model", help="Only this model (name or fingerprint prefix)."),
+):
     """List cached blocks, most recently used first."""
     rows = [r for r in DiskStore().ls() if _matches(r, model)]
     if as_json:
@@ -66,8 +67,11 @@ def ls(as_json: bool = JsonOpt,
 
 
 @cache_app.command()
-def clear(model: Optional[str] = typer.Option(None, "-m", "--model",
-                                              help="Only this model (name or fingerprint prefix); default all.")):
+def clear(
+    model: str | None = typer.Option(
+        None, "-m", "--model", help="Only this model (name or fingerprint prefix); default all."
+    ),
+):
     """Delete cached blocks. Lifetime counters are kept."""
     store = DiskStore()
     n = store.clear(model)

@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 
-from . import cpu_kernels
+from localkv.backends import cpu_kernels
 
 xp = np
 name = "CPU"
@@ -143,7 +143,7 @@ def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndar
     b0 = _table_run(block_table)
     if b0 >= 0:
         n = len(block_table)
-        return layer[b0:b0 + n].reshape(n * bs, kvh, hd)[:n_ctx].transpose(1, 0, 2)
+        return layer[b0 : b0 + n].reshape(n * bs, kvh, hd)[:n_ctx].transpose(1, 0, 2)
     return layer.transpose(2, 0, 1, 3)[:, block_table].reshape(kvh, -1, hd)[:, :n_ctx]
 
 
@@ -162,6 +162,7 @@ def _run_start(block_table) -> int:
 
 class Table(np.ndarray):
     """A read-only block table that carries its run check (see frozen_table)."""
+
     run_start: int | None = None  # views and results of it (numpy keeps the class) are checked when read
 
 
@@ -174,8 +175,16 @@ def frozen_table(block_table) -> Table:
     return t
 
 
-def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, block_table: np.ndarray,
-                    n_ctx: int, scale: float, mass: np.ndarray | None = None, extra=None) -> np.ndarray:
+def paged_attention(
+    q: np.ndarray,
+    k_layer: np.ndarray,
+    v_layer: np.ndarray,
+    block_table: np.ndarray,
+    n_ctx: int,
+    scale: float,
+    mass: np.ndarray | None = None,
+    extra=None,
+) -> np.ndarray:
     """Causal attention of q [T, H, hd] — the last T tokens of an n_ctx context — over the
     K/V found through block_table. Returns [T, H, hd]. extra = (K, V) [kv_heads, n, hd]: more
     keys every query sees (h2o's heavy hitters, blocks read back from an offload tier; older
@@ -204,25 +213,28 @@ def paged_attention(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, blo
     for q0 in range(0, T, Q_BLOCK):
         q1 = min(T, q0 + Q_BLOCK)
         tq, kend = q1 - q0, past + q1  # keys past kend are in every query's future
-        s = np.matmul(qg[:, :, q0:q1].reshape(kvh, g * tq, hd), k[:, :kend].transpose(0, 2, 1),
-                      out=s_buf[:kvh * g * tq * kend].reshape(kvh, g * tq, kend))
+        s = np.matmul(
+            qg[:, :, q0:q1].reshape(kvh, g * tq, hd),
+            k[:, :kend].transpose(0, 2, 1),
+            out=s_buf[: kvh * g * tq * kend].reshape(kvh, g * tq, kend),
+        )
         if cpu_kernels.active():  # mask, row max and subtract in one pass (pp512 +1.8%)
             cpu_kernels.causal_max(s, tq, past + q0)
         else:
             if tq > 1:  # query i of the block sees keys up to past + q0 + i
-                s.reshape(kvh, g, tq, kend)[..., past + q0:] += _causal_mask(tq)
+                s.reshape(kvh, g, tq, kend)[..., past + q0 :] += _causal_mask(tq)
             s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         total = _row_sums(s)
         if mass is None:
-            o = np.matmul(s, v[:, :kend], out=o_buf[:kvh * g * tq * hd].reshape(kvh, g * tq, hd))
+            o = np.matmul(s, v[:, :kend], out=o_buf[: kvh * g * tq * hd].reshape(kvh, g * tq, hd))
             o /= total
         else:
             s /= total
             if mass.ndim == 2:
                 mass[:, :kend] += s.sum(axis=1)
             else:
-                mass[:kend - ne] += s.sum(axis=(0, 1))[ne:]
+                mass[: kend - ne] += s.sum(axis=(0, 1))[ne:]
             o = np.matmul(s, v[:, :kend])
         out[q0:q1] = o.reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
     return out.reshape(T, H, hd)
@@ -254,8 +266,14 @@ def _partial(q, k, v, s=None):
     return np.matmul(s, v), m, _row_sums(s)
 
 
-def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, prefix_table: np.ndarray,
-                         tails: "list[tuple[np.ndarray, int]] | tuple", scale: float) -> np.ndarray:
+def shared_prefix_decode(
+    q: np.ndarray,
+    k_layer: np.ndarray,
+    v_layer: np.ndarray,
+    prefix_table: np.ndarray,
+    tails: "list[tuple[np.ndarray, int]] | tuple",
+    scale: float,
+) -> np.ndarray:
     """Decode attention for B sequences (one query each, q [B, H, hd]) whose block tables all
     begin with prefix_table (full blocks, e.g. the forks of one prompt). The prefix K/V are
     gathered and scored once for all B queries; each sequence's own tail (its table after the
@@ -271,7 +289,7 @@ def shared_prefix_decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray
     qg = (q * scale).reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
     scores, b0 = None, _table_run(prefix_table)
     if b0 >= 0 and uses_kernels(B):  # the prefix's keys as rows [n, kvh*hd], straight from the pool
-        scores = cpu_kernels.scores(qg, k_layer[b0:b0 + len(prefix_table)].reshape(n_prefix, kvh * hd))
+        scores = cpu_kernels.scores(qg, k_layer[b0 : b0 + len(prefix_table)].reshape(n_prefix, kvh * hd))
     op, mp, lp = _partial(qg, kp, vp, scores)  # rows ordered (sequence, group)
     tables = tails.stacked if isinstance(tails, Tails) else _stack_tails(tails)
     if tables is not None:
@@ -293,6 +311,7 @@ class Tails(tuple):
     """(table, tokens) per sequence after the shared prefix, with `stacked`: the tables as one
     [B, blocks] array when all tails hold the same number of tokens (branches decoding in
     lockstep), else None. Made once per forward (frozen_tails), read by every layer."""
+
     stacked: np.ndarray | None
 
 

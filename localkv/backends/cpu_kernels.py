@@ -77,14 +77,14 @@ def _load() -> tuple[bool, str | None]:
     if not os.environ.get("NUMBA_THREADING_LAYER"):
         numba.config.THREADING_LAYER = "omp"
     try:
-        from . import _cpu_kernels_impl as impl
+        from localkv.backends import _cpu_kernels_impl as impl
 
         if not (_check_matmuls(impl) and _check_elementwise(impl)):
             return False, "kernel self-check failed"
         if numba.threading_layer() != "omp":
             return False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
     except Exception as e:  # no OpenMP runtime, a numba/numpy mismatch, an unwritable cache...
-        from .backend import _first_line
+        from localkv.backends import _first_line
 
         return False, f"numba kernels unavailable ({type(e).__name__}: {_first_line(e)})"
     _state["impl"] = impl

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import LocalkvError
+from localkv.errors import LocalkvError
 
 OUTPUTS = ("md", "json", "csv")
 LOADED_SHARE = 0.10  # other processes using more than this share of the CPUs: the numbers are suspect
@@ -35,8 +35,12 @@ class Target:
         return f"{self.name}: {self.value}{goal} -> {verdict}"
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "value": self.value, "goal": self.goal,
-                "result": None if self.ok is None else ("pass" if self.ok else "fail")}
+        return {
+            "name": self.name,
+            "value": self.value,
+            "goal": self.goal,
+            "result": None if self.ok is None else ("pass" if self.ok else "fail"),
+        }
 
 
 @dataclass(slots=True)
@@ -75,10 +79,19 @@ class Report:
     more: list[tuple[str, list[Column], list[dict]]] = field(default_factory=list)  # further tables
 
     def as_dict(self) -> dict:
-        return {"suite": self.suite, "what": self.what, "started": self.started, "seconds": round(self.seconds, 3),
-                "hardware": self.hardware, "command": self.command, "rows": self.rows,
-                "tables": {name: rows for name, _, rows in self.more}, "summary": self.summary,
-                "targets": [t.as_dict() for t in self.targets], "notes": self.notes}
+        return {
+            "suite": self.suite,
+            "what": self.what,
+            "started": self.started,
+            "seconds": round(self.seconds, 3),
+            "hardware": self.hardware,
+            "command": self.command,
+            "rows": self.rows,
+            "tables": {name: rows for name, _, rows in self.more},
+            "summary": self.summary,
+            "targets": [t.as_dict() for t in self.targets],
+            "notes": self.notes,
+        }
 
 
 # ------------------------------------------------------------------ hardware and load
@@ -134,9 +147,15 @@ class LoadMeter:
         other = None
         if busy is not None and self.busy0 is not None and wall > 0:
             other = max(0.0, (busy - self.busy0) - (_own_s() - self.own0)) / (wall * cores)
-        return {"cpu": cpu_info(), "cores": cores, "threads": threads, "loadavg_start": self.load0,
-                "loadavg_end": _loadavg(), "other_cpu_share": None if other is None else round(other, 3),
-                "loaded": bool(other is not None and other > LOADED_SHARE)}
+        return {
+            "cpu": cpu_info(),
+            "cores": cores,
+            "threads": threads,
+            "loadavg_start": self.load0,
+            "loadavg_end": _loadavg(),
+            "other_cpu_share": None if other is None else round(other, 3),
+            "loaded": bool(other is not None and other > LOADED_SHARE),
+        }
 
     def finish(self, report: Report, threads: int | None) -> Report:
         report.hardware = self.hardware(threads)
@@ -156,8 +175,10 @@ def load_line(hw: dict) -> str:
     other = hw.get("other_cpu_share")
     if other is None:
         return f"load average {hw.get('loadavg_start')} at start"
-    s = (f"other processes used {other * 100:.0f}% of the CPUs during the run (load average "
-         f"{hw.get('loadavg_start')} at start, {hw.get('loadavg_end')} at end)")
+    s = (
+        f"other processes used {other * 100:.0f}% of the CPUs during the run (load average "
+        f"{hw.get('loadavg_start')} at start, {hw.get('loadavg_end')} at end)"
+    )
     return s + (": LOADED, numbers may be low" if hw.get("loaded") else "")
 
 
@@ -172,19 +193,25 @@ def check_output(output: str):
 def md_table(columns: list[Column], rows: list[dict]) -> str:
     table = [[c.header for c in columns]] + [[c.cell(r) for c in columns] for r in rows]
     w = [max(len(row[i]) for row in table) for i in range(len(columns))]
-    fmt = lambda row: "| " + " | ".join(v.ljust(n) if c.left else v.rjust(n)
-                                         for c, v, n in zip(columns, row, w)) + " |"
+
+    def fmt(row):
+        return "| " + " | ".join(v.ljust(n) if c.left else v.rjust(n) for c, v, n in zip(columns, row, w)) + " |"
+
     rule = "| " + " | ".join("-" * n if c.left else "-" * (n - 1) + ":" for c, n in zip(columns, w)) + " |"
     return "\n".join([fmt(table[0]), rule] + [fmt(r) for r in table[1:]])
 
 
 def format_md(report: Report) -> str:
     hw = report.hardware
-    out = [f"## {report.suite}: {report.what}", "",
-           f"- hardware: {hardware_line(hw)}",
-           f"- load: {load_line(hw)}",
-           f"- date: {report.started}, {report.seconds:.1f}s",
-           f"- command: `{report.command}`", ""]
+    out = [
+        f"## {report.suite}: {report.what}",
+        "",
+        f"- hardware: {hardware_line(hw)}",
+        f"- load: {load_line(hw)}",
+        f"- date: {report.started}, {report.seconds:.1f}s",
+        f"- command: `{report.command}`",
+        "",
+    ]
     out.append(report.table_md.rstrip("\n") if report.table_md is not None else md_table(report.columns, report.rows))
     for name, columns, rows in report.more:
         out += ["", f"{name}:", "", md_table(columns, rows)]
@@ -230,9 +257,14 @@ def format_csv(report: Report) -> str:
             buf.write("\n")
         w.writerow(lead + keys)
         for r in rows:
-            w.writerow([report.suite] + ([name] if name else []) +
-                       [json.dumps(v) if isinstance(v, (list, dict)) else ("" if v is None else v)
-                        for v in (r.get(k) for k in keys)])
+            w.writerow(
+                [report.suite]
+                + ([name] if name else [])
+                + [
+                    json.dumps(v) if isinstance(v, (list, dict)) else ("" if v is None else v)
+                    for v in (r.get(k) for k in keys)
+                ]
+            )
     return buf.getvalue()
 
 
@@ -263,8 +295,13 @@ def plot(report: Report, directory: str | Path) -> list[Path]:
     plt = require_matplotlib()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    draw = {"memory": _plot_memory, "evict": _plot_evict, "cache": _plot_cache, "fork": _plot_fork,
-            "speed": _plot_speed}.get(report.suite)
+    draw = {
+        "memory": _plot_memory,
+        "evict": _plot_evict,
+        "cache": _plot_cache,
+        "fork": _plot_fork,
+        "speed": _plot_speed,
+    }.get(report.suite)
     if draw is None or not report.rows:
         return []
     fig = draw(plt, report)
@@ -335,13 +372,15 @@ def _plot_cache(plt, report: Report):
 def _plot_fork(plt, report: Report):
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.8))
     s = report.summary
-    a.bar(["with sharing", "without"], [s.get("kv_slots_shared", 0), s.get("kv_slots_unshared", 0)],
-          color=["C0", "C7"])
+    a.bar(["with sharing", "without"], [s.get("kv_slots_shared", 0), s.get("kv_slots_unshared", 0)], color=["C0", "C7"])
     a.set_ylabel("KV token slots held")
     a.set_title("best-of-N KV memory", fontsize=9)
     rows = [r for r in report.rows if r.get("decode_tps")]
-    b.bar([r["engine"] for r in rows], [r["decode_tps"] for r in rows],
-          color=["C0" if r["engine"] == "localkv" else "C1" for r in rows])
+    b.bar(
+        [r["engine"] for r in rows],
+        [r["decode_tps"] for r in rows],
+        color=["C0" if r["engine"] == "localkv" else "C1" for r in rows],
+    )
     b.set_ylabel("decode tokens/s, all branches")
     b.set_title("aggregate decode throughput", fontsize=9)
     return fig

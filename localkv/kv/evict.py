@@ -58,10 +58,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .block_pool import BlockPool
-from .errors import LocalkvError
-from .sequence import Sequence
-from .stats import Stats
+from localkv.errors import LocalkvError
+from localkv.kv.block_pool import BlockPool
+from localkv.sequence import Sequence
+from localkv.stats import Stats
 
 POLICIES = ("none", "sliding", "h2o", "offload")
 
@@ -75,6 +75,7 @@ def _host(x) -> np.ndarray:
 
 
 # ------------------------------------------------------------ configuration
+
 
 @dataclass(slots=True)
 class EvictConfig:
@@ -104,8 +105,10 @@ class EvictConfig:
         bs, sinks, recent = block_size, self.sink_tokens(block_size), self.recent_tokens(block_size)
         need = sinks + _ceil(recent, bs) * bs + bs + self._side_blocks(bs) * bs
         if self.budget_blocks(bs) * bs < need:
-            raise LocalkvError(f"KV budget {self.budget} tokens is too small: sinks ({sinks}, whole blocks of {bs}) "
-                               f"+ recent window ({recent}, whole blocks) + one block ({bs}) need {need}")
+            raise LocalkvError(
+                f"KV budget {self.budget} tokens is too small: sinks ({sinks}, whole blocks of {bs}) "
+                f"+ recent window ({recent}, whole blocks) + one block ({bs}) need {need}"
+            )
         return self
 
     def sink_tokens(self, block_size: int) -> int:
@@ -156,9 +159,11 @@ class EvictConfig:
 
 # ------------------------------------------------------------ per-sequence state
 
+
 @dataclass(slots=True)
 class SeqKV:
     """Per table entry: the first logical position it holds."""
+
     block_size: int
     start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     next_pos: int = 0  # seq.num_computed at the last sync
@@ -202,6 +207,7 @@ def over_budget(seq: Sequence, n_new: int, cfg: EvictConfig, block_size: int) ->
 
 # ------------------------------------------------------------ choosing and evicting
 
+
 def candidates(state: SeqKV, cfg: EvictConfig, ref_counts, incoming: int = 0) -> np.ndarray:
     """Table indices that may go: past the sinks, wholly before the recent window (measured
     after `incoming` more tokens), not the partial last block, not shared."""
@@ -213,8 +219,7 @@ def candidates(state: SeqKV, cfg: EvictConfig, ref_counts, incoming: int = 0) ->
     return np.flatnonzero(ok)
 
 
-def choose_victims(state: SeqKV, n_blocks_needed: int, cfg: EvictConfig, ref_counts,
-                   incoming: int = 0) -> list[int]:
+def choose_victims(state: SeqKV, n_blocks_needed: int, cfg: EvictConfig, ref_counts, incoming: int = 0) -> list[int]:
     """Up to n_blocks_needed table indices (ascending), the oldest that may go (h2o's heavy
     hitters are chosen per token after their block leaves). Fewer when not enough may go."""
     if cfg.policy == "none" or n_blocks_needed <= 0:
@@ -223,13 +228,28 @@ def choose_victims(state: SeqKV, n_blocks_needed: int, cfg: EvictConfig, ref_cou
     return sorted(cand[np.argsort(state.start[cand], kind="stable")][:n_blocks_needed].tolist())
 
 
-def apply_eviction(seq: Sequence, state: SeqKV, victims: list[int], pool: BlockPool, stats: Stats,
-                   reason: str = "over budget", scores=None, reasons=None) -> None:
+def apply_eviction(
+    seq: Sequence,
+    state: SeqKV,
+    victims: list[int],
+    pool: BlockPool,
+    stats: Stats,
+    reason: str = "over budget",
+    scores=None,
+    reasons=None,
+) -> None:
     """Drop table entries `victims`: release their blocks, one `evict` event each (with
     scores[j] and reasons[j] for victim j when given)."""
     victims = sorted(victims)
-    events = [(seq.block_table[i], state.positions(i), float(scores[j]) if scores is not None else 0.0,
-               reasons[j] if reasons is not None else reason) for j, i in enumerate(victims)]
+    events = [
+        (
+            seq.block_table[i],
+            state.positions(i),
+            float(scores[j]) if scores is not None else 0.0,
+            reasons[j] if reasons is not None else reason,
+        )
+        for j, i in enumerate(victims)
+    ]
     for i in sorted(victims, reverse=True):
         pool.release(seq.block_table.pop(i))
         state.remove(i)
@@ -243,6 +263,7 @@ def apply_eviction(seq: Sequence, state: SeqKV, victims: list[int], pool: BlockP
 
 # ------------------------------------------------------------ offload tier
 
+
 class OffloadTier:
     """Blocks moved out of the pool: K/V of all layers, bit-exact, stored per slot as
     [2, layers, kv_heads, block_size, hd] so one layer and head of a block is one contiguous
@@ -251,8 +272,13 @@ class OffloadTier:
     matmuls). In RAM, or in an np.memmap file under `path` (a directory); the file is
     unlinked at once, so nothing is left behind."""
 
-    def __init__(self, block_shape: tuple[int, int, int, int], dtype=np.float32, path: Path | str | None = None,
-                 capacity: int = 8):
+    def __init__(
+        self,
+        block_shape: tuple[int, int, int, int],
+        dtype=np.float32,
+        path: Path | str | None = None,
+        capacity: int = 8,
+    ):
         self.block_shape = tuple(block_shape)  # (layers, block_size, kv_heads, head_dim)
         self.dtype = np.dtype(dtype)
         self.file = None if path is None else _open_spill(Path(path))
@@ -296,8 +322,9 @@ class OffloadTier:
         """(start position, slot) of a sequence's offloaded blocks, by position."""
         return sorted((start, slot) for (sid, start), slot in self.entries.items() if sid == seq_id)
 
-    def offload(self, seq: Sequence, state: SeqKV, i: int, pool: BlockPool, stats: Stats,
-                reason: str = "over budget") -> int:
+    def offload(
+        self, seq: Sequence, state: SeqKV, i: int, pool: BlockPool, stats: Stats, reason: str = "over budget"
+    ) -> int:
         """Move table entry i out of the pool; returns its slot in the tier."""
         bid = seq.block_table[i]
         assert pool.blocks[bid].ref_count == 1, f"block {bid} is shared: it cannot be offloaded"
@@ -369,6 +396,7 @@ def _reserve(f, nbytes: int):
 
 # ------------------------------------------------------------ per-layer recall (Quest)
 
+
 def quest_scores(q: np.ndarray, kmin: np.ndarray, kmax: np.ndarray) -> np.ndarray:
     """Quest's upper bound of q·k over each block's keys: sum over dims of max(q*min, q*max),
     computed as relu(q)·max + min(q, 0)·min (two matmuls). q [kvh, R, hd] (R query rows per
@@ -389,8 +417,16 @@ class Retriever:
     current query instead of a speculated one: on the CPU the host tier is right there, so
     nothing needs prefetching)."""
 
-    def __init__(self, tier: "OffloadTier", starts: np.ndarray, slots: np.ndarray, kmin: np.ndarray, kmax: np.ndarray,
-                 r_blocks: int, rerank: int):
+    def __init__(
+        self,
+        tier: "OffloadTier",
+        starts: np.ndarray,
+        slots: np.ndarray,
+        kmin: np.ndarray,
+        kmax: np.ndarray,
+        r_blocks: int,
+        rerank: int,
+    ):
         self.tier, self.starts, self.slots = tier, starts, slots
         self.kmin, self.kmax = kmin, kmax  # [L, kvh, hd, n]
         self.r = min(r_blocks, len(slots))
@@ -423,7 +459,7 @@ class Retriever:
         c = min(n, self.rerank * r)
         if c < n:
             bound = quest_scores(qh, self.kmin[layer], self.kmax[layer]).max(axis=1)  # [kvh, n]
-            cand = np.argpartition(bound, n - c, axis=1)[:, n - c:]
+            cand = np.argpartition(bound, n - c, axis=1)[:, n - c :]
         else:
             cand = np.broadcast_to(np.arange(n), (kvh, n))
         k = np.empty((kvh, r * bs, hd), self.tier.dtype)
@@ -432,7 +468,7 @@ class Retriever:
             slots = self.slots[cand[h]]
             keys = self.tier.block_kv(slots, 0, layer, h)  # [c, bs, hd]
             best = (keys.reshape(c * bs, hd) @ qh[h].T).reshape(c, -1).max(axis=1)
-            pick = np.argpartition(best, c - r)[c - r:] if r < c else np.arange(c)
+            pick = np.argpartition(best, c - r)[c - r :] if r < c else np.arange(c)
             k[h] = keys[pick].reshape(r * bs, hd)
             v[h] = self.tier.block_kv(slots[pick], 1, layer, h).reshape(r * bs, hd)
             self._picks.append((self.starts[cand[h][pick]], best[pick]))
@@ -441,6 +477,7 @@ class Retriever:
 
 
 # ------------------------------------------------------------ h2o heavy hitters
+
 
 class HeavyHitters:
     """One sequence's h2o state past its block table. Per layer and kv head: up to `cap`
@@ -470,7 +507,7 @@ class HeavyHitters:
 
     def extra(self, layer: int):
         """This layer's heavy hitters as extra keys for paged_attention: (K, V) [kvh, n, hd]."""
-        return None if not self.n else (self.k[layer, :, :self.n], self.v[layer, :, :self.n])
+        return None if not self.n else (self.k[layer, :, : self.n], self.v[layer, :, : self.n])
 
     def observe(self, mass, fade: float = 1.0) -> None:
         """Fold one forward's mass [layers, kv_heads, n + n_ctx] (heavy hitters first), after
@@ -479,9 +516,9 @@ class HeavyHitters:
         if fade != 1.0:
             self.score *= fade
             self.live *= fade
-        self.score[:, :, :self.n] += mass[:, :, :self.n]
+        self.score[:, :, : self.n] += mass[:, :, : self.n]
         ctx = mass.shape[2] - self.n
-        self.live[:, :, :ctx] += mass[:, :, self.n:]
+        self.live[:, :, :ctx] += mass[:, :, self.n :]
 
     def absorb(self, seq: Sequence, victims: list[int], pool: BlockPool, starts: np.ndarray):
         """Table entries `victims` (full blocks, about to leave the pool): each layer-head keeps
@@ -518,7 +555,7 @@ class HeavyHitters:
             self.k[fx], self.v[fx] = new_k[tx], new_v[tx]
         # what stayed, from the positions now stored (heavy hitters are older than any victim)
         first = np.array([starts[i] for i in victims])
-        stored = self.pos[:, :, :self.n].ravel()
+        stored = self.pos[:, :, : self.n].ravel()
         mine = np.searchsorted(first, stored, side="right") - 1
         is_new = (mine >= 0) & (stored < first[np.maximum(mine, 0)] + bs)
         kept = np.bincount(mine[is_new], minlength=len(victims))
@@ -527,19 +564,22 @@ class HeavyHitters:
 
     def copy(self) -> "HeavyHitters":
         twin = copy.copy(self)
-        twin.k, twin.v, twin.score, twin.pos, twin.live = (a.copy() for a in (self.k, self.v, self.score, self.pos,
-                                                                              self.live))
+        twin.k, twin.v, twin.score, twin.pos, twin.live = (
+            a.copy() for a in (self.k, self.v, self.score, self.pos, self.live)
+        )
         return twin
 
 
 # ------------------------------------------------------------ what the engine holds
 
+
 class Evictor:
     """One per engine: the config, each sequence's SeqKV, h2o's heavy hitters, the offload
     tier (policy offload)."""
 
-    def __init__(self, cfg: EvictConfig, pool: BlockPool, stats: Stats | None = None,
-                 offload_dir: Path | str | None = None):
+    def __init__(
+        self, cfg: EvictConfig, pool: BlockPool, stats: Stats | None = None, offload_dir: Path | str | None = None
+    ):
         self.cfg = cfg.validate(pool.block_size)
         self.pool, self.stats = pool, stats or pool.stats
         self.states: dict[int, SeqKV] = {}
@@ -604,7 +644,7 @@ class Evictor:
     def observe(self, seq: Sequence, mass, n_queries: int = 1) -> None:
         """After the forward: fold the span's mass (from n_queries queries) into the scores."""
         if mass is not None:
-            self.heavy_hitters(seq).observe(mass, self.cfg.decay ** n_queries)
+            self.heavy_hitters(seq).observe(mass, self.cfg.decay**n_queries)
 
     def retriever(self, seq: Sequence):
         """Before the forward: what each layer attends to besides the table (Span.retrieve):
@@ -620,8 +660,9 @@ class Evictor:
         starts, slots, kmin, kmax = cached[1]
         if not len(slots):
             return None
-        return Retriever(self.tier, starts, slots, kmin, kmax, self.cfg.recall_blocks(self.pool.block_size),
-                         self.cfg.rerank)
+        return Retriever(
+            self.tier, starts, slots, kmin, kmax, self.cfg.recall_blocks(self.pool.block_size), self.cfg.rerank
+        )
 
     def recalled(self, seq: Sequence, ret: Retriever | None) -> None:
         """After the forward: one `recall` event per block some layer read back this step but
@@ -631,8 +672,14 @@ class Evictor:
         bs = self.pool.block_size
         for start in sorted(set(picked) - before):
             slot = self.tier.entries[(seq.id, start)]
-            self.stats.emit("recall", seq.id, slot, (start, start + bs), picked[start],
-                            "among a layer's top offloaded blocks for the current query")
+            self.stats.emit(
+                "recall",
+                seq.id,
+                slot,
+                (start, start + bs),
+                picked[start],
+                "among a layer's top offloaded blocks for the current query",
+            )
         self._recalled[seq.id] = set(picked)
         self._extra[seq.id] = ret.most if ret is not None else 0
 
