@@ -1,140 +1,70 @@
 """The engine: a model, a block pool, and the steps that run sequences through them."""
 
-import re
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-
 import numpy as np
 
 from localkv import backends as backend
 from localkv.backends import cpu as ops_numpy
+from localkv.config import EngineConfig
 from localkv.errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
+from localkv.hub.catalog import resolve_model
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.block_tables import KVManager
-from localkv.kv.evict import EvictConfig, Evictor
+from localkv.kv.disk_store import DiskStore
+from localkv.kv.evict import Evictor
 from localkv.model.llama import Llama, Span
 from localkv.model.loader import load_model
-from localkv.sampling import Sampler, SamplingParams
 from localkv.sequence import Sequence
 from localkv.stats import Stats
 
-DEFAULT_KV_MEM = "1GiB"
-DEFAULT_PREFILL_CHUNK = 512
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """'512MiB', '1G', '2GB', '1048576' -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
-    if not m:
-        raise LocalkvError(f"invalid size {text!r}: use e.g. 512MiB, 2GiB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-@dataclass(slots=True)
-class Result:
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: str = ""
-    load_s: float = 0.0
-    ttft_s: float = 0.0
-    prompt_s: float = 0.0
-    eval_s: float = 0.0
-    peak_blocks: int = 0
-    peak_active_tokens: int = 0  # most tokens of K/V the sequence held at once
-    stop_detail: str = ""
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.tokens)
-
-    def timings(self) -> dict:
-        computed = self.prompt_tokens - self.cached_tokens
-        return {
-            "load_s": round(self.load_s, 4),
-            "ttft_s": round(self.ttft_s, 4),
-            "prompt_s": round(self.prompt_s, 4),
-            "prompt_tps": round(computed / self.prompt_s, 2) if self.prompt_s else 0.0,
-            "eval_s": round(self.eval_s, 4),
-            "eval_tps": round((self.completion_tokens - 1) / self.eval_s, 2) if self.eval_s else 0.0,
-        }
-
 
 class Engine:
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        block_size: int = 16,
-        kv_mem: str | int = DEFAULT_KV_MEM,
-        threads: int | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-        progress: bool = True,
-        prefix_caching: bool = True,
-        disk_cache: bool = True,
-        disk_cache_size: str | int = "2GiB",
-        evict: EvictConfig | None = None,
-        offload_dir: str | Path | None = None,
-        device: str = "auto",
-    ):
-        from localkv.hub.catalog import resolve_model
+    """One model, one block pool and the steps that run sequences through them. Not thread-safe:
+    one thread drives an engine at a time."""
 
-        if block_size < 1 or block_size & (block_size - 1):
-            raise LocalkvError(f"invalid block size {block_size}: use a power of two (16 is the default)")
-        if prefill_chunk < 1:
-            raise LocalkvError(f"invalid prefill chunk {prefill_chunk}: must be >= 1")
-        if threads is not None:
-            if threads < 1:
-                raise LocalkvError(f"invalid thread count {threads}: must be >= 1")
+    def __init__(self, config: EngineConfig | None = None, progress: bool = False):
+        self.config = cfg = (config or EngineConfig()).validate()  # bad values fail before loading
+        if cfg.threads is not None:
             from threadpoolctl import threadpool_limits
 
-            self._threads_limit = threadpool_limits(limits=threads)  # held for the engine's life
-        self.threads = threads or _blas_threads()
-        kv_bytes, disk_bytes = parse_size(kv_mem), parse_size(disk_cache_size)  # bad sizes fail before loading
-        self.ops = backend.select(device)  # before the model loads: a missing GPU fails fast
+            self._threads_limit = threadpool_limits(limits=cfg.threads)  # held for the engine's life
+        self.threads = cfg.threads or _blas_threads()
+        self.ops = backend.select(cfg.device)  # before the model loads: a missing GPU fails fast
         backend.tune_malloc()
-        self.path = resolve_model(None if model is None else str(model), progress=progress)
-        loaded = load_model(self.path, progress=progress)
-        self.loaded = loaded
+        self.path = resolve_model(cfg.model, progress=progress)
+        self.loaded = loaded = load_model(self.path, progress=progress)
         self.cfg, self.tokenizer = loaded.config, loaded.tokenizer
         if self.ops is ops_numpy:  # the CPU kernels (numba), after the model: a bad model fails first
             ops_numpy.configure(self.threads, progress)
         weights = loaded.weights if self.ops is ops_numpy else self.ops.upload_weights(loaded.weights)
         self.model = Llama(self.cfg, weights, self.ops)
-        cfg = self.cfg
-        kv_item = np.dtype(self.ops.kv_dtype).itemsize
-        per_block = 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * kv_item
-        if kv_bytes < per_block:
-            raise LocalkvError(f"--kv-mem {kv_mem} is smaller than one KV block ({per_block} bytes)")
         self.stats = Stats()
-        self.pool = BlockPool(
-            cfg.n_layers,
-            kv_bytes // per_block,
-            block_size,
-            cfg.n_kv_heads,
-            cfg.head_dim,
+        self.pool = self._new_pool()
+        self.evict = cfg.evict
+        # validates the policy and opens the offload tier before any generation starts
+        self.evictor = Evictor(self.evict, self.pool, self.stats, cfg.offload_dir)
+        dtype = np.dtype(self.ops.kv_dtype).name  # fp16 GPU K/V must never be read as CPU fp32 K/V
+        self.kv = KVManager(self.pool, salt=f"{self.cfg.fingerprint}:{cfg.block_size}:{dtype}".encode())
+        self.prefix_caching = cfg.prefix_cache
+        # entries in the pool's own dtype: loading is a checked copy, no conversion
+        self.disk = None
+        if cfg.prefix_cache and cfg.disk_cache:
+            self.disk = DiskStore(max_bytes=cfg.disk_cache_size, dtype=dtype)
+
+    def _new_pool(self) -> BlockPool:
+        m, bs = self.cfg, self.config.block_size
+        per_block = 2 * m.n_layers * bs * m.n_kv_heads * m.head_dim * np.dtype(self.ops.kv_dtype).itemsize
+        if self.config.kv_mem < per_block:
+            raise LocalkvError(f"--kv-mem {self.config.kv_mem} bytes is smaller than one KV block ({per_block} bytes)")
+        return BlockPool(
+            m.n_layers,
+            self.config.kv_mem // per_block,
+            bs,
+            m.n_kv_heads,
+            m.head_dim,
             dtype=self.ops.kv_dtype,
             xp=self.ops.xp,
             stats=self.stats,
         )
-        self.evict = evict or EvictConfig()
-        # validates the policy and opens the offload tier before any generation starts
-        self.evictor = Evictor(self.evict, self.pool, self.stats, offload_dir)
-        dtype = np.dtype(self.ops.kv_dtype).name  # fp16 GPU K/V must never be read as CPU fp32 K/V
-        self.kv = KVManager(self.pool, salt=f"{cfg.fingerprint}:{block_size}:{dtype}".encode())
-        self.prefill_chunk = prefill_chunk
-        self.prefix_caching = prefix_caching
-        self.disk = None
-        if prefix_caching and disk_cache:
-            from localkv.kv.disk_store import DiskStore
-
-            # entries in the pool's own dtype: loading is a checked copy, no conversion (which
-            # ran at 2.4 GB/s here and made up most of a warm start)
-            self.disk = DiskStore(max_bytes=disk_bytes, dtype=dtype)
 
     @property
     def cpu_kernels(self) -> bool:
@@ -230,7 +160,7 @@ class Engine:
     def prefill(self, seq: Sequence) -> np.ndarray:
         """Run all pending tokens of seq in chunks; logits of the last one."""
         while True:
-            logits = self.step([seq], self.prefill_chunk)
+            logits = self.step([seq], self.config.prefill_chunk)
             if not seq.pending:
                 return logits[0]
 
@@ -240,7 +170,7 @@ class Engine:
         try:
             out = []
             while seq.pending:  # a KV budget can make steps shorter than prefill_chunk
-                out.append(self.step([seq], self.prefill_chunk, all_logits=True))
+                out.append(self.step([seq], self.config.prefill_chunk, all_logits=True))
             return np.concatenate(out)
         finally:
             self.free(seq)
@@ -283,7 +213,9 @@ class Engine:
     # ------------------------------------------------------------ requests
 
     def check_fits(self, n_prompt: int, max_tokens: int, n_seqs: int = 1):
-        ctx, ev = self.cfg.ctx_len, self.evict
+        """Refuse, before any work, a request of n_seqs replies (forks of one prompt) that cannot
+        fit the context, the KV budget or the pool's free blocks."""
+        ctx, ev, bs = self.cfg.ctx_len, self.evict, self.block_size
         if n_prompt == 0:
             raise LocalkvError("empty prompt: nothing to run")
         if n_prompt >= ctx:
@@ -295,93 +227,19 @@ class Engine:
             )
         total = n_prompt + max_tokens if ev.policy != "none" else min(n_prompt + max_tokens, ctx)
         if ev.budget is not None:
-            total = min(total, ev.budget + self.block_size)
-        need = -(-total // self.block_size) * n_seqs
+            total = min(total, ev.budget + bs)
+        shared = n_prompt // bs if n_seqs > 1 else 0  # full prompt blocks every fork shares
+        need = shared + n_seqs * (-(-total // bs) - shared)
+        if need > self.pool.num_free and n_seqs > 1:
+            raise PoolExhausted(
+                f"{n_seqs} branches of up to {max_tokens} tokens need {need} KV blocks with sharing; the pool has "
+                f"{self.pool.num_free} free (raise --kv-mem, or lower --branches or --max-tokens)"
+            )
         if need > self.pool.num_free:
             raise PoolExhausted(
                 f"request needs {need} KV blocks ({total} tokens), the pool has {self.pool.num_free} "
                 f"free of {self.pool.num_blocks} (raise --kv-mem or lower --max-tokens)"
             )
-
-    def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams | None = None,
-        max_tokens: int = 512,
-        ignore_eos: bool = False,
-    ) -> "Generation":
-        return Generation(self, prompt_ids, params or SamplingParams(), max_tokens, ignore_eos)
-
-
-class Generation:
-    """Iterate for text pieces as tokens are sampled; .result holds the record.
-    Ctrl-C during iteration ends it cleanly with finish_reason 'interrupted'."""
-
-    def __init__(
-        self, engine: Engine, prompt_ids: list[int], params: SamplingParams, max_tokens: int, ignore_eos: bool
-    ):
-        if max_tokens < 1:
-            raise LocalkvError(f"invalid max tokens {max_tokens}: must be >= 1")
-        self.sampler = Sampler(params)
-        engine.check_fits(len(prompt_ids), max_tokens)
-        self.engine, self.max_tokens, self.ignore_eos = engine, max_tokens, ignore_eos
-        self.seq, cached = engine.open_sequence(prompt_ids)
-        self.result = Result(prompt_tokens=len(prompt_ids), cached_tokens=cached, load_s=engine.loaded.load_s)
-
-    def __iter__(self):
-        eng, r = self.engine, self.result
-        streamer = eng.tokenizer.streamer()
-        stop = set() if self.ignore_eos else eng.tokenizer.stop_ids
-        t0 = time.perf_counter()
-        try:
-            logits = eng.prefill(self.seq)
-            r.peak_active_tokens = eng.evictor.active_tokens(self.seq)
-            r.prompt_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            while True:
-                tok = self.sampler(logits)
-                if not r.tokens:
-                    r.ttft_s = time.perf_counter() - t0
-                r.peak_blocks = max(r.peak_blocks, eng.blocks_used)
-                if tok in stop:
-                    r.finish_reason = "stop"
-                    break
-                r.tokens.append(tok)
-                self.seq.tokens.append(tok)
-                piece = streamer.push(tok)
-                r.text += piece
-                if piece:
-                    yield piece
-                if len(r.tokens) >= self.max_tokens:
-                    r.finish_reason = "length"
-                    break
-                if len(self.seq.tokens) >= eng.cfg.ctx_len and eng.evict.policy == "none":
-                    r.finish_reason = "context"
-                    break
-                try:
-                    logits = eng.decode([self.seq])[0]
-                except BudgetReached as e:
-                    r.finish_reason, r.stop_detail = "kv_budget", str(e)
-                    break
-                r.peak_active_tokens = max(r.peak_active_tokens, eng.evictor.active_tokens(self.seq))
-            r.eval_s = time.perf_counter() - t1
-            tail = streamer.flush()
-            r.text += tail
-            if tail:
-                yield tail
-        except KeyboardInterrupt:
-            r.finish_reason = "interrupted"
-            r.text += streamer.flush()
-            raise
-        finally:
-            r.peak_blocks = max(r.peak_blocks, eng.blocks_used)
-            eng.persist_prompt(self.seq, r.prompt_tokens, r.cached_tokens)
-            eng.free(self.seq)
-
-    def run(self) -> Result:
-        for _ in self:
-            pass
-        return self.result
 
 
 class _DiskPrefix:

@@ -1,20 +1,24 @@
 """Token sampling: greedy, temperature, top-k, top-p, seeded."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from localkv.errors import LocalkvError
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How one reply is sampled and when it stops."""
+
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
     seed: int | None = None
+    max_tokens: int = 512  # most tokens per reply
+    ignore_eos: bool = False  # keep generating past end-of-sequence tokens
 
-    def validate(self):
+    def validate(self) -> "SamplingParams":
         if not (self.temperature >= 0):
             raise LocalkvError(f"invalid temperature {self.temperature}: must be >= 0 (0 = greedy)")
         if self.top_k < 0:
@@ -23,6 +27,17 @@ class SamplingParams:
             raise LocalkvError(f"invalid top-p {self.top_p}: must be in (0, 1]")
         if self.seed is not None and self.seed < 0:
             raise LocalkvError(f"invalid seed {self.seed}: must be >= 0")
+        if self.max_tokens < 1:
+            raise LocalkvError(f"invalid max tokens {self.max_tokens}: must be >= 1")
+        return self
+
+    def for_branch(self, i: int) -> "SamplingParams":
+        """Branch i of a fork samples with seed + i: reproducible, and not the same reply n times."""
+        return self if self.seed is None or i == 0 else replace(self, seed=self.seed + i)
+
+    def as_dict(self) -> dict:
+        """What the conversation log records with a reply."""
+        return {f: getattr(self, f) for f in ("temperature", "top_k", "top_p", "seed", "max_tokens")}
 
 
 def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:

@@ -5,6 +5,9 @@ import typer
 from typer.testing import CliRunner
 
 from localkv.bench import speed as bench
+from localkv.bench.report import check_output
+from localkv.cli.bench import bench_command
+from localkv.config import EngineConfig
 from localkv.errors import LocalkvError
 
 LLAMA_BENCH_KEYS = {
@@ -112,7 +115,7 @@ def test_size_and_params_units():
 
 def _app():
     app = typer.Typer()
-    app.command()(bench.bench_command)
+    app.command()(bench_command)
     return app
 
 
@@ -148,7 +151,7 @@ def test_unknown_suite_names_the_suites():
 
 def test_bad_output_names_the_formats():
     with pytest.raises(LocalkvError, match="md, json or csv"):
-        bench._check_output("xml")
+        check_output("xml")
 
 
 def _call(**kw):
@@ -169,7 +172,7 @@ def _call(**kw):
         device="auto",
         suite="speed",
     )
-    return bench.bench_command(**(args | kw))
+    return bench_command(**(args | kw))
 
 
 def test_vs_without_llama_cpp_says_how_to_install(monkeypatch):
@@ -199,7 +202,7 @@ def test_speed_rows_rejects_bad_vs():
 def engine(real_model_path):
     from localkv.engine import Engine
 
-    return Engine(real_model_path, threads=1, kv_mem="64MiB", progress=False)  # 1: BLAS threads spin on a busy core
+    return Engine(EngineConfig(model=real_model_path, threads=1, kv_mem="64MiB"))  # 1: BLAS threads spin on a busy core
 
 
 def _check(rows, engines):

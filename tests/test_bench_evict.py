@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from localkv.bench import ppl as be
+from localkv.config import EngineConfig
 from localkv.engine import Engine
 from tiny_model import write_gguf
 
@@ -18,7 +19,7 @@ def tiny(tmp_path_factory):
 
 
 def make(tiny):
-    return lambda cfg: Engine(tiny, progress=False, block_size=8, prefix_caching=False, evict=cfg)
+    return lambda cfg: Engine(EngineConfig(model=tiny, block_size=8, prefix_cache=False, evict=cfg))
 
 
 def test_perplexity_matches_a_direct_computation(tiny):

@@ -88,7 +88,7 @@ def test_verbose_reports_timings_on_stderr(tiny):
         (["run", "hi", "-t", "-1"], "invalid temperature"),
         (["run", "hi", "--top-p", "0"], "invalid top-p"),
         (["run", "hi", "--top-k", "-3"], "invalid top-k"),
-        (["run", "hi", "-n", "0"], "invalid --max-tokens"),
+        (["run", "hi", "-n", "0"], "invalid max tokens"),
         (["run", "hi", "-m", "no-such-model"], "unknown model 'no-such-model'"),
         (["run", "hi", "--block-size", "12"], "block size"),
         (["run", "hi", "--kv-mem", "much"], "invalid size"),

@@ -6,7 +6,9 @@ import pytest
 
 from localkv.backends import cpu as ops_numpy
 from localkv.backends import cpu_kernels
+from localkv.config import EngineConfig
 from localkv.engine import Engine
+from localkv.generation import Generation
 from localkv.sampling import SamplingParams
 from tiny_model import write_gguf
 
@@ -68,7 +70,7 @@ def test_blas_on_one_thread_while_kernels_run(tiny, kernels):
     def blas_threads():
         return {i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"}
 
-    Engine(tiny, progress=False, threads=2)
+    Engine(EngineConfig(model=tiny, threads=2))
     ops_numpy.begin_forward(1)
     assert blas_threads() == {1}
     ops_numpy.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill: BLAS gets the engine's threads
@@ -78,10 +80,9 @@ def test_blas_on_one_thread_while_kernels_run(tiny, kernels):
 def test_decode_same_with_and_without_kernels(tiny, kernels, monkeypatch):
     """Greedy text and the logits of every step agree whether the matmuls (and the fork's
     prefix scores) run on the kernels or on numpy/BLAS."""
-    from localkv.branches import generate_branches
 
     def run():
-        eng = Engine(tiny, progress=False, block_size=8, prefix_caching=False)
+        eng = Engine(EngineConfig(model=tiny, block_size=8, prefix_cache=False))
         logits = []
         forward = eng.model.forward
 
@@ -91,10 +92,10 @@ def test_decode_same_with_and_without_kernels(tiny, kernels, monkeypatch):
             return out
 
         eng.model.forward = keep
-        solo = eng.generate(PROMPT, SamplingParams(temperature=0), 10, ignore_eos=True).run()
-        res = generate_branches(
-            eng, PROMPT * 3, 5, SamplingParams(temperature=1.0, seed=4), max_tokens=6, ignore_eos=True
-        )
+        solo = Generation(eng, PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)).run()
+        res = Generation(
+            eng, PROMPT * 3, SamplingParams(temperature=1.0, seed=4, max_tokens=6, ignore_eos=True), n=5
+        ).run()
         return solo.tokens, [b.tokens for b in res.branches], logits
 
     with_kernels = run()

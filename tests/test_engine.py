@@ -8,8 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from localkv.engine import Engine, parse_size
+from localkv.config import EngineConfig
+from localkv.engine import Engine
 from localkv.errors import ContextOverflow, LocalkvError, PoolExhausted
+from localkv.generation import Generation
 from localkv.sampling import SamplingParams
 from localkv.sequence import Sequence
 from tiny_model import tiny_weights, write_gguf, write_hf_dir
@@ -21,7 +23,7 @@ def gguf_path(tmp_path_factory):
 
 
 def engine(path, **kw):
-    return Engine(path, progress=False, **kw)
+    return Engine(EngineConfig(model=path, **kw))
 
 
 def dense_reference(tokens, seed=0):
@@ -116,7 +118,7 @@ def test_hf_directory_gives_same_logits_as_gguf(gguf_path, tmp_path):
 
 def test_generation_frees_its_blocks_and_respects_max_tokens(gguf_path):
     eng = engine(gguf_path, block_size=4)
-    r = eng.generate(PROMPT[:10], SamplingParams(temperature=0), max_tokens=12, ignore_eos=True).run()
+    r = Generation(eng, PROMPT[:10], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).run()
     assert r.completion_tokens == 12 and r.finish_reason == "length"
     assert r.peak_blocks == -(-(10 + 11) // 4)  # the last sampled token is never written
     assert eng.pool.num_free == eng.pool.num_blocks
@@ -124,36 +126,53 @@ def test_generation_frees_its_blocks_and_respects_max_tokens(gguf_path):
 
 def test_greedy_is_deterministic_and_seed_reproduces(gguf_path):
     eng = engine(gguf_path)
-    greedy = [eng.generate(PROMPT[:8], SamplingParams(temperature=0), 10, True).run().tokens for _ in range(2)]
+    greedy = [
+        Generation(eng, PROMPT[:8], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)).run().tokens
+        for _ in range(2)
+    ]
     assert greedy[0] == greedy[1]
-    a = eng.generate(PROMPT[:8], SamplingParams(temperature=50.0, seed=3), 20, True).run().tokens
-    b = eng.generate(PROMPT[:8], SamplingParams(temperature=50.0, seed=3), 20, True).run().tokens
-    c = eng.generate(PROMPT[:8], SamplingParams(temperature=50.0, seed=4), 20, True).run().tokens
+    a = (
+        Generation(eng, PROMPT[:8], SamplingParams(temperature=50.0, seed=3, max_tokens=20, ignore_eos=True))
+        .run()
+        .tokens
+    )
+    b = (
+        Generation(eng, PROMPT[:8], SamplingParams(temperature=50.0, seed=3, max_tokens=20, ignore_eos=True))
+        .run()
+        .tokens
+    )
+    c = (
+        Generation(eng, PROMPT[:8], SamplingParams(temperature=50.0, seed=4, max_tokens=20, ignore_eos=True))
+        .run()
+        .tokens
+    )
     assert a == b and a != c
 
 
 def test_generation_stops_at_context_end(gguf_path):
     eng = engine(gguf_path)
-    r = eng.generate(PROMPT[:8] * 15, SamplingParams(temperature=0), 100, True).run()  # 120 of 128
+    r = Generation(
+        eng, PROMPT[:8] * 15, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    ).run()  # 120 of 128
     assert r.finish_reason == "context" and r.prompt_tokens + r.completion_tokens == 128
 
 
 def test_prompt_longer_than_context_is_refused(gguf_path):
     with pytest.raises(ContextOverflow, match="context holds 128"):
-        engine(gguf_path).generate(PROMPT * 4, SamplingParams(), 10)
+        Generation(engine(gguf_path), PROMPT * 4, SamplingParams(max_tokens=10))
 
 
 def test_request_larger_than_pool_is_refused_before_work(gguf_path):
     eng = engine(gguf_path, block_size=4, kv_mem=2 * 2 * 4 * 2 * 16 * 4 * 3)  # exactly 3 blocks
     assert eng.pool.num_blocks == 3
     with pytest.raises(PoolExhausted, match="needs 5 KV blocks"):
-        eng.generate(PROMPT[:10], SamplingParams(), 10)
+        Generation(eng, PROMPT[:10], SamplingParams(max_tokens=10))
     assert eng.pool.num_free == 3
 
 
 def test_interrupt_frees_blocks(gguf_path):
     eng = engine(gguf_path)
-    gen = eng.generate(PROMPT[:8], SamplingParams(temperature=0), 50, True)
+    gen = Generation(eng, PROMPT[:8], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     it = iter(gen)
     next(it)
     it.close()  # what a Ctrl-C unwinding through the loop does to the generator
@@ -172,10 +191,6 @@ def test_interrupt_frees_blocks(gguf_path):
 def test_bad_engine_settings(gguf_path, kw, msg):
     with pytest.raises(LocalkvError, match=msg):
         engine(gguf_path, **kw)
-
-
-def test_parse_size():
-    assert parse_size("512MiB") == 512 << 20 and parse_size("2G") == 2 << 30 and parse_size("100") == 100
 
 
 MALLOC_PROBE = r"""

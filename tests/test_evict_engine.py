@@ -1,11 +1,14 @@
 """Eviction policies wired into the engine: bounded memory, runs past the context, clear stops."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from localkv.branches import generate_branches
+from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.errors import BudgetReached, LocalkvError
+from localkv.generation import Generation
 from localkv.kv.evict import EvictConfig
 from localkv.sampling import SamplingParams
 from tiny_model import write_gguf
@@ -21,14 +24,16 @@ def tiny(tmp_path_factory):
 
 def engine(path, policy="none", budget=None, **kw):
     return Engine(
-        path, progress=False, block_size=8, prefix_caching=False, evict=EvictConfig(policy=policy, budget=budget), **kw
+        EngineConfig(
+            model=path, block_size=8, prefix_cache=False, evict=EvictConfig(policy=policy, budget=budget), **kw
+        )
     )
 
 
 @pytest.mark.parametrize("policy", ["sliding", "h2o", "offload"])
 def test_budget_holds_and_generation_runs_past_the_context(tiny, policy):
     eng = engine(tiny, policy, budget=48)
-    r = eng.generate(PROMPT, GREEDY, 200, ignore_eos=True).run()
+    r = Generation(eng, PROMPT, replace(GREEDY, max_tokens=200, ignore_eos=True)).run()
     assert r.completion_tokens == 200 and r.finish_reason == "length"  # 240 tokens > 128 context
     assert r.peak_active_tokens <= 48
     moved = eng.stats.evictions + eng.stats.offloads
@@ -39,9 +44,14 @@ def test_budget_holds_and_generation_runs_past_the_context(tiny, policy):
 
 
 def test_policy_changes_nothing_while_the_budget_is_not_reached(tiny):
-    ref = engine(tiny).generate(PROMPT, GREEDY, 30, True).run().tokens
+    ref = Generation(engine(tiny), PROMPT, replace(GREEDY, max_tokens=30, ignore_eos=True)).run().tokens
     for policy in ("sliding", "h2o", "offload"):
-        assert engine(tiny, policy, budget=96).generate(PROMPT, GREEDY, 30, True).run().tokens == ref
+        assert (
+            Generation(engine(tiny, policy, budget=96), PROMPT, replace(GREEDY, max_tokens=30, ignore_eos=True))
+            .run()
+            .tokens
+            == ref
+        )
 
 
 def test_offload_reads_back_what_it_moved_out(tiny):
@@ -50,7 +60,7 @@ def test_offload_reads_back_what_it_moved_out(tiny):
     tokens = list(map(int, np.random.default_rng(5).integers(3, 261, 90)))
     full = engine(tiny).score(tokens)
     cfg = EvictConfig(policy="offload", budget=96, sinks=8, recent=16)  # 12 blocks: 4 resident, 8 recall slots
-    eng = Engine(tiny, progress=False, block_size=8, prefix_caching=False, evict=cfg)
+    eng = Engine(EngineConfig(model=tiny, block_size=8, prefix_cache=False, evict=cfg))
     got = eng.score(tokens)
     assert eng.stats.offloads >= 7 and eng.stats.recalls >= 7 and eng.stats.evictions == 0
     np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
@@ -63,7 +73,7 @@ def test_h2o_attends_to_its_heavy_hitters(tiny):
     tokens = list(map(int, np.random.default_rng(6).integers(3, 261, 90)))
     full = engine(tiny).score(tokens)
     cfg = EvictConfig(policy="h2o", budget=96, sinks=8, recent=16)  # 12 blocks: 4 resident, 64 heavy slots
-    eng = Engine(tiny, progress=False, block_size=8, prefix_caching=False, evict=cfg)
+    eng = Engine(EngineConfig(model=tiny, block_size=8, prefix_cache=False, evict=cfg))
     seq_peak = []
     real_step = eng.step
 
@@ -81,17 +91,19 @@ def test_h2o_attends_to_its_heavy_hitters(tiny):
 
 def test_policy_none_stops_with_a_clear_reason(tiny):
     eng = engine(tiny, "none", budget=48)
-    r = eng.generate(PROMPT, GREEDY, 50, True).run()
+    r = Generation(eng, PROMPT, replace(GREEDY, max_tokens=50, ignore_eos=True)).run()
     assert r.finish_reason == "kv_budget" and "budget of 48" in r.stop_detail
     assert r.prompt_tokens + r.completion_tokens <= 49
     with pytest.raises(BudgetReached, match="more than the KV budget"):
-        eng.generate(PROMPT * 2, GREEDY, 5)
+        Generation(eng, PROMPT * 2, replace(GREEDY, max_tokens=5))
 
 
 def test_shared_blocks_are_never_evicted_from_under_a_fork(tiny):
     eng = engine(tiny, "sliding", budget=48)
-    with pytest.raises(BudgetReached, match="shared"):
-        generate_branches(eng, PROMPT, 2, GREEDY, 30, ignore_eos=True)  # the 40-token prompt is shared by both
+    # the 40-token prompt is shared by both branches: once the budget is full, nothing may go
+    r = Generation(eng, PROMPT, replace(GREEDY, max_tokens=30, ignore_eos=True), n=2).run()
+    assert [b.finish_reason for b in r.branches] == ["kv_budget"] * 2
+    assert all("shared" in b.stop_detail for b in r.branches) and eng.stats.evictions == 0
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
@@ -104,7 +116,7 @@ def test_shared_blocks_are_never_evicted_from_under_a_fork(tiny):
 )
 def test_bad_policy_settings_fail_before_generation(tiny, cfg, msg):
     with pytest.raises(LocalkvError, match=msg):
-        Engine(tiny, progress=False, block_size=8, evict=cfg)
+        Engine(EngineConfig(model=tiny, block_size=8, evict=cfg))
 
 
 def test_unwritable_offload_dir(tiny, tmp_path):
@@ -112,9 +124,7 @@ def test_unwritable_offload_dir(tiny, tmp_path):
     blocker.write_text("x")
     with pytest.raises(LocalkvError):
         Engine(
-            tiny,
-            progress=False,
-            block_size=8,
-            evict=EvictConfig(policy="offload", budget=64),
-            offload_dir=blocker / "sub",
+            EngineConfig(
+                model=tiny, block_size=8, evict=EvictConfig(policy="offload", budget=64), offload_dir=blocker / "sub"
+            )
         )

@@ -1,13 +1,16 @@
 """Forked sequences share blocks by reference count; copy-on-write keeps every branch exact."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localkv.branches import generate_branches
+from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.errors import LocalkvError, PoolExhausted
+from localkv.generation import Generation
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.block_tables import KVManager
 from localkv.sampling import SamplingParams
@@ -77,7 +80,7 @@ def test_shared_full_blocks_are_never_copied():
 
 
 def test_forked_branches_give_the_same_logits_as_solo_runs(tiny):
-    eng = Engine(tiny, progress=False, block_size=4, prefix_caching=False)
+    eng = Engine(EngineConfig(model=tiny, block_size=4, prefix_cache=False))
     root = Sequence(list(PROMPT))
     eng.prefill(root)
     kids = [eng.kv.fork(root) for _ in range(3)]
@@ -91,19 +94,21 @@ def test_forked_branches_give_the_same_logits_as_solo_runs(tiny):
     assert eng.stats.cow_copies == 3  # 37 tokens: the last block is partly filled and shared
     for i in range(4):
         solo = Sequence(PROMPT + [10 + i, 20 + i])
-        ref = Engine(tiny, progress=False, block_size=4, prefix_caching=False)
+        ref = Engine(EngineConfig(model=tiny, block_size=4, prefix_cache=False))
         seq = Sequence(PROMPT + [10 + i])
         np.testing.assert_allclose(batched[i], ref.prefill(seq), rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(batched2[i], ref.prefill(solo), rtol=1e-4, atol=1e-4)
 
 
 def test_branch_texts_equal_solo_generations(tiny):
-    eng = Engine(tiny, progress=False, block_size=8)
+    eng = Engine(EngineConfig(model=tiny, block_size=8))
     params = SamplingParams(temperature=40.0, seed=11)
-    res = generate_branches(eng, PROMPT, 4, params, max_tokens=12, ignore_eos=True)
+    res = Generation(eng, PROMPT, replace(params, max_tokens=12, ignore_eos=True), n=4).run()
     assert eng.pool.num_free == eng.pool.num_blocks  # every branch freed
     for i, b in enumerate(res.branches):
-        solo = eng.generate(PROMPT, SamplingParams(temperature=40.0, seed=11 + i), 12, ignore_eos=True).run()
+        solo = Generation(
+            eng, PROMPT, SamplingParams(temperature=40.0, seed=11 + i, max_tokens=12, ignore_eos=True)
+        ).run()
         assert b.tokens == solo.tokens
     assert len({tuple(b.tokens) for b in res.branches}) > 1  # different seeds, different branches
 
@@ -114,7 +119,7 @@ def test_branches_decode_together(tiny, monkeypatch, n):
     layer whose input holds every branch's row (not a branch after another)."""
     from localkv.backends import cpu as ops_numpy
 
-    eng = Engine(tiny, progress=False, block_size=8, prefix_caching=False)
+    eng = Engine(EngineConfig(model=tiny, block_size=8, prefix_cache=False))
     forwards, weight_rows, logit_rows = [], [], []
     forward, linear = eng.model.forward, ops_numpy.linear
 
@@ -128,7 +133,7 @@ def test_branches_decode_together(tiny, monkeypatch, n):
 
     monkeypatch.setattr(eng.model, "forward", counting_forward)
     monkeypatch.setattr(ops_numpy, "linear", counting_linear)
-    generate_branches(eng, PROMPT, n, SamplingParams(temperature=1.0, seed=3), max_tokens=6, ignore_eos=True)
+    Generation(eng, PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True), n=n).run()
     layers = eng.cfg.n_layers
     assert forwards == [len(PROMPT)] + [n] * 5  # the prompt once, then 5 steps of n rows each
     assert weight_rows == [len(PROMPT)] * 4 * layers + [n] * 4 * layers * 5
@@ -137,9 +142,9 @@ def test_branches_decode_together(tiny, monkeypatch, n):
 
 
 def test_sharing_holds_fewer_blocks_than_unshared(tiny):
-    eng = Engine(tiny, progress=False, block_size=16, prefix_caching=False)
+    eng = Engine(EngineConfig(model=tiny, block_size=16, prefix_cache=False))
     prompt = (PROMPT * 4)[:128]  # 8 full blocks
-    res = generate_branches(eng, prompt, 8, SamplingParams(temperature=0), max_tokens=20, ignore_eos=True)
+    res = Generation(eng, prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), n=8).run()
     # 8 shared prompt blocks + per branch ceil(19 / 16) = 2 blocks of its own
     assert res.peak_blocks == 8 + 8 * 2
     assert res.unshared_blocks == 8 * (-(-(128 + 19) // 16))
@@ -147,9 +152,9 @@ def test_sharing_holds_fewer_blocks_than_unshared(tiny):
 
 
 def test_branch_count_and_pool_limits(tiny):
-    eng = Engine(tiny, progress=False, block_size=16, kv_mem=2 * 2 * 16 * 2 * 16 * 4 * 10)  # 10 blocks
+    eng = Engine(EngineConfig(model=tiny, block_size=16, kv_mem=2 * 2 * 16 * 2 * 16 * 4 * 10))  # 10 blocks
     with pytest.raises(LocalkvError, match="invalid branch count"):
-        generate_branches(eng, PROMPT, 0, SamplingParams(), 5)
+        Generation(eng, PROMPT, SamplingParams(max_tokens=5), n=0).run()
     with pytest.raises(PoolExhausted, match="8 branches"):
-        generate_branches(eng, PROMPT, 8, SamplingParams(), 40)
+        Generation(eng, PROMPT, SamplingParams(max_tokens=40), n=8).run()
     assert eng.pool.num_free == eng.pool.num_blocks

@@ -2,11 +2,14 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from localkv.config import EngineConfig
 from localkv.engine import Engine
+from localkv.generation import Generation
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.block_tables import KVManager, block_hash
 from localkv.sampling import SamplingParams
@@ -24,7 +27,7 @@ def tiny(tmp_path_factory):
 
 def engine(path, **kw):
     kw.setdefault("block_size", 16)
-    return Engine(path, progress=False, **kw)
+    return Engine(EngineConfig(model=path, **kw))
 
 
 def test_hash_is_stable_across_processes():
@@ -37,12 +40,14 @@ def test_hash_is_stable_across_processes():
 
 def test_second_request_reuses_full_blocks_and_recomputes_the_last_token(tiny):
     eng = engine(tiny, disk_cache=False)
-    first = eng.generate(PROMPT, GREEDY, 8, ignore_eos=True).run()
-    second = eng.generate(PROMPT, GREEDY, 8, ignore_eos=True).run()
+    first = Generation(eng, PROMPT, replace(GREEDY, max_tokens=8, ignore_eos=True)).run()
+    second = Generation(eng, PROMPT, replace(GREEDY, max_tokens=8, ignore_eos=True)).run()
     assert first.cached_tokens == 0 and second.cached_tokens == 64  # 4 full blocks of 16
     assert second.tokens == first.tokens
     exact = PROMPT[:64]  # block-aligned prompt: the last block is never matched (its logits are needed)
-    assert [eng.generate(exact, GREEDY, 2, True).run().cached_tokens for _ in range(2)] == [48, 48]
+    assert [
+        Generation(eng, exact, replace(GREEDY, max_tokens=2, ignore_eos=True)).run().cached_tokens for _ in range(2)
+    ] == [48, 48]
     assert eng.stats.prefix_hits == 64 + 48 + 48 and eng.stats.prefix_queries == 70 * 2 + 64 * 2
 
 
@@ -77,10 +82,10 @@ def test_a_hash_hit_is_verified_against_the_tokens():
 
 def test_disk_tier_serves_a_new_engine_with_identical_output(tiny):
     cold = engine(tiny)
-    ref = cold.generate(PROMPT, GREEDY, 12, ignore_eos=True).run()
+    ref = Generation(cold, PROMPT, replace(GREEDY, max_tokens=12, ignore_eos=True)).run()
     assert cold.disk.stats()["entries"] == 4
     warm = engine(tiny)  # a fresh pool: only the disk can help
-    r = warm.generate(PROMPT, GREEDY, 12, ignore_eos=True).run()
+    r = Generation(warm, PROMPT, replace(GREEDY, max_tokens=12, ignore_eos=True)).run()
     assert r.cached_tokens == 64 and warm.stats.disk_hits == 64
     assert r.tokens == ref.tokens
     # entries keep the pool's dtype (fp32 on the CPU): logits after a disk hit equal a full
@@ -90,39 +95,49 @@ def test_disk_tier_serves_a_new_engine_with_identical_output(tiny):
     s, hit = eng.open_sequence(PROMPT)
     assert hit == 64
     np.testing.assert_allclose(
-        eng.prefill(s), engine(tiny, prefix_caching=False).prefill(Sequence(PROMPT)), atol=1e-4, rtol=1e-4
+        eng.prefill(s), engine(tiny, prefix_cache=False).prefill(Sequence(PROMPT)), atol=1e-4, rtol=1e-4
     )
 
 
 def test_corrupt_disk_entries_are_recomputed(tiny, private_home):
-    ref = engine(tiny).generate(PROMPT, GREEDY, 10, True).run()
+    ref = Generation(engine(tiny), PROMPT, replace(GREEDY, max_tokens=10, ignore_eos=True)).run()
     for f in (private_home / "kvcache").rglob("*.kvb"):
         data = bytearray(f.read_bytes())
         data[-100] ^= 0xFF
         f.write_bytes(bytes(data))
     eng = engine(tiny)
-    r = eng.generate(PROMPT, GREEDY, 10, True).run()
+    r = Generation(eng, PROMPT, replace(GREEDY, max_tokens=10, ignore_eos=True)).run()
     assert r.cached_tokens == 0 and r.tokens == ref.tokens
-    assert engine(tiny).generate(PROMPT, GREEDY, 10, True).run().cached_tokens == 64  # rewritten
+    assert (
+        Generation(engine(tiny), PROMPT, replace(GREEDY, max_tokens=10, ignore_eos=True)).run().cached_tokens == 64
+    )  # rewritten
 
 
 def test_another_model_or_block_size_never_reads_the_cache(tiny, tmp_path):
-    engine(tiny).generate(PROMPT, GREEDY, 4, True).run()
+    Generation(engine(tiny), PROMPT, replace(GREEDY, max_tokens=4, ignore_eos=True)).run()
     other = write_gguf(tmp_path / "other.gguf", seed=9, ctx=256)
-    assert engine(other).generate(PROMPT, GREEDY, 4, True).run().cached_tokens == 0
-    assert engine(tiny, block_size=8).generate(PROMPT, GREEDY, 4, True).run().cached_tokens == 0
+    assert Generation(engine(other), PROMPT, replace(GREEDY, max_tokens=4, ignore_eos=True)).run().cached_tokens == 0
+    assert (
+        Generation(engine(tiny, block_size=8), PROMPT, replace(GREEDY, max_tokens=4, ignore_eos=True))
+        .run()
+        .cached_tokens
+        == 0
+    )
 
 
 def test_unwritable_cache_dir_warns_and_still_answers(tiny, private_home):
     private_home.mkdir(parents=True, exist_ok=True)
     (private_home / "kvcache").write_text("not a directory")
     eng = engine(tiny)
-    r = eng.generate(PROMPT, GREEDY, 6, True).run()
+    r = Generation(eng, PROMPT, replace(GREEDY, max_tokens=6, ignore_eos=True)).run()
     assert r.completion_tokens == 6 and "disk cache disabled" in eng.disk.warning
     assert (private_home / "kvcache").read_text() == "not a directory"
 
 
 def test_no_cache_disables_both_tiers(tiny):
-    eng = engine(tiny, prefix_caching=False)
-    eng.generate(PROMPT, GREEDY, 4, True).run()
-    assert eng.generate(PROMPT, GREEDY, 4, True).run().cached_tokens == 0 and eng.disk is None
+    eng = engine(tiny, prefix_cache=False)
+    Generation(eng, PROMPT, replace(GREEDY, max_tokens=4, ignore_eos=True)).run()
+    assert (
+        Generation(eng, PROMPT, replace(GREEDY, max_tokens=4, ignore_eos=True)).run().cached_tokens == 0
+        and eng.disk is None
+    )

@@ -5,7 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from localkv.config import EngineConfig
 from localkv.engine import Engine
+from localkv.generation import Generation
 from localkv.sampling import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -14,19 +16,19 @@ TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
 
 @pytest.fixture(scope="module")
 def engine(real_model_path):
-    return Engine(real_model_path, progress=False)
+    return Engine(EngineConfig(model=real_model_path))
 
 
 def test_greedy_capital_of_france_mentions_paris(engine):
     ids = engine.tokenizer.encode("The capital of France is")
-    r = engine.generate(ids, SamplingParams(temperature=0), max_tokens=16).run()
+    r = Generation(engine, ids, SamplingParams(temperature=0, max_tokens=16)).run()
     assert "Paris" in r.text
 
 
 def test_chat_answer_mentions_paris(engine):
     tok = engine.tokenizer
     ids = tok.encode(tok.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
-    r = engine.generate(ids, SamplingParams(temperature=0), max_tokens=32).run()
+    r = Generation(engine, ids, SamplingParams(temperature=0, max_tokens=32)).run()
     assert "Paris" in r.text and r.finish_reason == "stop"
 
 

@@ -1,17 +1,20 @@
 """`localkv chat`: the Textual app driven by Pilot on a tiny random model (tests/tiny_model.py)."""
 
 import itertools
+from dataclasses import replace
 from uuid import UUID
 
 import pytest
 
+from localkv.config import EngineConfig
 from localkv.conversations.store import ConversationStore
 from localkv.engine import Engine
-from localkv.errors import LocalkvError
+from localkv.generation import Generation
 from localkv.sampling import SamplingParams
 from localkv.tui.app import ChatApp
-from localkv.tui.kv_panel import KVPanel, bar_widths, fmt_bytes
+from localkv.tui.kv_panel import KVPanel, bar_widths
 from localkv.tui.widgets import BranchTree, ChatMessage, Notice, clean
+from localkv.units import format_size
 from tiny_model import write_gguf
 
 GREEDY = SamplingParams(temperature=0, seed=0)
@@ -26,7 +29,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture
 def engine(model_path):
-    return Engine(model_path, progress=False, kv_mem="4MiB", device="cpu")  # fp32 K/V: the same text everywhere
+    return Engine(EngineConfig(model=model_path, kv_mem="4MiB", device="cpu"))  # fp32 K/V: the same text everywhere
 
 
 @pytest.fixture
@@ -41,10 +44,9 @@ def fake_clock(step=0.01):
     return itertools.count(0, step).__next__
 
 
-def make_app(engine, **kw):
-    kw.setdefault("sampling", GREEDY)
-    kw.setdefault("max_tokens", 24)
-    return ChatApp(engine, ConversationStore(), **kw)
+def make_app(engine, sampling=GREEDY, max_tokens=24, ignore_eos=False, **kw):
+    sampling = replace(sampling, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return ChatApp(engine, ConversationStore(), sampling=sampling, **kw)
 
 
 async def idle(pilot, timeout=20.0):
@@ -73,9 +75,9 @@ def notices(app):
 
 
 def expected_reply(model_path, history, max_tokens=24):
-    eng = Engine(model_path, progress=False, kv_mem="4MiB", disk_cache=False, device="cpu")
+    eng = Engine(EngineConfig(model=model_path, kv_mem="4MiB", disk_cache=False, device="cpu"))
     tok = eng.tokenizer
-    return eng.generate(tok.encode(tok.render_chat(history)), GREEDY, max_tokens).run()
+    return Generation(eng, tok.encode(tok.render_chat(history)), replace(GREEDY, max_tokens=max_tokens)).run()
 
 
 class Spy(ChatApp):
@@ -88,7 +90,7 @@ class Spy(ChatApp):
 
 @pytest.mark.asyncio
 async def test_reply_streams_into_transcript_and_is_saved(engine, model_path):
-    app = Spy(engine, ConversationStore(), sampling=GREEDY, max_tokens=24, clock=fake_clock(0.02))
+    app = Spy(engine, ConversationStore(), sampling=replace(GREEDY, max_tokens=24), clock=fake_clock(0.02))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press(*"hello", "enter")
         await idle(pilot)
@@ -214,7 +216,7 @@ async def test_slash_commands(engine):
         await send(pilot, "/set top_k 7")
         await send(pilot, "/set seed none")
         await send(pilot, "/set max_tokens 5")
-        assert (app.params.top_k, app.params.seed, app.max_tokens) == (7, None, 5)
+        assert (app.params.top_k, app.params.seed, app.params.max_tokens) == (7, None, 5)
         for bad, why in [
             ("/set bogus 1", "unknown setting 'bogus'"),
             ("/set top_p 2", "invalid top-p"),
@@ -272,7 +274,7 @@ async def test_panel_shows_the_engine_numbers(engine):
         assert [shown[k] for k in ("used", "shared", "cached", "free")] == [
             str(u[k]) for k in ("used", "shared", "cached_free", "free")
         ]
-        assert shown["kv bytes"] == fmt_bytes(u["used"] * u["bytes_per_block"])
+        assert shown["kv bytes"] == format_size(u["used"] * u["bytes_per_block"])
         assert shown["cow copies"] == str(s.cow_copies)
         assert shown["reuse total"].startswith(f"{s.prefix_hits}/{s.prefix_queries}")
         assert [shown[k] for k in ("evictions", "offloads", "recalls")] == [
@@ -312,7 +314,7 @@ async def test_narrow_terminal_shows_one_side_panel(engine):
 
 @pytest.mark.asyncio
 async def test_refused_prompt_goes_back_to_the_input(model_path):
-    eng = Engine(model_path, progress=False, kv_mem="4MiB", device="cpu")
+    eng = Engine(EngineConfig(model=model_path, kv_mem="4MiB", device="cpu"))
     app = make_app(eng, max_tokens=10)
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "x" * 5000)  # longer than the context: refused before any work
@@ -322,7 +324,7 @@ async def test_refused_prompt_goes_back_to_the_input(model_path):
 
 
 def factory(model_path):
-    return lambda evict: Engine(model_path, progress=False, kv_mem="1MiB", evict=evict, device="cpu")
+    return lambda evict: Engine(EngineConfig(model=model_path, kv_mem="1MiB", evict=evict, device="cpu"))
 
 
 def test_factory_and_bar_helpers(model_path):
@@ -335,7 +337,7 @@ def test_factory_and_bar_helpers(model_path):
 
 @pytest.mark.asyncio
 async def test_app_from_factory_loads_in_the_background(model_path):
-    app = ChatApp(factory(model_path), ConversationStore(), sampling=GREEDY, max_tokens=5)
+    app = ChatApp(factory(model_path), ConversationStore(), sampling=replace(GREEDY, max_tokens=5))
     async with app.run_test(size=SIZE) as pilot:
         await idle(pilot)
         assert app.engine is not None and app.title == "tiny-test"
@@ -343,38 +345,22 @@ async def test_app_from_factory_loads_in_the_background(model_path):
         assert app.at is not None
 
 
-def test_chat_command_checks_ids_before_the_ui(monkeypatch):
-    from localkv.tui.cli import chat_command
+def test_chat_command_checks_ids_before_the_ui(monkeypatch, capsys):
+    from localkv.cli import main
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was built before the ids were checked")
 
     monkeypatch.setattr("sys.stdin.isatty", lambda: True)
     monkeypatch.setattr("sys.stdout.isatty", lambda: True)
-    with pytest.raises(LocalkvError, match="no conversation matches 'abcdef'"):
-        chat_command(**_defaults(cid="abcdef"))
-    with pytest.raises(LocalkvError, match="no saved conversation"):
-        chat_command(**_defaults(cont=True))
-    with pytest.raises(LocalkvError, match="invalid temperature"):
-        chat_command(**_defaults(temperature=-1))
-
-
-def _defaults(**kw):
-    base = dict(
-        model=None,
-        system=None,
-        cont=False,
-        cid=None,
-        temperature=0.8,
-        top_k=40,
-        top_p=0.95,
-        seed=None,
-        max_tokens=512,
-        kv_budget=None,
-        evict="none",
-        block_size=16,
-        kv_mem="1GiB",
-        no_cache=False,
-        device="cpu",
-    )
-    return base | kw
+    monkeypatch.setattr("localkv.engine.Engine.__init__", no_engine)
+    for args, msg in (
+        (["--cid", "abcdef"], "no conversation matches 'abcdef'"),
+        (["-c"], "no saved conversation"),
+        (["-t", "-1"], "invalid temperature"),
+    ):
+        assert main(["chat", "--device", "cpu", *args]) == 1
+        assert msg in capsys.readouterr().err
 
 
 def _snapshot_app(engine):

@@ -20,8 +20,9 @@ from textual.widgets import Footer, Header, Tree
 
 from localkv.conversations.store import ConversationStore, preview
 from localkv.conversations.turn import Turn
-from localkv.engine import Engine, Result
+from localkv.engine import Engine
 from localkv.errors import LocalkvError
+from localkv.generation import Generation, Result
 from localkv.kv.evict import EvictConfig
 from localkv.sampling import SamplingParams
 from localkv.tui.kv_panel import KVPanel, KVSnapshot
@@ -64,22 +65,8 @@ class Outcome:
 
 
 def default_factory(engine: Engine) -> Callable[[EvictConfig], Engine]:
-    """Rebuild an engine like `engine` (same model file, pool size, caches) with another policy."""
-    device = "cuda" if getattr(getattr(engine, "ops", None), "name", "CPU") == "CUDA" else "cpu"
-
-    def build(evict: EvictConfig) -> Engine:
-        return Engine(
-            engine.path,
-            block_size=engine.block_size,
-            kv_mem=engine.pool.num_blocks * engine.pool.bytes_per_block,
-            progress=False,
-            prefix_caching=engine.prefix_caching,
-            disk_cache=engine.disk is not None,
-            evict=evict,
-            device=device,
-        )
-
-    return build
+    """Rebuild an engine like `engine` (its whole configuration) with another KV policy."""
+    return lambda evict: Engine(replace(engine.config, evict=evict))
 
 
 def _error_line(e: Exception) -> str:
@@ -121,11 +108,9 @@ class ChatApp(App):
         conversation: str | None = None,
         system: str | None = None,
         sampling: SamplingParams | None = None,
-        max_tokens: int = 512,
         *,
         factory: Callable[[EvictConfig], Engine] | None = None,
         leaf: str | None = None,
-        ignore_eos: bool = False,
         panel: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
@@ -135,7 +120,7 @@ class ChatApp(App):
         else:  # a factory: the engine is built in a worker once the UI is up
             self.engine, self.factory = None, engine
         self.store = store or ConversationStore()
-        self.params, self.max_tokens, self.ignore_eos = sampling or SamplingParams(), max_tokens, ignore_eos
+        self.params = sampling or SamplingParams()
         self.clock, self._want_panel = clock, panel
         self.cid, self.at, self.system = conversation, leaf, system
         if conversation and leaf is None:
@@ -331,7 +316,7 @@ class ChatApp(App):
             p, ev = self.params, self.engine.evict
             await self._say(
                 f"temperature {p.temperature} · top_p {p.top_p} · top_k {p.top_k} · max_tokens "
-                f"{self.max_tokens} · seed {p.seed} · evict {ev.policy} · budget {ev.budget}"
+                f"{p.max_tokens} · seed {p.seed} · evict {ev.policy} · budget {ev.budget}"
             )
             return
         if key not in SETTINGS:
@@ -348,12 +333,6 @@ class ChatApp(App):
             self.busy = True
             await self._say(f"{key} = {value}: building a new engine (the in-memory prefix cache starts empty)")
             self._rebuild(ev)
-        elif key == "max_tokens":
-            n = _number(key, value)
-            if n < 1:
-                raise LocalkvError(f"invalid max_tokens {n}: must be >= 1")
-            self.max_tokens = n
-            await self._say(f"max_tokens = {n}")
         else:
             params = replace(self.params, **{key: _number(key, value)})
             params.validate()
@@ -487,11 +466,11 @@ class ChatApp(App):
     def _generate(
         self, turn: Turn, prompt: str | None, params: SamplingParams, view: ChatMessage, user_view: ChatMessage | None
     ) -> None:
-        eng, clock, max_tokens = self.engine, self.clock, self.max_tokens
+        eng, clock = self.engine, self.clock
         out = Outcome(view, user_view, prompt)
         try:
             tok = eng.tokenizer
-            gen = eng.generate(tok.encode(tok.render_chat(turn.messages(prompt))), params, max_tokens, self.ignore_eos)
+            gen = Generation(eng, tok.encode(tok.render_chat(turn.messages(prompt))), params)
         except Exception as e:  # too long for the context, pool too small, ...: nothing ran
             out.error, out.snap = _error_line(e), KVSnapshot.of(eng)
             self._ui(self._finish, out)
@@ -503,7 +482,7 @@ class ChatApp(App):
         t_first, n_rate = None, 0
         try:
             for piece in it:
-                buf.append(piece)
+                buf.append(piece.text)
                 now = clock()
                 if t_first is None:  # rates count decode only, not the prefill before the first piece
                     t_first = t_rate = now
@@ -529,20 +508,8 @@ class ChatApp(App):
             out.tps = (len(r.tokens) - 1) / (t_end - t_first)
         if not out.error or r.tokens:
             try:
-                if turn.conversation_id and turn.parent_id is None and turn.system:
-                    # a new system prompt in an existing conversation: a new root branch
-                    turn.parent_id = self.store.add_message(
-                        turn.conversation_id, None, "system", turn.system, model=eng.cfg.name
-                    )
-                sampling = {
-                    "temperature": params.temperature,
-                    "top_k": params.top_k,
-                    "top_p": params.top_p,
-                    "seed": params.seed,
-                    "max_tokens": max_tokens,
-                }
                 out.user_id, ids = turn.save(
-                    eng.cfg.name, prompt, [(r.text, r.completion_tokens)], r.prompt_tokens, sampling
+                    eng.cfg.name, prompt, [(r.text, r.completion_tokens)], r.prompt_tokens, params
                 )
                 out.cid, out.reply_id = turn.conversation_id, ids[0]
             except LocalkvError as e:

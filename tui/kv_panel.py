@@ -10,6 +10,8 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Label, Sparkline, Static
 
+from localkv.units import format_size
+
 SEGMENTS = (("used", "█"), ("shared", "▓"), ("cached", "▒"), ("free", "░"))
 # rows of the counter block: KVPanel.shown keys, a pair shares one row
 LINES = (
@@ -63,13 +65,6 @@ class KVSnapshot:
             engine.evict.policy,
             engine.evict.budget,
         )
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 def bar_widths(counts: list[int], width: int) -> list[int]:
@@ -151,7 +146,7 @@ class KVPanel(VerticalScroll):
             "shared": str(u["shared"]),
             "cached": str(u["cached_free"]),
             "free": str(u["free"]),
-            "kv bytes": fmt_bytes(u["used"] * u["bytes_per_block"]),
+            "kv bytes": format_size(u["used"] * u["bytes_per_block"]),
             "cow copies": str(snap.cow_copies),
             "reuse last": f"{last[0]}/{last[1]} tok" if last else "-",
             "reuse total": f"{snap.prefix_hits}/{snap.prefix_queries}{hit_pct}",

@@ -12,16 +12,14 @@ import json
 import os
 import re
 import statistics
-import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from time import perf_counter
 
 import numpy as np
-import typer
 
-from localkv.bench.report import OUTPUTS, check_output, cpu_info  # noqa: F401  (OUTPUTS, cpu_info: kept importable here)
-from localkv.engine import DEFAULT_KV_MEM, Engine
+from localkv.bench.report import cpu_info
+from localkv.engine import Engine
 from localkv.errors import LocalkvError
 from localkv.sequence import Sequence
 
@@ -102,7 +100,7 @@ def speed_rows(
     tests = [t if isinstance(t, Test) else Test.parse(t) for t in tests]
     if reps < 1:
         raise LocalkvError(f"invalid repetitions {reps}: must be >= 1")
-    _check_vs(vs)
+    check_vs(vs)
     for t in tests:
         engine.check_fits(max(t.n_prompt, 1), t.n_gen)
     runners = [LocalRunner(engine)]
@@ -242,110 +240,11 @@ def format_json(rows: list[dict]) -> str:
 # ------------------------------------------------------------------ CLI
 
 
-def _check_vs(vs: str | None):
+def check_vs(vs: str | None):
     if vs is not None and vs not in PEERS:
         raise LocalkvError(f"unknown --vs {vs!r}: the only engine to compare against is llama.cpp")
 
 
-def _check_output(output: str):
-    check_output(output)
-
-
-def _check_suite(suite: str):
+def check_suite(suite: str):
     if suite not in SUITE_NAMES:
         raise LocalkvError(f"unknown bench suite {suite!r}: use one of {', '.join(SUITE_NAMES)}")
-
-
-def bench_command(
-    model: str | None = typer.Option(None, "-m", "--model", help="Catalog name, .gguf file or model directory."),
-    n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="speed: prompt tokens of the pp test (0: skip it)."),
-    n_gen: int = typer.Option(128, "-n", "--n-gen", help="speed: generated tokens of the tg test (0: skip it)."),
-    repetitions: int | None = typer.Option(
-        None,
-        "-r",
-        "--repetitions",
-        help="Timed reps, interleaved with --vs: speed 5 (mean ± sd, as llama-bench), fork and cache 3 (medians), "
-        "--quick 1.",
-    ),
-    threads: int | None = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores)."),
-    vs: str | None = typer.Option(
-        None,
-        "--vs",
-        help="Also run llama.cpp (llama-cpp-python) on the same work, "
-        "interleaved, with a ratio column (speed, fork, cache).",
-    ),
-    output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
-    kv_mem: str = typer.Option(
-        DEFAULT_KV_MEM, "--kv-mem", help="KV pool size, e.g. 512MiB (memory: the memory both allocators share)."
-    ),
-    quick: bool = typer.Option(False, "--quick", help="Smoke run of the suite at tiny sizes (seconds; CI)."),
-    plot: str | None = typer.Option(None, "--plot", help="Write PNG charts into this folder (needs matplotlib)."),
-    long: bool = typer.Option(
-        False, "--long", help="evict: also a 10,000-token generation under a 1,024-token budget per policy."
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the workloads, random tokens and sampling."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    suite: str = typer.Argument(
-        "speed",
-        help="speed (pp/tg t/s), memory (paged vs contiguous KV use), fork "
-        "(best-of-8 sharing), cache (TTFT cold/warm, chat hit rate), evict "
-        "(perplexity under KV budgets), or all.",
-    ),
-):
-    """Measure localkv: speed (default; pp512/tg128 like llama-bench), memory, fork, cache, evict or all.
-
-    Each suite prints what it measured, the hardware and load, the command that reproduces it, and
-    the targets it checks. --vs llama.cpp runs llama-cpp-python on the same work in the same run."""
-    from localkv.bench import report as br
-    from localkv.bench.suites import RUNNERS, SUITES, Options
-
-    _check_suite(suite)
-    _check_vs(vs)
-    _check_output(output)
-    if plot is not None:
-        br.require_matplotlib()
-    if suite in ("speed", "all") and not quick and (n_prompt < 0 or n_gen < 0 or not (n_prompt or n_gen)):
-        raise LocalkvError("nothing to bench: give -p and/or -n a token count >= 1")
-    if repetitions is not None and repetitions < 1:
-        raise LocalkvError(f"invalid repetitions {repetitions}: must be >= 1")
-    if vs:
-        from localkv.bench.peer import INSTALL_HINT, peer_available
-
-        if not peer_available():  # before the engine loads, so the error comes at once
-            raise LocalkvError(f"--vs llama.cpp needs llama-cpp-python, which is not installed ({INSTALL_HINT})")
-
-    def say(msg):
-        return print(f"bench: {msg}", file=sys.stderr, flush=True)
-
-    opts = Options(
-        model=model,
-        threads=threads,
-        vs=vs,
-        block_size=block_size,
-        kv_mem=kv_mem,
-        quick=quick,
-        long=long,
-        seed=seed,
-        reps=repetitions,
-        n_prompt=n_prompt,
-        n_gen=n_gen,
-        device=device,
-        progress=say,
-    )
-    names = SUITES if suite == "all" else (suite,)
-    reports = []
-    for i, name in enumerate(names):
-        rep = RUNNERS[name](opts)
-        reports.append(rep)
-        if output == "md":
-            sys.stdout.write(("\n" if i else "") + br.format_md(rep))
-        elif output == "csv":
-            sys.stdout.write(("\n" if i else "") + br.format_csv(rep))
-            say(f"{name}: {br.hardware_line(rep.hardware)}; {br.load_line(rep.hardware)}; command: {rep.command}")
-        sys.stdout.flush()
-        if plot is not None:
-            for path in br.plot(rep, plot):
-                say(f"wrote {path}")
-    if output == "json":
-        sys.stdout.write(br.format_json(reports, single=len(reports) == 1))

@@ -17,9 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localkv.bench.report import Column, LoadMeter, Report, Target
-from localkv.engine import DEFAULT_KV_MEM, Engine, parse_size
+from localkv.config import EngineConfig
+from localkv.engine import Engine
 from localkv.errors import LocalkvError
+from localkv.generation import Generation
 from localkv.sampling import SamplingParams
+from localkv.units import parse_size
 
 SUITES = ("speed", "memory", "fork", "cache", "evict")  # what `all` runs, in this order
 
@@ -30,7 +33,7 @@ class Options:
     threads: int | None = None
     vs: str | None = None
     block_size: int = 16
-    kv_mem: str = DEFAULT_KV_MEM
+    kv_mem: str = "1GiB"
     quick: bool = False
     long: bool = False
     seed: int = 0
@@ -44,18 +47,21 @@ class Options:
         if self.progress:
             self.progress(msg)
 
-    def new_engine(self, **kw) -> Engine:
-        """An engine with the bench's options; never with the disk cache, so a bench does not write
-        into the user's LOCALKV_HOME (the cache suite's child processes get their own)."""
+    def engine_config(self, **kw) -> EngineConfig:
+        """The bench's engine settings; never with the disk cache, so a bench does not write into
+        the user's LOCALKV_HOME (the cache suite's child processes get their own)."""
         args = dict(
+            model=self.model,
             block_size=self.block_size,
             kv_mem=self.kv_mem,
             threads=self.threads,
-            progress=bool(self.progress) and sys.stderr.isatty(),
             disk_cache=False,
             device=self.device,
         )
-        return Engine(self.model, **(args | kw))
+        return EngineConfig(**(args | kw))
+
+    def new_engine(self, **kw) -> Engine:
+        return Engine(self.engine_config(**kw), progress=bool(self.progress) and sys.stderr.isatty())
 
     def command(self, suite: str, threads: int | None) -> str:
         """The command line that reproduces this suite, thread count pinned."""
@@ -71,7 +77,7 @@ class Options:
         args += ["--quick"] * self.quick + ["--long"] * (self.long and suite == "evict")
         args += ["--seed", str(self.seed)] if self.seed else []
         args += ["--block-size", str(self.block_size)] if self.block_size != 16 else []
-        args += ["--kv-mem", self.kv_mem] if self.kv_mem != DEFAULT_KV_MEM else []
+        args += ["--kv-mem", self.kv_mem] if parse_size(self.kv_mem) != EngineConfig().kv_mem else []
         args += ["--device", self.device] if self.device != "auto" and suite != "memory" else []
         return shlex.join(args)
 
@@ -103,7 +109,7 @@ def run_speed(o: Options) -> Report:
     meter = LoadMeter()
     n_prompt, n_gen, reps = (64, 16, 1) if o.quick else (o.n_prompt, o.n_gen, o.reps or 5)
     tests = [f"pp{n_prompt}"] * bool(n_prompt) + [f"tg{n_gen}"] * bool(n_gen)
-    eng = o.new_engine(prefix_caching=False)  # as llama-bench: no prefix cache, the pool's blocks reused
+    eng = o.new_engine(prefix_cache=False)  # as llama-bench: no prefix cache, the pool's blocks reused
     rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say)
     r = ratios(rows)
     rep = Report(
@@ -226,17 +232,15 @@ FORK_QUICK = dict(n=8, prompt=64, gen=8)
 
 
 def run_fork(o: Options) -> Report:
-    from localkv.branches import generate_branches
-
     meter = LoadMeter()
     size = FORK_QUICK if o.quick else FORK_FULL
     n, gen = size["n"], size["gen"]
-    eng = o.new_engine(prefix_caching=False)  # every rep prefills its prompt: no hit from the rep before
+    eng = o.new_engine(prefix_cache=False)  # every rep prefills its prompt: no hit from the rep before
     bs = eng.block_size
     n_prompt = min(size["prompt"], eng.cfg.ctx_len - gen - 1)
     prompt = _text_ids(eng, n_prompt)
     reps = o.reps or (1 if o.quick else 3)  # medians of 3: one rep moves 5-10% on a shared VM
-    params = SamplingParams(0.8, 40, 0.95, o.seed)
+    params = SamplingParams(0.8, 40, 0.95, o.seed, max_tokens=gen, ignore_eos=True)
     peer = None
     if o.vs:
         from localkv.bench.peer import PeerRunner
@@ -246,7 +250,7 @@ def run_fork(o: Options) -> Report:
     try:
         for i in range(reps):  # interleaved: ours, llama.cpp, ours, ...
             o.say(f"fork localkv rep {i + 1}/{reps}: best-of-{n}, {n_prompt}-token prompt, {gen} tokens each")
-            ours.append(generate_branches(eng, prompt, n, params, gen, ignore_eos=True))
+            ours.append(Generation(eng, prompt, params, n=n).run())
             if peer:
                 o.say(f"fork llama.cpp rep {i + 1}/{reps}: prompt once, save_state, {n} x (load_state + {gen} tokens)")
                 theirs.append(peer.branches(prompt, n, gen, 0.8, 40, 0.95, o.seed))
@@ -354,34 +358,6 @@ def run_fork(o: Options) -> Report:
 
 # ------------------------------------------------------------------ cache
 
-# Run as `python -c LOCAL_TTFT_CHILD` with a JSON request on stdin. Times, in this fresh process,
-# from engine.generate() (the prefix lookup in memory and on disk included) to the first sampled
-# token, on the path `localkv run` takes; the prompt's blocks are written to the disk cache after.
-LOCAL_TTFT_CHILD = r"""
-import json, sys, time
-t_start = time.perf_counter()
-a = json.loads(sys.stdin.read())
-from localkv.engine import Engine
-from localkv.sampling import SamplingParams
-eng = Engine(a["model"], block_size=a["block_size"], kv_mem=a["kv_mem"], threads=a["threads"], progress=False,
-             device=a["device"])
-load_s = time.perf_counter() - t_start
-first = []
-t0 = time.perf_counter()
-gen = eng.generate(a["ids"], SamplingParams(temperature=0.0), max_tokens=1, ignore_eos=True)
-sample = gen.sampler
-def timed(logits):
-    tok = sample(logits)
-    if not first:
-        first.append(time.perf_counter())
-    return tok
-gen.sampler = timed
-r = gen.run()
-done = time.perf_counter() - t0
-print(json.dumps({"engine": "localkv", "ttft_s": first[0] - t0, "load_s": load_s, "request_s": done,
-                  "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "first": r.text}))
-"""
-
 SYSTEM_HEAD = "You answer questions about the license below. Quote it when you can.\n\n"
 QUESTIONS = [
     "What does this license let me do?",
@@ -415,10 +391,10 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def _child(code: str, request: dict, env: dict | None = None, what: str = "") -> dict:
+def _child(argv: list[str], request: dict, env: dict | None = None, what: str = "") -> dict:
     try:
         p = subprocess.run(
-            [sys.executable, "-c", code],
+            [sys.executable, *argv],
             input=json.dumps(request),
             capture_output=True,
             text=True,
@@ -436,20 +412,14 @@ def _child(code: str, request: dict, env: dict | None = None, what: str = "") ->
 def run_cache(o: Options) -> Report:
     meter = LoadMeter()
     size = CACHE_QUICK if o.quick else CACHE_FULL
-    eng = o.new_engine(prefix_caching=True)  # the chat below; its pool starts empty
+    eng = o.new_engine(prefix_cache=True)  # the chat below; its pool starts empty
     threads = eng.threads
     system = _system_text(eng, size["system"])
     ids_fill = _chat_ids(eng, [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}])
     ids_warm = _chat_ids(eng, [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[1]}])
     for ids in (ids_fill, ids_warm):
         eng.check_fits(len(ids), 1)
-    local_req = {
-        "model": str(eng.path),
-        "block_size": o.block_size,
-        "kv_mem": o.kv_mem,
-        "threads": threads,
-        "device": o.device,
-    }
+    local_req = {"config": o.engine_config(model=str(eng.path), threads=threads, disk_cache=True).to_dict()}
     n_ctx = -(-(max(len(ids_fill), len(ids_warm)) + 16) // 256) * 256
     peer_req = {"model": str(eng.path), "n_ctx": n_ctx, "threads": threads, "capacity": 2 << 30}
     reps = o.reps or (1 if o.quick else 3)  # medians of 3: one rep moves 5-10% on a shared VM
@@ -471,11 +441,13 @@ def run_cache(o: Options) -> Report:
                     continue
                 o.say(f"cache {engine} {cond} rep {i + 1}/{reps}: new process, {len(ids)}-token prompt")
                 if engine == "localkv":
-                    out = _child(LOCAL_TTFT_CHILD, local_req | {"ids": ids}, env, f"localkv {cond}")
+                    out = _child(["-m", "localkv.bench.child_ttft"], local_req | {"ids": ids}, env, f"localkv {cond}")
                 else:
                     from localkv.bench.peer import TTFT_CHILD
 
-                    out = _child(TTFT_CHILD, peer_req | {"ids": ids, "cache_dir": str(pdir)}, None, f"llama.cpp {cond}")
+                    out = _child(
+                        ["-c", TTFT_CHILD], peer_req | {"ids": ids, "cache_dir": str(pdir)}, None, f"llama.cpp {cond}"
+                    )
                 res.setdefault((engine, cond), []).append(out)
                 if cond == "cold":  # what the warm run will read
                     sizes[engine].append(_dir_bytes(home / "kvcache" if engine == "localkv" else pdir))
@@ -582,7 +554,7 @@ def _chat(eng: Engine, system: str, turns: int, reply: int, o: Options) -> list[
                 break
             common += 1
         reusable = min(common, len(ids) - 1) // bs * bs
-        r = eng.generate(ids, SamplingParams(temperature=0.0), max_tokens=reply).run()
+        r = Generation(eng, ids, SamplingParams(temperature=0.0, max_tokens=reply)).run()
         messages.append({"role": "assistant", "content": r.text})
         prev = ids + r.tokens
         rows.append(
@@ -615,7 +587,7 @@ def run_evict(o: Options) -> Report:
     threads = []
 
     def make_engine(cfg):
-        eng = o.new_engine(prefix_caching=False, evict=cfg)
+        eng = o.new_engine(prefix_cache=False, evict=cfg)
         threads.append(eng.threads)
         return eng
 
@@ -715,11 +687,11 @@ def _long(o: Options, n_tokens: int, budget: int, threads: list) -> list[dict]:
 
     rows = []
     for pol in POLICIES:
-        eng = o.new_engine(prefix_caching=False, evict=EvictConfig(policy=pol, budget=budget))
+        eng = o.new_engine(prefix_cache=False, evict=EvictConfig(policy=pol, budget=budget))
         threads.append(eng.threads)
         prompt = _text_ids(eng, 64)
         o.say(f"evict long {pol}: {n_tokens} tokens under a {budget}-token budget")
-        r = eng.generate(prompt, SamplingParams(0.8, 40, 0.95, o.seed), max_tokens=n_tokens, ignore_eos=True).run()
+        r = Generation(eng, prompt, SamplingParams(seed=o.seed, max_tokens=n_tokens, ignore_eos=True)).run()
         s = eng.stats
         rows.append(
             {

@@ -7,6 +7,7 @@ import time
 import typer
 
 from localkv.kv.disk_store import DiskStore
+from localkv.units import format_size
 
 cache_app = typer.Typer(
     help="The on-disk prefix cache of KV blocks under LOCALKV_HOME/kvcache.",
@@ -17,13 +18,6 @@ cache_app = typer.Typer(
 )
 
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 def _matches(row: dict, model: str | None) -> bool:
@@ -39,12 +33,12 @@ def stats(as_json: bool = JsonOpt):
         return
     q, h = s["query_tokens"], s["hit_tokens"]
     print(f"cache     {s['root']}")
-    print(f"entries   {s['entries']}, {_size(s['bytes'])} of {_size(s['max_bytes'])}")
+    print(f"entries   {s['entries']}, {format_size(s['bytes'])} of {format_size(s['max_bytes'])}")
     print(f"lifetime  {h} of {q} prompt tokens loaded from disk" + (f" ({h / q:.0%})" if q else ""))
     if s["models"]:
         print(f"\n{'MODEL':<24} {'FINGERPRINT':<16} {'ENTRIES':>8} {'SIZE':>10}")
         for m in s["models"]:
-            print(f"{m['name']:<24} {m['fingerprint']:<16} {m['entries']:>8} {_size(m['bytes']):>10}")
+            print(f"{m['name']:<24} {m['fingerprint']:<16} {m['entries']:>8} {format_size(m['bytes']):>10}")
 
 
 @cache_app.command("ls")
@@ -63,7 +57,9 @@ def ls(
     print(f"{'MODEL':<24} {'HASH':<12} {'TOKENS':>6} {'DTYPE':<7} {'SIZE':>10}  LAST USED")
     for r in rows:
         used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["last_used"]))
-        print(f"{r['model']:<24} {r['hash']:<12} {r['tokens']:>6} {r['dtype']:<7} {_size(r['bytes']):>10}  {used}")
+        print(
+            f"{r['model']:<24} {r['hash']:<12} {r['tokens']:>6} {r['dtype']:<7} {format_size(r['bytes']):>10}  {used}"
+        )
 
 
 @cache_app.command()
@@ -75,4 +71,4 @@ def clear(
     """Delete cached blocks. Lifetime counters are kept."""
     store = DiskStore()
     n = store.clear(model)
-    print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({_size(store.cleared_bytes)})")
+    print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({format_size(store.cleared_bytes)})")

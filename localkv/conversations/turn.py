@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from localkv.conversations.store import ConversationStore
 from localkv.errors import LocalkvError
+from localkv.sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -20,17 +21,23 @@ class Turn:
         return head + self.history + tail
 
     def save(
-        self, model: str, prompt: str | None, replies: list[tuple[str, int]], prompt_tokens: int, sampling: dict
+        self,
+        model: str,
+        prompt: str | None,
+        replies: list[tuple[str, int]],
+        prompt_tokens: int,
+        sampling: SamplingParams,
     ) -> tuple[str | None, list[str]]:
         """Store the user message (unless re-sampling) and each reply as siblings under it.
-        Returns (user message id, reply ids); nothing when saving is off."""
+        Returns (user message id, reply ids); nothing when saving is off. A system prompt given
+        to an existing conversation starts a new root branch."""
         if self.store is None:
             return None, []
         st = self.store
         if self.conversation_id is None:
             self.conversation_id = st.new_conversation(model)
-            if self.system:
-                self.parent_id = st.add_message(self.conversation_id, None, "system", self.system, model=model)
+        if self.parent_id is None and self.system:
+            self.parent_id = st.add_message(self.conversation_id, None, "system", self.system, model=model)
         parent = self.parent_id
         if prompt is not None:
             parent = st.add_message(
@@ -43,7 +50,7 @@ class Turn:
                 "assistant",
                 text,
                 model=model,
-                sampling=sampling,
+                sampling=sampling.as_dict(),
                 prompt_tokens=prompt_tokens,
                 completion_tokens=n,
             )

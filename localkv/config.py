@@ -1,0 +1,66 @@
+"""EngineConfig: every setting an engine is built from, its defaults and its checks, in one place.
+
+Front ends (CLI, TUI, bench, server) build one, an Engine takes it whole, and a variant is
+`dataclasses.replace(config, ...)`. validate() runs before any model loads, so a bad flag
+fails in a fraction of a second.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from localkv.backends import DEVICES
+from localkv.errors import LocalkvError
+from localkv.kv.evict import EvictConfig
+from localkv.units import parse_size
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None  # catalog name, .gguf path or Hugging Face directory; None: the default model
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int | None = None  # CPU threads for matrix math; None: all cores
+    block_size: int = 16  # tokens per KV block
+    kv_mem: int | str = "1GiB"  # memory of the KV block pool
+    prefill_chunk: int = 512  # most prompt tokens per forward pass
+    prefix_cache: bool = True  # reuse full blocks of earlier prompts (memory, and disk if disk_cache)
+    disk_cache: bool = True  # keep prompt blocks on disk between processes
+    disk_cache_size: int | str = "2GiB"  # LRU cap of the disk cache
+    evict: EvictConfig = field(default_factory=EvictConfig)  # KV budget per sequence and what happens past it
+    offload_dir: str | None = None  # offload policy: spill blocks to a file here instead of RAM
+
+    def __post_init__(self):
+        # sizes arrive as text from flags; they are kept as bytes
+        if self.evict is None:
+            object.__setattr__(self, "evict", EvictConfig())
+        object.__setattr__(self, "kv_mem", parse_size(self.kv_mem))
+        object.__setattr__(self, "disk_cache_size", parse_size(self.disk_cache_size))
+        if self.model is not None:
+            object.__setattr__(self, "model", str(self.model))
+        if self.offload_dir is not None:
+            object.__setattr__(self, "offload_dir", str(Path(self.offload_dir)))
+
+    def validate(self) -> "EngineConfig":
+        """Raise LocalkvError for any value no engine can be built with; return self."""
+        bs = self.block_size
+        if bs < 1 or bs & (bs - 1):
+            raise LocalkvError(f"invalid block size {bs}: use a power of two (16 is the default)")
+        if self.prefill_chunk < 1:
+            raise LocalkvError(f"invalid prefill chunk {self.prefill_chunk}: must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise LocalkvError(f"invalid thread count {self.threads}: must be >= 1")
+        if (self.device or "").strip().lower() not in DEVICES:
+            raise LocalkvError(f"unknown device {self.device!r}: use one of {', '.join(DEVICES)}")
+        if self.kv_mem < 1:
+            raise LocalkvError("invalid --kv-mem 0: the KV pool needs memory")
+        self.evict.validate(bs)
+        return self
+
+    def to_dict(self) -> dict:
+        """Plain values (JSON-ready), e.g. for a child process; from_dict() reverses it."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["evict"] = {f: getattr(self.evict, f) for f in self.evict.__dataclass_fields__}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        return cls(**(d | {"evict": EvictConfig(**d.get("evict", {}))}))

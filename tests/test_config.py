@@ -1,0 +1,76 @@
+"""EngineConfig: one place for the engine's defaults and checks; the CLI options built from it."""
+
+from dataclasses import FrozenInstanceError, replace
+
+import pytest
+from typer.testing import CliRunner
+
+from localkv.cli import app
+from localkv.cli.options import ENGINE_OPTIONS, SAMPLING_OPTIONS, engine_config
+from localkv.config import EngineConfig
+from localkv.errors import LocalkvError
+from localkv.kv.evict import EvictConfig
+from localkv.units import format_size, parse_size
+
+
+def test_sizes_are_parsed_once_and_kept_in_bytes():
+    cfg = EngineConfig(kv_mem="512MiB", disk_cache_size="1G")
+    assert cfg.kv_mem == 512 << 20 and cfg.disk_cache_size == 1 << 30
+    assert replace(cfg, block_size=8).kv_mem == 512 << 20
+
+
+def test_config_is_frozen():
+    with pytest.raises(FrozenInstanceError):
+        EngineConfig().block_size = 8
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(block_size=12), "power of two"),
+        (dict(block_size=0), "power of two"),
+        (dict(prefill_chunk=0), "prefill chunk"),
+        (dict(threads=0), "thread count"),
+        (dict(device="tpu"), "unknown device"),
+        (dict(kv_mem=0), "kv-mem"),
+        (dict(evict=EvictConfig(policy="lru", budget=64)), "unknown KV policy"),
+        (dict(evict=EvictConfig(policy="sliding")), "needs a budget"),
+    ],
+)
+def test_validate_names_the_bad_value(kw, msg):
+    with pytest.raises(LocalkvError, match=msg):
+        EngineConfig(**kw).validate()
+
+
+def test_bad_size_fails_when_made():
+    with pytest.raises(LocalkvError, match="invalid size"):
+        EngineConfig(kv_mem="lots")
+
+
+def test_dict_round_trip_keeps_every_field():
+    cfg = EngineConfig(model="m.gguf", threads=2, block_size=8, evict=EvictConfig(policy="h2o", budget=256))
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_option_defaults_come_from_the_dataclasses():
+    assert engine_config({}) == EngineConfig().validate()
+    cfg = engine_config({"no_cache": True, "evict": "sliding", "kv_budget": 256, "sinks": 16})
+    assert not cfg.prefix_cache and cfg.evict == EvictConfig(policy="sliding", budget=256, sinks=16)
+
+
+@pytest.mark.parametrize("command", ["run", "fork", "chat"])
+def test_every_engine_command_takes_every_engine_option(command):
+    text = CliRunner().invoke(app, [command, "--help"], terminal_width=200).output
+    for _, _, flags, _ in list(ENGINE_OPTIONS.values()) + list(SAMPLING_OPTIONS.values()):
+        assert flags[-1] in text, f"{command} lacks {flags[-1]}"
+
+
+def test_fork_defaults_to_shorter_replies():
+    text = CliRunner().invoke(app, ["fork", "--help"], terminal_width=200).output
+    line = next(x for x in text.splitlines() if "--max-tokens" in x)
+    assert "256" in line
+
+
+def test_sizes_for_people():
+    assert format_size(512) == "512 B" and format_size(94 << 20) == "94.0 MiB" and format_size(3 << 30) == "3.0 GiB"
+    assert parse_size("512MiB") == 512 << 20 and parse_size("2G") == 2 << 30 and parse_size("100") == 100
