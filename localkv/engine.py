@@ -2,15 +2,14 @@
 
 import numpy as np
 
-from localkv import backends as backend
-from localkv.backends import cpu as ops_numpy
+from localkv import backends
 from localkv.config import EngineConfig
 from localkv.errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
 from localkv.hub.catalog import resolve_model
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.block_tables import KVManager
 from localkv.kv.disk_store import DiskStore
-from localkv.kv.evict import Evictor
+from localkv.kv.evict import make_policy
 from localkv.model.llama import Llama, Span
 from localkv.model.loader import load_model
 from localkv.sequence import Sequence
@@ -28,20 +27,17 @@ class Engine:
 
             self._threads_limit = threadpool_limits(limits=cfg.threads)  # held for the engine's life
         self.threads = cfg.threads or _blas_threads()
-        self.ops = backend.select(cfg.device)  # before the model loads: a missing GPU fails fast
-        backend.tune_malloc()
+        self.ops = backends.select(cfg.device, self.threads)  # before the model loads: a missing GPU fails fast
+        backends.tune_malloc()
         self.path = resolve_model(cfg.model, progress=progress)
         self.loaded = loaded = load_model(self.path, progress=progress)
         self.cfg, self.tokenizer = loaded.config, loaded.tokenizer
-        if self.ops is ops_numpy:  # the CPU kernels (numba), after the model: a bad model fails first
-            ops_numpy.configure(self.threads, progress)
-        weights = loaded.weights if self.ops is ops_numpy else self.ops.upload_weights(loaded.weights)
-        self.model = Llama(self.cfg, weights, self.ops)
+        self.ops.start(progress)  # kernels, after the model: a bad model fails first
+        self.model = Llama(self.cfg, self.ops.prepare_weights(loaded.weights), self.ops)
         self.stats = Stats()
         self.pool = self._new_pool()
-        self.evict = cfg.evict
         # validates the policy and opens the offload tier before any generation starts
-        self.evictor = Evictor(self.evict, self.pool, self.stats, cfg.offload_dir)
+        self.policy = make_policy(cfg.evict, self.pool, self.stats, cfg.offload_dir)
         dtype = np.dtype(self.ops.kv_dtype).name  # fp16 GPU K/V must never be read as CPU fp32 K/V
         self.kv = KVManager(self.pool, salt=f"{self.cfg.fingerprint}:{cfg.block_size}:{dtype}".encode())
         self.prefix_caching = cfg.prefix_cache
@@ -68,8 +64,8 @@ class Engine:
 
     @property
     def cpu_kernels(self) -> bool:
-        """Whether decode steps run their matmuls on the compiled CPU kernels (cpu_kernels)."""
-        return self.ops is ops_numpy and ops_numpy.uses_kernels(1)
+        """Whether decode steps run their matmuls on compiled few-row kernels."""
+        return self.ops.uses_kernels(1)
 
     @property
     def block_size(self) -> int:
@@ -87,35 +83,28 @@ class Engine:
         (with all_logits: [tokens processed, vocab], one row per token)."""
         tokens, positions, slots, spans, rows = [], [], [], [], []
         budget = max_tokens or sum(len(s.pending) for s in seqs)
-        limit = self.evict.chunk_limit(self.block_size)
+        limit = self.policy.chunk_limit()
         counts, left = [], budget
         for seq in seqs:
             counts.append(min(len(seq.pending), left, limit or left))
             left -= counts[-1]
-        self._enforce_budget(seqs, counts)
-        need = sum(self.kv.need(s, n) for s, n in zip(seqs, counts) if n)
-        if need > self.pool.num_free:  # before any sequence is touched: a failed step changes nothing
-            raise PoolExhausted(
-                f"KV pool exhausted: this step needs {need} blocks, {self.pool.num_free} are free (raise --kv-mem)"
-            )
+        if not all(counts):
+            raise LocalkvError("internal: step on a sequence with no pending tokens")
+        # every plan, then the pool check, before any sequence is touched: a failed step changes nothing
+        plans = [self.policy.plan(s, n) for s, n in zip(seqs, counts)]
+        need = sum(self.kv.need(s, n) for s, n in zip(seqs, counts))
+        free = self.pool.num_free + sum(len(p.victims) for p in plans)  # each victim frees one block
+        if need > free:
+            raise PoolExhausted(f"KV pool exhausted: this step needs {need} blocks, {free} are free (raise --kv-mem)")
+        for seq, plan in zip(seqs, plans):
+            self.policy.make_room(seq, plan)
         for seq, n in zip(seqs, counts):
-            if not n:
-                raise LocalkvError("internal: step on a sequence with no pending tokens")
             chunk = seq.pending[:n]
             start = len(tokens)
             positions.extend(range(seq.num_computed, seq.num_computed + n))
             slots.append(self.kv.append_slots(seq, n))
             tokens.extend(chunk)
-            spans.append(
-                Span(
-                    start,
-                    n,
-                    np.asarray(seq.block_table),
-                    seq.num_stored,
-                    self.evictor.mass_for(seq),
-                    self.evictor.retriever(seq),
-                )
-            )
+            spans.append(Span(start, n, np.asarray(seq.block_table), seq.num_stored, self.policy.extras(seq)))
             rows.append(len(tokens) - 1)
         if all_logits:
             rows = list(range(len(tokens)))
@@ -124,37 +113,18 @@ class Engine:
             np.asarray(tokens), np.asarray(positions), np.concatenate(slots), spans, self.pool, rows
         )
         for seq, sp in zip(seqs, spans):
-            self.evictor.observe(seq, sp.mass, sp.length)
-            if self.evictor.tier is not None:
-                self.evictor.recalled(seq, sp.retrieve)
+            self.policy.after_forward(seq, sp.extras, sp.length)
             if self.prefix_caching:
                 self.kv.register_full_blocks(seq)
         return logits
 
-    def _enforce_budget(self, seqs: list[Sequence], counts: list[int]):
-        """Make room under each sequence's KV budget before its tokens are appended."""
-        ev = self.evict
-        if ev.budget is None:
-            return
-        for seq, n in zip(seqs, counts):
-            if ev.policy == "none":
-                if seq.num_stored + n > ev.budget:
-                    raise BudgetReached(
-                        f"KV budget of {ev.budget} tokens is full (policy none; choose --evict "
-                        "sliding, h2o or offload to keep going)"
-                    )
-            elif self.evictor.make_room(seq, n) > 0:
-                raise BudgetReached(
-                    f"KV budget of {ev.budget} tokens is full and the remaining blocks are shared with another sequence"
-                )
-
     def fork(self, seq: Sequence) -> Sequence:
         child = self.kv.fork(seq)
-        self.evictor.fork(seq, child)
+        self.policy.fork(seq, child)
         return child
 
     def free(self, seq: Sequence):
-        self.evictor.free(seq)
+        self.policy.free(seq)
         self.kv.free(seq)
 
     def prefill(self, seq: Sequence) -> np.ndarray:
@@ -215,7 +185,7 @@ class Engine:
     def check_fits(self, n_prompt: int, max_tokens: int, n_seqs: int = 1):
         """Refuse, before any work, a request of n_seqs replies (forks of one prompt) that cannot
         fit the context, the KV budget or the pool's free blocks."""
-        ctx, ev, bs = self.cfg.ctx_len, self.evict, self.block_size
+        ctx, ev, bs = self.cfg.ctx_len, self.policy.config, self.block_size
         if n_prompt == 0:
             raise LocalkvError("empty prompt: nothing to run")
         if n_prompt >= ctx:

@@ -21,3 +21,10 @@ class ContextOverflow(LocalkvError):
 
 class BudgetReached(LocalkvError):
     """A sequence's KV budget is full and its policy cannot make room."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none): for one-line
+    errors that quote a library's reason."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -139,7 +139,7 @@ class Generation:
         seqs = [self.root] + [eng.fork(self.root) for _ in range(self.n - 1)]
         for i, seq in enumerate(seqs):
             b = Branch(i, seq, Sampler(params.for_branch(i)), eng.tokenizer.streamer())
-            b.peak_active_tokens = eng.evictor.active_tokens(seq)
+            b.peak_active_tokens = eng.policy.active_tokens(seq)
             self.result.branches.append(b)
 
     def advance(self, live: list[Branch], rows) -> Iterator[Piece]:
@@ -161,7 +161,7 @@ class Generation:
                 yield Piece(b.index, piece)
             if len(b.tokens) >= p.max_tokens:
                 b.finish_reason = "length"
-            elif len(b.seq.tokens) >= eng.cfg.ctx_len and eng.evict.policy == "none":
+            elif len(b.seq.tokens) >= eng.cfg.ctx_len and eng.policy.config.policy == "none":
                 b.finish_reason = "context"
 
     def _decode(self, live: list[Branch]) -> list[np.ndarray]:
@@ -173,7 +173,7 @@ class Generation:
                 b.finish_reason, b.stop_detail = "kv_budget", str(e)
             return []
         for b in live:
-            b.peak_active_tokens = max(b.peak_active_tokens, eng.evictor.active_tokens(b.seq))
+            b.peak_active_tokens = max(b.peak_active_tokens, eng.policy.active_tokens(b.seq))
         return list(out)
 
     def _flush(self) -> Iterator[Piece]:

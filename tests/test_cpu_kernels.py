@@ -70,10 +70,10 @@ def test_blas_on_one_thread_while_kernels_run(tiny, kernels):
     def blas_threads():
         return {i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"}
 
-    Engine(EngineConfig(model=tiny, threads=2))
-    ops_numpy.begin_forward(1)
+    ops = Engine(EngineConfig(model=tiny, threads=2)).ops
+    ops.begin_forward(1)
     assert blas_threads() == {1}
-    ops_numpy.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill: BLAS gets the engine's threads
+    ops.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill: BLAS gets the engine's threads
     assert blas_threads() == {2}
 
 

@@ -93,7 +93,7 @@ def test_block_size_and_chunking_do_not_change_logits(gguf_path, block_size, chu
 def test_batched_decode_equals_each_sequence_alone(gguf_path, monkeypatch, chunk, max_rows):
     # several logits rows: the vocabulary in one slice, in 100-row slices (the last one partial),
     # or in one call (more rows than the slicing is for)
-    from localkv.model import llama as model
+    from localkv.backends import cpu as model
 
     monkeypatch.setattr(model, "LOGIT_CHUNK", chunk)
     monkeypatch.setattr(model, "LOGIT_CHUNK_MAX_ROWS", max_rows)

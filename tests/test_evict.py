@@ -1,21 +1,18 @@
-"""The eviction / offload policy layer on a small synthetic pool (no model)."""
+"""The KV policies (localkv.kv.evict) on a small synthetic pool (no model)."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from localkv.backends.cpu import paged_attention
-from localkv.errors import LocalkvError
+from localkv.errors import BudgetReached, LocalkvError
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.block_tables import KVManager
-from localkv.kv.evict import (
-    EvictConfig,
-    Evictor,
-    OffloadTier,
-    SeqKV,
-    choose_victims,
-    quest_scores,
-    ref_counts,
-)
+from localkv.kv.evict import POLICIES, AttendExtras, EvictConfig, NoPolicy, RoomPlan, make_policy
+from localkv.kv.evict.h2o import H2OPolicy
+from localkv.kv.evict.offload import OffloadPolicy, OffloadTier, quest_scores
+from localkv.kv.evict.window import SlidingPolicy, TablePositions, choose_victims, ref_counts
 from localkv.sequence import Sequence
 
 BS, LAYERS, KVH, HEADS, HD = 4, 2, 2, 4, 8
@@ -24,6 +21,10 @@ BS, LAYERS, KVH, HEADS, HD = 4, 2, 2, 4, 8
 def make(num_blocks=64, block_size=BS):
     pool = BlockPool(n_layers=LAYERS, num_blocks=num_blocks, block_size=block_size, n_kv_heads=KVH, head_dim=HD)
     return pool, KVManager(pool)
+
+
+def policy(cfg, pool, **kw):
+    return make_policy(cfg, pool, pool.stats, **kw)
 
 
 def append(kv, seq, n, rng=None):
@@ -44,6 +45,13 @@ def new_seq(kv, n, rng=None):
     return seq
 
 
+def make_room(pol, seq, n):
+    """What the engine does before appending n tokens: plan, then commit."""
+    plan = pol.plan(seq, n)
+    pol.make_room(seq, plan)
+    return plan
+
+
 def positions_held(pool, seq):
     """The first position each table entry holds, read back from the keys themselves."""
     return [int(pool.k[0, b, 0, 0, 0]) for b in seq.block_table]
@@ -51,6 +59,17 @@ def positions_held(pool, seq):
 
 def events(pool, kind):
     return [e for e in pool.stats.events if e.kind == kind]
+
+
+def snapshot(pool, *seqs):
+    """Everything a failed step must leave as it was."""
+    return (
+        [(list(s.block_table), s.num_stored, s.num_computed, s.hashable) for s in seqs],
+        pool.num_free,
+        len(pool.stats.events),
+        pool.stats.evictions,
+        pool.stats.offloads,
+    )
 
 
 # ------------------------------------------------------------ config
@@ -77,30 +96,72 @@ def test_validation_errors():
         EvictConfig("h2o", budget=64, heavy_share=1.0).validate(BS)
     pool, _ = make()
     with pytest.raises(LocalkvError, match="unknown KV policy"):
-        Evictor(EvictConfig("LRU", 64), pool)
+        policy(EvictConfig("LRU", 64), pool)
     # the boundaries themselves are valid
+    cfg = EvictConfig("sliding", budget=8, sinks=4)
+    assert cfg.validate(BS) is cfg
     EvictConfig().validate(BS)
-    EvictConfig("sliding", budget=8, sinks=4).validate(BS)
     EvictConfig("h2o", budget=16, sinks=4, recent=8).validate(BS)
     EvictConfig("h2o", budget=8, sinks=0, recent=0).validate(BS)
 
 
-def test_default_recent_window():
-    assert EvictConfig("sliding", budget=32, sinks=4).recent_tokens(BS) == 32 - 4 - BS
-    # h2o: half the room (6 blocks past sinks and the spare) is per-layer-head heavy-hitter slots
-    h2o = EvictConfig("h2o", budget=32, sinks=4)
-    assert h2o.heavy_tokens(BS) == 3 * BS and h2o.recent_tokens(BS) == 3 * BS and h2o.resident_blocks(BS) == 5
-    assert EvictConfig("h2o", budget=32, sinks=4, heavy_share=0.0).recent_tokens(BS) == 32 - 4 - BS
-    assert EvictConfig("sliding", budget=32).heavy_tokens(BS) == 0
-    # offload: 90% of the room (14 blocks past sinks and the spare) is recall slots, the rest recent window
-    off = EvictConfig("offload", budget=64, sinks=4)
-    assert off.recall_blocks(BS) == 12 and off.recent_tokens(BS) == 2 * BS and off.resident_blocks(BS) == 4
-    assert EvictConfig("offload", budget=64, sinks=4, recent=8).recall_blocks(BS) == 12
-    assert EvictConfig("h2o", budget=64).recall_blocks(BS) == 0
-    assert EvictConfig("h2o", budget=32, recent=3).recent_tokens(BS) == 3
-    assert EvictConfig("h2o", budget=32, recent=3).heavy_tokens(BS) == 5 * BS  # all the room the window leaves
-    assert EvictConfig("h2o", budget=32, recent=3).chunk_limit(BS) == 3
+def test_config_is_frozen():
+    cfg = EvictConfig("sliding", budget=64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.budget = 32
+    assert dataclasses.replace(cfg, budget=32).budget == 32 and cfg.budget == 64
+
+
+def valid_configs():
+    for policy_ in ("sliding", "h2o", "offload"):
+        for bs in (4, 16):
+            for budget in range(2 * bs, 40 * bs, 3):
+                for sinks in (0, 1, 4, bs + 1):
+                    for recent in (None, 0, bs - 1, 3 * bs):
+                        cfg = EvictConfig(policy_, budget, sinks, recent)
+                        try:
+                            yield cfg.validate(bs), bs
+                        except LocalkvError:
+                            pass
+
+
+def test_budget_split_rules():
+    """Resident blocks + side slots = the budget; the side slots are the policy's share of the
+    room (none for sliding) and leave the recent window at least one block; a step appends at
+    most the recent window (at least one token)."""
+    checked = 0
+    for cfg, bs in valid_configs():
+        side, room, recent = cfg.side_blocks(bs), cfg.room_blocks(bs), cfg.recent_tokens(bs)
+        assert cfg.resident_blocks(bs) + side == cfg.budget // bs
+        assert cfg.sink_tokens(bs) + (cfg.resident_blocks(bs) - 1) * bs >= recent  # the window fits the pool
+        assert cfg.chunk_limit(bs) == max(1, recent)
+        if cfg.policy == "sliding":
+            assert side == 0
+        share = {"sliding": 0.0, "h2o": cfg.heavy_share, "offload": cfg.recall_share}[cfg.policy]
+        if cfg.recent is None:
+            assert side * bs + recent == room * bs  # the window gets what the side slots leave
+            if room:
+                assert recent >= bs and side <= share * room
+        else:
+            assert recent == cfg.recent and (side == 0 or side + -(-recent // bs) == room)
+        assert cfg.heavy_tokens(bs) == (side * bs if cfg.policy == "h2o" else 0)
+        assert cfg.recall_blocks(bs) == (side if cfg.policy == "offload" else 0)
+        checked += 1
+    assert checked > 1000
+    # the default shares, on one budget: h2o spends half the room on heavy hitters, offload 90% on recall
+    assert EvictConfig("h2o", budget=32, sinks=4).side_blocks(BS) == 6 // 2
+    assert EvictConfig("offload", budget=64, sinks=4).side_blocks(BS) == int(14 * 0.9)
     assert EvictConfig().chunk_limit(BS) is None
+
+
+def test_make_policy_gives_each_policy_its_class():
+    pool, _ = make()
+    classes = {"none": NoPolicy, "sliding": SlidingPolicy, "h2o": H2OPolicy, "offload": OffloadPolicy}
+    assert set(classes) == set(POLICIES)
+    for name, cls in classes.items():
+        pol = policy(EvictConfig(name, budget=32), pool)
+        assert type(pol) is cls and pol.config.policy == name
+        assert pol.chunk_limit() == EvictConfig(name, budget=32).chunk_limit(BS)
 
 
 # ------------------------------------------------------------ choosing victims
@@ -108,18 +169,19 @@ def test_default_recent_window():
 
 def test_sliding_keeps_sinks_and_recent_and_drops_oldest_first():
     pool, kv = make()
-    ev = Evictor(EvictConfig("sliding", budget=16, sinks=4), pool)  # recent: 8
+    pol = policy(EvictConfig("sliding", budget=16, sinks=4), pool)  # recent: 8
     seq = Sequence([])
     for t in range(60):
         seq.tokens.append(t)
-        assert ev.make_room(seq, 1) == 0
+        make_room(pol, seq, 1)
         append(kv, seq, 1)
         held = positions_held(pool, seq)
-        assert held == ev.state(seq).start.tolist() and held == sorted(held)
+        assert held == pol.state(seq).table.start.tolist() and held == sorted(held)
         assert held[0] == 0  # the sink block
         covered = {p for s in held for p in range(s, s + BS)}
         assert set(range(max(0, seq.num_computed - 8), seq.num_computed)) <= covered  # the recent window
         assert len(seq.block_table) <= 4 and seq.num_stored <= 16
+        assert pol.extras(seq) is None
         pool.check([seq.block_table])
     evicted = [e.positions for e in events(pool, "evict")]
     assert evicted == [(s, s + BS) for s in range(4, 4 + BS * len(evicted), BS)]  # oldest first, no gaps
@@ -127,14 +189,14 @@ def test_sliding_keeps_sinks_and_recent_and_drops_oldest_first():
     assert not seq.hashable
 
 
-def h2o_step(ev, kv, seq, n, rng, mass_fn):
-    """make_room + append n tokens + a mass array filled by mass_fn(mass, hh) + observe."""
+def h2o_step(pol, kv, seq, n, rng, mass_fn):
+    """plan + make_room + append n tokens + a mass array filled by mass_fn(mass, hh) + after_forward."""
     seq.tokens += [0] * n
-    assert ev.make_room(seq, n) == 0
+    make_room(pol, seq, n)
     append(kv, seq, n, rng)
-    mass = ev.mass_for(seq)
-    mass_fn(mass, ev.heavy_hitters(seq))
-    ev.observe(seq, mass)
+    ex = pol.extras(seq)
+    mass_fn(ex.mass, pol.state(seq).heavy)
+    pol.after_forward(seq, ex, 1)
 
 
 def test_h2o_each_layer_head_keeps_its_own_top_tokens():
@@ -142,14 +204,14 @@ def test_h2o_each_layer_head_keeps_its_own_top_tokens():
     whichever blocks they came from; sinks and the recent window stay in the table."""
     pool, kv = make()
     cfg = EvictConfig("h2o", budget=24, sinks=4, recent=4)  # 6 blocks: sink, recent, spare; 3 blocks = 12 heavy slots
-    ev = Evictor(cfg, pool)
+    pol = policy(cfg, pool)
     assert cfg.heavy_tokens(BS) == 12 and cfg.resident_blocks(BS) == 3
     rng = np.random.default_rng(2)
     favourite = {(l, h): {5 + 7 * l + 3 * h, 9 + 11 * l + 5 * h} for l in range(LAYERS) for h in range(KVH)}
 
     def mass_fn(mass, hh):  # token p gets 0.01 * p, each layer-head's favourites get 10
         base = np.zeros(mass.shape[2] - hh.n)
-        first = ev.state(seq).start
+        first = pol.state(seq).table.start
         ctx = np.concatenate([np.arange(s, s + BS) for s in first])[: len(base)]
         for (l, h), fav in favourite.items():
             mass[l, h, hh.n :] = 0.01 * ctx + np.where(np.isin(ctx, list(fav)), 10.0, 0.0)
@@ -157,11 +219,11 @@ def test_h2o_each_layer_head_keeps_its_own_top_tokens():
     saved_k = {}
     seq = Sequence([])
     for _ in range(60):
-        h2o_step(ev, kv, seq, 1, rng, mass_fn)
+        h2o_step(pol, kv, seq, 1, rng, mass_fn)
         for i, b in enumerate(seq.block_table):
-            saved_k[int(ev.state(seq).start[i])] = pool.k[:, b].copy()
-    hh = ev.heavy_hitters(seq)
-    assert hh.n == 12 and ev.active_tokens(seq) == seq.num_stored + 12 <= cfg.budget
+            saved_k[int(pol.state(seq).table.start[i])] = pool.k[:, b].copy()
+    hh = pol.state(seq).heavy
+    assert hh.n == 12 and pol.active_tokens(seq) == seq.num_stored + 12 <= cfg.budget
     assert positions_held(pool, seq)[0] == 0 and len(seq.block_table) <= 3
     for (l, h), fav in favourite.items():
         held = sorted(hh.pos[l, h, : hh.n].tolist())
@@ -170,7 +232,7 @@ def test_h2o_each_layer_head_keeps_its_own_top_tokens():
             p = int(hh.pos[l, h, j])
             start = p - p % BS
             assert np.array_equal(hh.k[l, h, j], saved_k[start][l, p - start, h])
-        k, v = hh.extra(l)
+        k, v = pol.extras(seq).kv(l, None)
         assert k.shape == v.shape == (KVH, 12, HD)
     assert sorted(hh.pos[0, 0].tolist()) != sorted(hh.pos[1, 1].tolist())  # layer-heads differ
     ev_ = events(pool, "evict")
@@ -183,8 +245,8 @@ def test_h2o_matches_a_brute_force_top_k_over_everything_that_left():
     tokens among all that ever left the table (a dropped token never comes back), and its
     score is the mass it accumulated."""
     pool, kv = make()
-    ev = Evictor(EvictConfig("h2o", budget=28, sinks=4, recent=8, decay=1.0), pool)  # plain sums: the reference adds
-    cap = ev.cfg.heavy_tokens(BS)
+    pol = policy(EvictConfig("h2o", budget=28, sinks=4, recent=8, decay=1.0), pool)  # plain sums: the reference adds
+    cap = pol.config.heavy_tokens(BS)
     assert cap == 12  # 7 blocks: sink, 2 recent, spare, 3 blocks of heavy-hitter slots
     rng = np.random.default_rng(9)
     total = {}  # (l, h, pos) -> accumulated mass
@@ -193,7 +255,7 @@ def test_h2o_matches_a_brute_force_top_k_over_everything_that_left():
 
     def mass_fn(mass, hh):
         mass[:] = rng.random(mass.shape)
-        first = ev.state(seq).start
+        first = pol.state(seq).table.start
         ctx = np.concatenate([np.arange(s, s + BS) for s in first])[: mass.shape[2] - hh.n]
         for l in range(LAYERS):
             for h in range(KVH):
@@ -205,8 +267,8 @@ def test_h2o_matches_a_brute_force_top_k_over_everything_that_left():
     for _ in range(30):
         n = int(rng.integers(1, 5))
         before = set(positions_held(pool, seq))
-        h2o_step(ev, kv, seq, n, rng, mass_fn)
-        hh = ev.heavy_hitters(seq)
+        h2o_step(pol, kv, seq, n, rng, mass_fn)
+        hh = pol.state(seq).heavy
         left = before - set(positions_held(pool, seq))
         for (l, h), ref in alive.items():
             pool_ = ref | {p for s in left for p in range(s, s + BS)}
@@ -221,11 +283,11 @@ def test_h2o_matches_a_brute_force_top_k_over_everything_that_left():
 def test_partial_last_block_is_never_taken():
     pool, kv = make()
     seq = new_seq(kv, 10)  # blocks of 4, 4, 2
-    state = SeqKV(BS).sync(seq)
+    table = TablePositions(BS).sync(seq)
     cfg = EvictConfig("sliding", budget=8, sinks=0, recent=0)
-    assert choose_victims(state, 3, cfg, ref_counts(seq, pool)) == [0, 1]
+    assert choose_victims(table, 3, cfg, ref_counts(seq, pool)) == [0, 1]
     # even when the incoming tokens would fill it and put it wholly behind the recent window
-    assert choose_victims(state, 3, cfg, ref_counts(seq, pool), incoming=6) == [0, 1]
+    assert choose_victims(table, 3, cfg, ref_counts(seq, pool), incoming=6) == [0, 1]
 
 
 def test_shared_blocks_are_never_chosen():
@@ -234,28 +296,89 @@ def test_shared_blocks_are_never_chosen():
     child = kv.fork(parent)  # blocks 0-2 now have ref_count 2
     parent.tokens += [0] * 12
     append(kv, parent, 12)
-    state = SeqKV(BS).sync(parent)  # the shared ones are the oldest
+    table = TablePositions(BS).sync(parent)  # the shared ones are the oldest
     cfg = EvictConfig("h2o", budget=8, sinks=0, recent=4)
-    assert choose_victims(state, 5, cfg, ref_counts(parent, pool)) == [3, 4]
-    # the child holds only shared blocks: nothing may go, the shortfall is reported
-    ev = Evictor(EvictConfig("h2o", budget=8, sinks=0, recent=0), pool)
-    table = list(child.block_table)
-    assert ev.make_room(child, 1) == 4 - ev.cfg.resident_blocks(BS)  # 3 full blocks + 1 for the new token
-    assert child.block_table == table and child.hashable
-    assert pool.stats.evictions == 0
+    assert choose_victims(table, 5, cfg, ref_counts(parent, pool)) == [3, 4]
+    # the child holds only shared blocks: nothing may go, and planning says so
+    pol = policy(EvictConfig("h2o", budget=8, sinks=0, recent=0), pool)
+    before = snapshot(pool, parent, child)
+    with pytest.raises(BudgetReached, match="shared with another sequence"):
+        pol.plan(child, 1)
+    assert snapshot(pool, parent, child) == before and child.hashable
     pool.check([parent.block_table, child.block_table])
 
 
-def test_policy_none_never_evicts():
+@pytest.mark.parametrize("name", ["sliding", "h2o", "offload"])
+def test_a_plan_that_cannot_make_enough_room_changes_nothing(name):
+    """Two of the five blocks that would have to go may go (the rest are shared): planning
+    raises before anything leaves, instead of evicting two and then giving up."""
     pool, kv = make()
-    ev = Evictor(EvictConfig(), pool)
+    parent = new_seq(kv, 12)
+    child = kv.fork(parent)
+    parent.tokens += [0] * 12
+    append(kv, parent, 12)  # 6 blocks: 3 shared, 3 its own (the newest in the recent window)
+    pol = policy(EvictConfig(name, budget=8, sinks=0, recent=4), pool)
+    assert choose_victims(pol.state(parent).table, 5, pol.config, ref_counts(parent, pool), 1) == [3, 4]
+    before = snapshot(pool, parent, child)
+    with pytest.raises(BudgetReached, match="shared"):
+        pol.plan(parent, 1)
+    assert snapshot(pool, parent, child) == before
+    pool.check([parent.block_table, child.block_table])
+
+
+def test_planning_changes_nothing_and_committing_frees_exactly_the_victims():
+    """The engine's two-sequence step under sliding (budget 48, blocks of 16): A must drop one
+    block, B needs one more; with no free block the pool check fails on the plans alone."""
+    bs = 16
+    pool, kv = make(num_blocks=4, block_size=bs)
+    pol = policy(EvictConfig("sliding", budget=48), pool)
+    a, b = new_seq(kv, 48), new_seq(kv, 10)  # 3 full blocks, 1 partial: the pool is full
+    a.tokens.append(0)
+    b.tokens += [0] * 16
+    counts = [1, min(16, pol.chunk_limit())]
+    before = snapshot(pool, a, b)
+    plans = [pol.plan(s, n) for s, n in zip((a, b), counts)]
+    assert plans == [RoomPlan([1]), RoomPlan([])] and plans == [pol.plan(s, n) for s, n in zip((a, b), counts)]
+    assert snapshot(pool, a, b) == before and a.hashable and not pool.stats.events
+    need = sum(kv.need(s, n) for s, n in zip((a, b), counts))
+    freed = sum(len(p.victims) for p in plans)
+    assert need == 2 and pool.num_free + freed == 1  # the engine raises PoolExhausted here: nothing changed
+    # committing A's plan alone frees exactly its victims
+    pol.make_room(a, plans[0])
+    assert pool.num_free == freed and a.num_stored == 32 and len(events(pool, "evict")) == 1
+
+
+def test_a_stale_or_foreign_plan_is_a_caller_bug():
+    pool, kv = make()
+    parent = new_seq(kv, 12)
+    child = kv.fork(parent)
+    for name in ("sliding", "h2o", "offload"):
+        pol = policy(EvictConfig(name, budget=8, sinks=0, recent=0), pool)
+        for victims in ([0], [5], [1, 0]):  # shared, past the table, not ascending
+            with pytest.raises(RuntimeError, match="bug in the caller's logic"):
+                pol.make_room(child, RoomPlan(victims))
+    with pytest.raises(RuntimeError, match="bug in the caller's logic"):
+        policy(EvictConfig(), pool).make_room(child, RoomPlan([2]))
+    pos = TablePositions(BS).sync(parent)
+    parent.block_table.pop()
+    with pytest.raises(RuntimeError, match="shrank"):
+        pos.sync(parent)
+
+
+def test_policy_none_never_evicts_and_stops_at_its_budget():
+    pool, kv = make()
+    pol = policy(EvictConfig(), pool)
     seq = Sequence([])
     for t in range(40):
         seq.tokens.append(t)
-        assert ev.make_room(seq, 1) == 0
+        assert make_room(pol, seq, 1) == RoomPlan()
         append(kv, seq, 1)
-        assert ev.mass_for(seq) is None
+        assert pol.extras(seq) is None and pol.active_tokens(seq) == seq.num_stored
     assert len(seq.block_table) == 10 and not pool.stats.events
+    capped = policy(EvictConfig(budget=41), pool)
+    assert capped.plan(seq, 1) == RoomPlan()  # exactly at the budget
+    with pytest.raises(BudgetReached, match="KV budget of 41 tokens is full.*policy none"):
+        capped.plan(seq, 2)
 
 
 # ------------------------------------------------------------ the engine's loop
@@ -275,25 +398,27 @@ def test_budget_never_exceeded_and_tables_stay_aligned(cfg, bs):
     rng = np.random.default_rng(bs + cfg.budget)
     pool = BlockPool(LAYERS, 64, bs, KVH, HD)
     kv = KVManager(pool)
-    ev = Evictor(cfg, pool)
-    seq, limit = Sequence([]), cfg.chunk_limit(bs)
+    pol = policy(cfg, pool)
+    seq, limit = Sequence([]), pol.chunk_limit()
     recent, sinks = cfg.recent_tokens(bs), cfg.sink_tokens(bs)
     while seq.num_computed < 400:
         n = int(rng.integers(1, limit + 1)) if seq.num_computed < 100 else 1  # "prefill" chunks, then decode
         seq.tokens += [0] * n
-        assert ev.make_room(seq, n) == 0
+        free = pool.num_free
+        plan = make_room(pol, seq, n)
+        assert pool.num_free == free + len(plan.victims)
         slots = kv.append_slots(seq, n)
         pos = np.arange(seq.num_computed - n, seq.num_computed)
         pool.k.reshape(LAYERS, -1, KVH, HD)[:, slots] = rng.standard_normal((LAYERS, n, KVH, HD))
         pool.k.reshape(LAYERS, -1, KVH, HD)[:, slots, :, :1] = pos[None, :, None, None]
-        mass = ev.mass_for(seq)
-        if mass is not None:
-            mass += rng.random(mass.shape).astype(np.float32)
-        ev.observe(seq, mass)
+        ex = pol.extras(seq)
+        if ex is not None and ex.mass is not None:
+            ex.mass += rng.random(ex.mass.shape).astype(np.float32)
+        pol.after_forward(seq, ex, n)
         assert len(seq.block_table) <= cfg.resident_blocks(bs) <= cfg.budget // bs
-        assert ev.active_tokens(seq) <= cfg.budget
+        assert pol.active_tokens(seq) <= cfg.budget
         held = positions_held(pool, seq)
-        assert held == ev.state(seq).start.tolist() == sorted(held)
+        assert held == pol.state(seq).table.start.tolist() == sorted(held)
         assert held[: sinks // bs] == list(range(0, sinks, bs))
         covered = {p for s in held for p in range(s, s + bs)}
         assert set(range(max(0, seq.num_computed - recent), seq.num_computed)) <= covered
@@ -301,40 +426,39 @@ def test_budget_never_exceeded_and_tables_stay_aligned(cfg, bs):
         pool.check([seq.block_table])
     gone = pool.stats.evictions + pool.stats.offloads
     assert gone == seq.num_computed // bs - seq.num_stored // bs > 0
-    ev.free(seq)
+    pol.free(seq)
     kv.free(seq)
-    assert pool.num_free == pool.num_blocks and not ev.states and not ev.heavy
-    assert ev.tier is None or not ev.tier.entries
+    assert pool.num_free == pool.num_blocks and not pol.seqs
+    assert not isinstance(pol, OffloadPolicy) or not pol.tier.entries
 
 
 def test_mass_is_per_layer_and_kv_head_and_covers_heavy_hitters():
     """Real attention mass from paged_attention in every layer, heavy hitters included: each
     query hands each query head's unit to the keys of its kv head, in that layer."""
     pool, kv = make()
-    ev = Evictor(EvictConfig("h2o", budget=24, sinks=4, recent=4, decay=1.0), pool)  # no fading: mass is conserved
+    pol = policy(EvictConfig("h2o", budget=24, sinks=4, recent=4, decay=1.0), pool)  # no fading: mass is conserved
     rng = np.random.default_rng(1)
     seq = Sequence([])
     queries = 0
     for n in (4, 4, 4, 1, 1, 1, 1, 1, 1, 1, 1):  # prefill chunks, then decode: blocks leave the table
         seq.tokens += [0] * n
-        ev.make_room(seq, n)
+        make_room(pol, seq, n)
         append(kv, seq, n, rng)
-        mass, hh = ev.mass_for(seq), ev.heavy_hitters(seq)
-        assert mass.shape == (LAYERS, KVH, hh.n + seq.num_stored)
+        ex, hh = pol.extras(seq), pol.state(seq).heavy
+        assert ex.mass.shape == (LAYERS, KVH, hh.n + seq.num_stored)
         q = rng.standard_normal((n, HEADS, HD)).astype(np.float32)
-        ret = ev.retriever(seq)
         for layer in range(LAYERS):
-            extra = ret(layer, q) if ret is not None else None
+            extra = ex.kv(layer, q) if ex.kv is not None else None
             paged_attention(
-                q, pool.k[layer], pool.v[layer], np.asarray(seq.block_table), seq.num_stored, 0.3, mass[layer], extra
+                q, pool.k[layer], pool.v[layer], np.asarray(seq.block_table), seq.num_stored, 0.3, ex.mass[layer], extra
             )
-        np.testing.assert_allclose(mass.sum(axis=2), n * HEADS // KVH, rtol=1e-5)
-        ev.observe(seq, mass)
+        np.testing.assert_allclose(ex.mass.sum(axis=2), n * HEADS // KVH, rtol=1e-5)
+        pol.after_forward(seq, ex, n)
         queries += n
-    hh = ev.heavy_hitters(seq)
+    hh = pol.state(seq).heavy
     assert hh.n > 0 and pool.stats.evictions > 0
     # no token was dropped yet (12 heavy slots hold all that left): every unit of mass is on a kept token
-    assert hh.n < ev.cfg.heavy_tokens(BS)
+    assert hh.n < pol.config.heavy_tokens(BS)
     assert np.isclose(hh.score[:, :, : hh.n].sum() + hh.live.sum(), queries * HEADS * LAYERS)
 
 
@@ -346,17 +470,17 @@ def test_offload_round_trips_k_v_bit_exactly(spill, tmp_path):
     pool, kv = make()
     rng = np.random.default_rng(7)
     seq = new_seq(kv, 24, rng)  # 6 blocks
-    state = SeqKV(BS).sync(seq)
+    table = TablePositions(BS).sync(seq)
     tier = OffloadTier((LAYERS, BS, KVH, HD), pool.k.dtype, tmp_path / "spill" if spill else None, capacity=1)
     saved = {
         start: (pool.k[:, seq.block_table[i]].copy(), pool.v[:, seq.block_table[i]].copy())
         for i, start in ((1, 4), (3, 12))
     }
     bids = [seq.block_table[i] for i in (3, 1)]
-    tier.offload(seq, state, 3, pool, pool.stats)
-    tier.offload(seq, state, 1, pool, pool.stats)  # grows the tier past its capacity of 1
+    tier.offload(seq, table, 3, pool, pool.stats)
+    tier.offload(seq, table, 1, pool, pool.stats)  # grows the tier past its capacity of 1
     assert tier.capacity >= 2 and [s for s, _ in tier.blocks_of(seq.id)] == [4, 12]
-    assert positions_held(pool, seq) == state.start.tolist() == [0, 8, 16, 20]
+    assert positions_held(pool, seq) == table.start.tolist() == [0, 8, 16, 20]
     assert seq.num_stored == 16 and not seq.hashable and all(pool.blocks[b].ref_count == 0 for b in bids)
     pool.check([seq.block_table])
     pool.k[:, bids], pool.v[:, bids] = np.nan, np.nan  # the pool's copies are gone: the tier must hold its own
@@ -380,6 +504,16 @@ def test_offload_round_trips_k_v_bit_exactly(spill, tmp_path):
         tier.close()
 
 
+def test_offloading_a_shared_block_is_a_caller_bug():
+    pool, kv = make()
+    seq = new_seq(kv, 8)
+    kv.fork(seq)
+    tier = OffloadTier.for_pool(pool)
+    with pytest.raises(RuntimeError, match="shared.*bug in the caller's logic"):
+        tier.offload(seq, TablePositions(BS).sync(seq), 0, pool, pool.stats)
+    assert len(seq.block_table) == 2 and not tier.entries
+
+
 def test_unwritable_offload_path_fails_at_construction(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -387,7 +521,7 @@ def test_unwritable_offload_path_fails_at_construction(tmp_path):
         OffloadTier((LAYERS, BS, KVH, HD), np.float32, blocker / "spill")
     pool, _ = make()
     with pytest.raises(LocalkvError, match="cannot write the KV offload file"):
-        Evictor(EvictConfig("offload", budget=32), pool, offload_dir=blocker)
+        policy(EvictConfig("offload", budget=32), pool, offload_dir=blocker)
 
 
 def test_quest_bound_is_an_upper_bound_and_tight_for_constant_blocks():
@@ -398,10 +532,10 @@ def test_quest_bound_is_an_upper_bound_and_tight_for_constant_blocks():
     const = seq.block_table[5]
     pool.k[:, const] = rng.standard_normal((LAYERS, 1, KVH, HD))  # every token of this block has the same key
     keys = [pool.k[:, seq.block_table[i]].copy() for i in range(7)]  # [L, bs, kvh, hd]
-    state = SeqKV(BS).sync(seq)
+    table = TablePositions(BS).sync(seq)
     tier = OffloadTier.for_pool(pool)
     for i in range(6, -1, -1):
-        tier.offload(seq, state, i, pool, pool.stats)
+        tier.offload(seq, table, i, pool, pool.stats)
     starts, _, kmin, kmax = tier.index(seq.id)
     assert starts.tolist() == [4 * i for i in range(7)]
     for _ in range(20):
@@ -423,13 +557,14 @@ def test_each_layer_reads_back_its_own_best_blocks():
     pool.k[1, seq.block_table[3], :, :, 1] = 1.0  # layer 1: positions 12-15
     saved = {i: (pool.k[:, seq.block_table[i]].copy(), pool.v[:, seq.block_table[i]].copy()) for i in range(8)}
     cfg = EvictConfig("offload", budget=20, sinks=4, recent=8, rerank=2)  # 5 blocks: 4 resident, 1 recall slot
-    ev = Evictor(cfg, pool)
+    pol = policy(cfg, pool)
     assert cfg.recall_blocks(BS) == 1 and cfg.resident_blocks(BS) == 4
     seq.tokens.append(0)
-    assert ev.make_room(seq, 1) == 0  # 9 blocks wanted, 4 may stay: sink, 2 recent, the new one
-    assert [s for s, _ in ev.tier.blocks_of(seq.id)] == [4, 8, 12, 16, 20]
+    assert make_room(pol, seq, 1) == RoomPlan([1, 2, 3, 4, 5])  # 9 blocks wanted, 4 may stay
+    assert [s for s, _ in pol.tier.blocks_of(seq.id)] == [4, 8, 12, 16, 20]
     assert positions_held(pool, seq) == [0, 24, 28]
-    ret = ev.retriever(seq)
+    ex = pol.extras(seq)
+    ret = ex.kv
     q = np.zeros((1, HEADS, HD), np.float32)
     q[..., 1] = 10.0
     for layer, want in ((0, 2), (1, 3)):
@@ -440,62 +575,65 @@ def test_each_layer_reads_back_its_own_best_blocks():
                 v[h], saved[want][1][layer, :, h]
             )
     assert sorted(ret.picked) == [8, 12] and ret.most == BS
-    ev.recalled(seq, ret)
+    pol.after_forward(seq, ex, 1)
     assert [e.positions for e in events(pool, "recall")] == [(8, 12), (12, 16)]
-    ev.recalled(seq, ev.retriever(seq))  # nothing picked this time (no forward ran): no new events
-    assert len(events(pool, "recall")) == 2 and ev.active_tokens(seq) == seq.num_stored
+    assert pol.active_tokens(seq) == seq.num_stored + BS
+    pol.after_forward(seq, pol.extras(seq), 1)  # nothing picked this time (no forward ran): no new events
+    assert len(events(pool, "recall")) == 2 and pol.active_tokens(seq) == seq.num_stored
 
 
 def test_fork_copies_heavy_hitters_and_free_forgets():
     pool, kv = make()
-    ev = Evictor(EvictConfig("h2o", budget=24, sinks=4, recent=4), pool)
+    pol = policy(EvictConfig("h2o", budget=24, sinks=4, recent=4), pool)
     rng = np.random.default_rng(4)
     parent = Sequence([])
     for _ in range(8):
-        h2o_step(ev, kv, parent, 4, rng, lambda mass, hh: mass.__iadd__(rng.random(mass.shape)))
-    hh = ev.heavy_hitters(parent)
+        h2o_step(pol, kv, parent, 4, rng, lambda mass, hh: mass.__iadd__(rng.random(mass.shape)))
+    hh = pol.state(parent).heavy
     assert hh.n > 0
     child = kv.fork(parent)
-    ev.fork(parent, child)
-    twin = ev.heavy_hitters(child)
+    pol.fork(parent, child)
+    twin = pol.state(child).heavy
     assert twin is not hh and twin.n == hh.n and np.array_equal(twin.k, hh.k) and np.array_equal(twin.pos, hh.pos)
     twin.k[:] = 0.0
     twin.score[:] = -1
     assert not np.array_equal(hh.k[:, :, : hh.n], twin.k[:, :, : hh.n]) and (hh.score[:, :, : hh.n] >= 0).all()
-    assert ev.state(child).start.tolist() == ev.state(parent).start.tolist()
-    ev.free(child)
+    assert pol.state(child).table.start.tolist() == pol.state(parent).table.start.tolist()
+    pol.free(child)
     kv.free(child)
-    assert child.id not in ev.heavy and parent.id in ev.heavy
-    ev.free(parent)
+    assert child.id not in pol.seqs and parent.id in pol.seqs
+    pol.free(parent)
     kv.free(parent)
-    assert not ev.states and not ev.heavy and pool.num_free == pool.num_blocks
+    assert not pol.seqs and pool.num_free == pool.num_blocks
 
 
 def test_offload_free_forgets_the_tier():
     pool, kv = make()
-    ev = Evictor(EvictConfig("offload", budget=32, sinks=4), pool)
+    pol = policy(EvictConfig("offload", budget=32, sinks=4), pool)
     parent = new_seq(kv, 16)
     child = kv.fork(parent)
-    ev.fork(parent, child)
+    pol.fork(parent, child)
     parent.tokens += [0] * 8
     append(kv, parent, 8)  # two unshared blocks
-    ev.tier.offload(parent, ev.state(parent), 4, pool, pool.stats)
-    ev.free(child)
-    assert child.id not in ev.states and parent.id in ev.states and len(ev.tier.entries) == 1
-    ev.free(parent)
-    assert not ev.states and not ev.tier.entries
+    pol.tier.offload(parent, pol.state(parent).table, 4, pool, pool.stats)
+    pol.free(child)
+    assert child.id not in pol.seqs and parent.id in pol.seqs and len(pol.tier.entries) == 1
+    pol.free(parent)
+    assert not pol.seqs and not pol.tier.entries
 
 
 def test_h2o_decay_fades_scores_per_query():
     pool, kv = make()
-    ev = Evictor(EvictConfig("h2o", budget=24, sinks=4, recent=4, decay=0.5), pool)
+    pol = policy(EvictConfig("h2o", budget=24, sinks=4, recent=4, decay=0.5), pool)
     seq = new_seq(kv, 8)
-    mass = ev.mass_for(seq)
-    mass[:, :, 0] = 1.0
-    ev.observe(seq, mass, n_queries=1)
-    mass = ev.mass_for(seq)
-    mass[:, :, 4] = 2.0
-    ev.observe(seq, mass, n_queries=2)  # two queries: earlier scores x 0.25
-    live = ev.heavy_hitters(seq).live
+    ex = pol.extras(seq)
+    ex.mass[:, :, 0] = 1.0
+    pol.after_forward(seq, ex, 1)
+    ex = pol.extras(seq)
+    ex.mass[:, :, 4] = 2.0
+    pol.after_forward(seq, ex, 2)  # two queries: earlier scores x 0.25
+    live = pol.state(seq).heavy.live
     np.testing.assert_allclose(live[:, :, 0], 0.25)
+    np.testing.assert_allclose(live[:, :, 4], 2.0)
+    pol.after_forward(seq, AttendExtras(), 1)  # no mass: nothing to fold
     np.testing.assert_allclose(live[:, :, 4], 2.0)

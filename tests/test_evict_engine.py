@@ -7,10 +7,11 @@ import pytest
 
 from localkv.config import EngineConfig
 from localkv.engine import Engine
-from localkv.errors import BudgetReached, LocalkvError
+from localkv.errors import BudgetReached, LocalkvError, PoolExhausted
 from localkv.generation import Generation
 from localkv.kv.evict import EvictConfig
 from localkv.sampling import SamplingParams
+from localkv.sequence import Sequence
 from tiny_model import write_gguf
 
 PROMPT = list(map(int, np.random.default_rng(11).integers(3, 261, 40)))
@@ -64,7 +65,7 @@ def test_offload_reads_back_what_it_moved_out(tiny):
     got = eng.score(tokens)
     assert eng.stats.offloads >= 7 and eng.stats.recalls >= 7 and eng.stats.evictions == 0
     np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
-    assert eng.pool.num_free == eng.pool.num_blocks and not eng.evictor.tier.entries
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.policy.tier.entries
 
 
 def test_h2o_attends_to_its_heavy_hitters(tiny):
@@ -79,14 +80,14 @@ def test_h2o_attends_to_its_heavy_hitters(tiny):
 
     def step(seqs, *a, **kw):
         out = real_step(seqs, *a, **kw)
-        seq_peak.append((len(seqs[0].block_table), eng.evictor.active_tokens(seqs[0])))
+        seq_peak.append((len(seqs[0].block_table), eng.policy.active_tokens(seqs[0])))
         return out
 
     eng.step = step
     got = eng.score(tokens)
     assert eng.stats.evictions >= 7 and max(b for b, _ in seq_peak) <= 4 and max(a for _, a in seq_peak) <= 96
     np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
-    assert eng.pool.num_free == eng.pool.num_blocks and not eng.evictor.heavy
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.policy.seqs
 
 
 def test_policy_none_stops_with_a_clear_reason(tiny):
@@ -105,6 +106,34 @@ def test_shared_blocks_are_never_evicted_from_under_a_fork(tiny):
     assert [b.finish_reason for b in r.branches] == ["kv_budget"] * 2
     assert all("shared" in b.stop_detail for b in r.branches) and eng.stats.evictions == 0
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_a_step_that_fails_the_pool_check_changes_nothing(tiny):
+    """sliding, budget 48, blocks of 16, a pool of 4 blocks: A (48 tokens) must drop a block
+    to take one more token, B (10 tokens) needs a second block for 16 more. One block would be
+    free after A's eviction, two are needed: the step fails before A loses anything."""
+    per_block = 2 * Engine(EngineConfig(model=tiny, block_size=16, prefix_cache=False)).pool.k[:, 0].nbytes
+    cfg = EngineConfig(
+        model=tiny, block_size=16, kv_mem=4 * per_block, prefix_cache=False, evict=EvictConfig("sliding", budget=48)
+    )
+    eng = Engine(cfg)
+    tokens = PROMPT + PROMPT
+    a, b = Sequence(tokens[:48]), Sequence(tokens[:10])
+    eng.prefill(a)
+    eng.prefill(b)
+    assert eng.pool.num_free == 0 and eng.policy.chunk_limit() == 16
+    a.tokens.append(5)
+    b.tokens += tokens[10:26]
+    table = list(a.block_table)
+    n_events = len(eng.stats.events)
+    with pytest.raises(PoolExhausted, match="needs 2 blocks, 1 are free"):
+        eng.step([a, b])
+    assert (a.block_table, a.num_stored, a.num_computed, a.hashable) == (table, 48, 48, True)
+    assert (len(b.block_table), b.num_stored) == (1, 10)
+    assert eng.stats.evictions == 0 and len(eng.stats.events) == n_events and eng.pool.num_free == 0
+    eng.free(b)  # with B gone, the same step for A alone runs: it evicts one block and appends
+    eng.step([a])
+    assert (len(a.block_table), a.num_stored, a.hashable, eng.stats.evictions) == (3, 33, False, 1)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,5 @@
-"""Which op set the model runs on: ops_numpy on the CPU, ops_cupy on an NVIDIA GPU.
-
-select(device) returns the backend module (ops_numpy or ops_cupy); the model, the block pool
-(xp=ops.xp, dtype=ops.kv_dtype) and the weights (ops_cupy.upload_weights) follow from it.
+"""The backends the model runs on: CpuBackend (numpy, OpenBLAS, numba kernels) and, with CuPy and
+an NVIDIA GPU, CudaBackend (raw CUDA kernels in cuda/*.cu). select() picks one for --device.
 """
 
 import ctypes
@@ -9,26 +7,27 @@ import importlib
 import os
 import sys
 
-from localkv.backends import cpu as ops_numpy
-from localkv.errors import LocalkvError
+from localkv.backends.base import Backend
+from localkv.backends.cpu import CpuBackend
+from localkv.errors import LocalkvError, first_line
 
 DEVICES = ("auto", "cpu", "cuda")
 _NEED_CUPY = "--device cuda needs CuPy: pip install -e '.[gpu]' (CUDA 12) or '.[gpu13]' (CUDA 13)"
 
 
-def select(device: str = "auto"):
-    """The backend module for a --device value: "cpu", "cuda", or "auto" (cuda when CuPy
-    imports and sees a GPU, else cpu). Raises LocalkvError with the reason when cuda cannot run."""
+def select(device: str = "auto", threads: int = 1) -> Backend:
+    """The backend for a --device value: "cpu", "cuda", or "auto" (cuda when CuPy imports and sees
+    a GPU, else cpu). Raises LocalkvError with the reason when cuda cannot run."""
     d = (device or "auto").strip().lower()
     if d == "cpu":
-        return ops_numpy
+        return CpuBackend(threads)
     if d == "cuda":
-        return _cuda()
+        return _cuda()()
     if d == "auto":
         try:
-            return _cuda()
+            return _cuda()()
         except LocalkvError:
-            return ops_numpy
+            return CpuBackend(threads)
     raise LocalkvError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
 
 
@@ -40,15 +39,12 @@ _malloc_tuned = False
 
 
 def tune_malloc() -> bool:
-    """Keep numpy's large temporaries (attention scores, FFN activations: 0.1-25 MB each) in the
-    heap. glibc's default serves every allocation above 128 KiB, at first, from a fresh mmap
-    and, later, from a heap it trims back to the OS, so the same temporaries are page-faulted in
-    again layer after layer: a 512-token prefill of SmolLM2 took about 5,700 minor page faults
-    (23 MB) per run in steady state, and none with this tuning. What that costs depends on the
-    machine: on this VM first-touch memory ran at 0.5 GB/s at times (that prefill: 1,011 ms
-    without, 815-850 ms with, attention 225 -> 160 ms) and at full speed at others (no
-    difference). The heap keeps at most TRIM_THRESHOLD (64 MiB) of freed memory. Linux/glibc
-    only; skipped when the user set MALLOC_*_ tunables. Returns whether it applied."""
+    """Keep numpy's large temporaries (attention scores, FFN activations) in the heap. glibc's
+    default serves every allocation above 128 KiB, at first, from a fresh mmap and, later, from a
+    heap it trims back to the OS, so the same temporaries are page-faulted in again layer after
+    layer (thousands of minor faults per prefill; none with this tuning, which matters where
+    first-touch memory is slow). The heap keeps at most TRIM_THRESHOLD of freed memory.
+    Linux/glibc only; skipped when the user set MALLOC_*_ tunables. Returns whether it applied."""
     global _malloc_tuned
     if _malloc_tuned:
         return True
@@ -82,7 +78,7 @@ def _cuda():
             raise LocalkvError(_NEED_CUPY) from None
         shadow = getattr(sys.modules.get("cuda"), "__file__", None) if e.name.startswith("cuda") else None
         raise LocalkvError(
-            f"--device cuda: CuPy failed to import ({_first_line(e)})"
+            f"--device cuda: CuPy failed to import ({first_line(e)})"
             + (
                 f"; {shadow} shadows NVIDIA's 'cuda' package: run from another folder or set PYTHONSAFEPATH=1"
                 if shadow
@@ -90,24 +86,19 @@ def _cuda():
             )
         ) from None
     except Exception as e:  # installed but broken (e.g. a CUDA library it needs is missing)
-        raise LocalkvError(f"--device cuda: CuPy failed to import ({type(e).__name__}: {_first_line(e)})") from None
+        raise LocalkvError(f"--device cuda: CuPy failed to import ({type(e).__name__}: {first_line(e)})") from None
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no driver, driver too old, no device
         raise LocalkvError(
-            f"--device cuda: no CUDA GPU visible ({_first_line(e)}; check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+            f"--device cuda: no CUDA GPU visible ({first_line(e)}; check nvidia-smi and CUDA_VISIBLE_DEVICES)"
         ) from None
     if n < 1:
         raise LocalkvError("--device cuda: no CUDA GPU visible (0 devices; check nvidia-smi and CUDA_VISIBLE_DEVICES)")
     try:
-        from localkv.backends import cuda as ops_cupy
+        from localkv.backends.cuda import CudaBackend
     except Exception as e:
         raise LocalkvError(
-            f"--device cuda: the CuPy backend failed to load ({type(e).__name__}: {_first_line(e)})"
+            f"--device cuda: the CuPy backend failed to load ({type(e).__name__}: {first_line(e)})"
         ) from None
-    return ops_cupy
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    return CudaBackend

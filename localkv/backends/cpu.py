@@ -1,7 +1,8 @@
-"""The numpy backend: the small op set the model is written in.
+"""The CPU backend: numpy and OpenBLAS, with numba kernels (cpu_kernels) for the few-row
+matmuls of decode steps and a few fused one-pass element-wise ops.
 
-A GPU backend implements the same functions with the same shapes; the model never
-knows which one runs it.
+The ops are module functions (tests call them directly); CpuBackend bundles them with the state
+one engine owns: its thread count and the BLAS thread controllers.
 """
 
 import functools
@@ -10,8 +11,6 @@ import numpy as np
 
 from localkv.backends import cpu_kernels
 
-xp = np
-name = "CPU"
 act_dtype = np.float32  # activations
 kv_dtype = np.float32  # the KV pool
 
@@ -19,7 +18,7 @@ kv_dtype = np.float32  # the KV pool
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     if len(x) == 1:  # a decode row: a third of the calls
         return x * (w / np.sqrt(np.dot(x[0], x[0]) / x.shape[1] + eps)).astype(x.dtype, copy=False)
-    if cpu_kernels.active():  # one pass and no temporaries (pp512 +1%)
+    if cpu_kernels.active():  # one pass and no temporaries
         return cpu_kernels.rmsnorm(x, w, eps)
     ms = np.einsum("td,td->t", x, x) / x.shape[1]
     return x * (1.0 / np.sqrt(ms + eps))[:, None].astype(x.dtype) * w
@@ -33,7 +32,7 @@ def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[np.ndarray, 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate halves ("NEOX" order) of x [T, heads, hd] in place; cos/sin [T, hd/2]."""
-    if cpu_kernels.active():  # one pass instead of seven (pp512 +1.3%)
+    if cpu_kernels.active():  # one pass instead of seven
         cpu_kernels.rope(x, cos, sin)
         return x
     h = x.shape[-1] // 2
@@ -45,9 +44,8 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 # Without the compiled kernels (cpu_kernels), few rows go one gemv per row: that beats OpenBLAS's
-# gemm, which copies (packs) the whole weight matrix at about 15 GB/s on this 2-core EPYC, while
-# a gemv streams it at about 35 GB/s and later rows re-read it from the 32 MB L3. Up to how many
-# rows, per weight: 2 rows 19.6 vs 30.1 ms over 30 layers, at 8 rows gemm is faster.
+# gemm, which first copies (packs) the whole weight matrix, while a gemv streams it and later rows
+# re-read it from the last-level cache. Up to how many rows, per weight (measured: BENCHMARKS.md).
 GEMV_ROWS = {"wqkv": 8, "wo": 3, "w_gate_up": 6, "w_down": 6}
 
 
@@ -68,47 +66,15 @@ def linear(x: np.ndarray, w: np.ndarray, kind: str) -> np.ndarray:
 # Many rows: x @ w.T gives a C-ordered result; (w @ x.T).T a transposed (F-ordered) view, which
 # OpenBLAS computes faster and in which gate and up are each one contiguous block, so SwiGLU
 # runs on contiguous memory and the down projection reads its transpose as a plain matrix.
-# RoPE, the K/V writes and attention need qkv in C order (on the view they ran 2-5x slower, and
-# a copy back cost more than it saved). pp512, in-process A/B: F order for gate/up only
-# 541-548 t/s; for all four 516-525; before the [out, in] layout 522.
+# RoPE, the K/V writes and attention need qkv in C order (on the view they ran slower, and a copy
+# back cost more than it saved).
 C_ORDER = {"wqkv", "wo", "w_down"}
 KERNEL_ROWS = cpu_kernels.MAX_ROWS  # up to this many rows a forward pass runs on the kernels
-_threads = {"blas": None, "libs": None}
-
-
-def configure(threads: int, progress: bool = False):
-    """Called by the engine: `threads` for BLAS and the kernels; loads the kernels (numba; about
-    0.4 s from its cache, once per process) unless they are off."""
-    _threads["blas"] = threads
-    cpu_kernels.load(progress)
 
 
 def uses_kernels(rows: int) -> bool:
     """Whether a forward pass of `rows` token rows runs its matmuls on the compiled kernels."""
     return rows <= KERNEL_ROWS and cpu_kernels.active()
-
-
-def begin_forward(rows: int):
-    """Before a forward pass of `rows` rows. While the kernels run (few rows), BLAS (attention's
-    small matmuls) stays on one thread: OpenBLAS's workers and the kernels' OpenMP workers both
-    spin between calls, and on 2 cores each then waits for the other's time slice (a kernel
-    start took 4-5 ms instead of 5 us). Prefill gets the engine's BLAS threads back."""
-    if _threads["blas"] is None:
-        return
-    if not cpu_kernels.active():
-        return  # BLAS keeps the engine's threads throughout
-    if rows > KERNEL_ROWS:
-        want = _threads["blas"]
-    else:
-        cpu_kernels.set_threads(_threads["blas"])
-        want = 1
-    if _threads["libs"] is None:
-        from threadpoolctl import ThreadpoolController
-
-        _threads["libs"] = ThreadpoolController().select(user_api="blas").lib_controllers
-    for lib in _threads["libs"]:
-        if lib.num_threads != want:  # read each time: threadpoolctl limits elsewhere may have changed it
-            lib.set_num_threads(want)
 
 
 def silu_mul(gu: np.ndarray) -> np.ndarray:
@@ -131,7 +97,7 @@ def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.
 
 
 Q_BLOCK = 64  # causal prefill runs in query blocks: each block scores only the keys it can see
-# (64 vs 128: pp512 +1.5-2%, in-process A/B; the scores of a block stay nearer the cache)
+# (the scores of a block stay nearer the cache)
 
 
 def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndarray:
@@ -202,12 +168,12 @@ def paged_attention(
     kvh = k.shape[0]
     g = H // kvh  # query heads h*g .. h*g+g-1 share kv head h
     # scale the queries, not the scores, and (without mass) normalise the output rows, not the
-    # scores: two passes fewer over the [kvh, g * tq, kend] scores (pp512 attention: 170 -> 157 ms)
+    # scores: two passes fewer over the [kvh, g * tq, kend] scores
     qg = (q * scale).reshape(T, kvh, g, hd).transpose(1, 2, 0, 3)  # [kvh, g, T, hd]
     out = np.empty((T, kvh, g, hd), q.dtype)
     past = ne + n_ctx - T
     # one scores buffer and one output buffer for all query blocks: the same memory, still in
-    # cache, instead of a fresh array per block (pp512 +1.7%, in-process A/B)
+    # cache, instead of a fresh array per block
     rows = kvh * g * min(T, Q_BLOCK)
     s_buf, o_buf = np.empty(rows * (past + T), q.dtype), np.empty(rows * hd, q.dtype)
     for q0 in range(0, T, Q_BLOCK):
@@ -218,7 +184,7 @@ def paged_attention(
             k[:, :kend].transpose(0, 2, 1),
             out=s_buf[: kvh * g * tq * kend].reshape(kvh, g * tq, kend),
         )
-        if cpu_kernels.active():  # mask, row max and subtract in one pass (pp512 +1.8%)
+        if cpu_kernels.active():  # mask, row max and subtract in one pass
             cpu_kernels.causal_max(s, tq, past + q0)
         else:
             if tq > 1:  # query i of the block sees keys up to past + q0 + i
@@ -250,7 +216,7 @@ def _causal_mask(n: int) -> np.ndarray:
 
 def _row_sums(s: np.ndarray) -> np.ndarray:
     """s.sum(-1, keepdims=True) as a matrix-vector product with ones: BLAS's gemv does it about
-    3x faster than numpy's pairwise sum here (scores [3, 24, 2000]: 7.8 vs 25 us)."""
+    faster than numpy's pairwise sum on these shapes."""
     return np.matmul(s, np.ones(s.shape[-1], s.dtype))[..., None]
 
 
@@ -334,5 +300,82 @@ def _merge(first, second):
     return (o1 * a + o2 * c) / (l1 * a + l2 * c)
 
 
-def to_host(x) -> np.ndarray:
-    return x
+LOGIT_CHUNK = 1024  # vocabulary rows per BLAS call when few logits rows are wanted
+LOGIT_CHUNK_MAX_ROWS = 64
+
+
+def logits(h: np.ndarray, w_out: np.ndarray) -> np.ndarray:
+    """h [R, D] @ w_out.T for the output matrix stored [V, D]. Up to LOGIT_CHUNK_MAX_ROWS rows the
+    vocabulary goes in slices, so the part of w_out that OpenBLAS packs stays in cache."""
+    R = len(h)
+    if uses_kernels(R):
+        return linear(h, w_out, "output")
+    if R > LOGIT_CHUNK_MAX_ROWS:
+        return np.ascontiguousarray((w_out @ h.T).T, dtype=np.float32)
+    hT = np.ascontiguousarray(h.T)
+    out = np.empty((len(w_out), R), np.float32)
+    for i in range(0, len(w_out), LOGIT_CHUNK):
+        np.matmul(w_out[i : i + LOGIT_CHUNK], hT, out=out[i : i + LOGIT_CHUNK])
+    return np.ascontiguousarray(out.T)
+
+
+class CpuBackend:
+    """The CPU op set with one engine's thread settings. Thread rule: while the few-row kernels
+    run, BLAS (attention's small matmuls) stays on one thread. OpenBLAS's workers and the
+    kernels' OpenMP workers both spin between calls, and on a small machine each then waits for
+    the other's time slice; passes of many rows give BLAS the engine's threads back."""
+
+    name = "CPU"
+    xp = np
+    act_dtype = act_dtype
+    kv_dtype = kv_dtype
+    shared_prefix = True
+    batched_decode = False
+
+    rmsnorm = staticmethod(rmsnorm)
+    rope_tables = staticmethod(rope_tables)
+    rope = staticmethod(rope)
+    linear = staticmethod(linear)
+    silu_mul = staticmethod(silu_mul)
+    write_kv = staticmethod(write_kv)
+    frozen_table = staticmethod(frozen_table)
+    frozen_tails = staticmethod(frozen_tails)
+    paged_attention = staticmethod(paged_attention)
+    shared_prefix_decode = staticmethod(shared_prefix_decode)
+    uses_kernels = staticmethod(uses_kernels)
+    logits = staticmethod(logits)
+
+    def __init__(self, threads: int):
+        if threads < 1:
+            raise ValueError(f"CpuBackend needs at least one thread, got {threads}")
+        self.threads = threads
+        self._blas = None  # threadpoolctl controllers of the BLAS libraries, found on first use
+
+    def start(self, progress: bool) -> None:
+        cpu_kernels.load(progress)
+
+    def prepare_weights(self, weights: dict) -> dict:
+        return weights
+
+    def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return table[ids].astype(act_dtype, copy=False)  # indexing already copied
+
+    def begin_forward(self, rows: int) -> None:
+        if not cpu_kernels.active():
+            return  # BLAS keeps the engine's threads throughout
+        if rows > KERNEL_ROWS:
+            want = self.threads
+        else:
+            cpu_kernels.set_threads(self.threads)
+            want = 1
+        if self._blas is None:
+            from threadpoolctl import ThreadpoolController
+
+            self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        for lib in self._blas:
+            if lib.num_threads != want:  # read each time: threadpoolctl limits elsewhere may have changed it
+                lib.set_num_threads(want)
+
+    @staticmethod
+    def to_host(x) -> np.ndarray:
+        return x

@@ -2,19 +2,16 @@
 prefix scores, and fused one-pass versions of prefill's memory-bound steps.
 
 Why: with few activation rows (one token per sequence) a weight matmul reads the whole weight
-matrix for very little arithmetic. OpenBLAS's gemm first copies ("packs") the weights, at about
-15 GB/s on this 2-core EPYC, so 8 rows cost nearly 3x one row; its gemv streams them, but once
-per row. `rowdot` reads each weight row once for up to 8 activation rows, straight from the
-[out, in] layout the weights are stored in (GGUF's own), on all threads.
+matrix for very little arithmetic. OpenBLAS's gemm first copies ("packs") the weights, so a few
+rows cost nearly as much as many; its gemv streams them, but once per row. `rowdot` reads each
+weight row once for up to 8 activation rows, straight from the [out, in] layout the weights are
+stored in (GGUF's own), on all threads.
 
-Measured here (30 layers of SmolLM2's four matrices, fp32, in one process):
-1 row 13.0 ms vs numpy 15-23 ms; 8 rows 21-25 ms vs numpy 35-55 ms.
-
-Threads: numba's OpenMP layer starts a kernel in about 5 us (its workers spin between kernels);
-the sleeping "workqueue" layer takes 80-120 us, which over 120 kernels a step costs more than it
-saves, so only "omp" is used. Spinning workers and OpenBLAS's own spinning workers must not run
-at once on a 2-core machine (a kernel start then waited 4-5 ms for a time slice), so while
-kernels run the model keeps BLAS on one thread (see ops_numpy.begin_forward), and
+Threads: numba's OpenMP layer starts a kernel in microseconds (its workers spin between kernels);
+the sleeping "workqueue" layer takes a hundred times longer, which over ~200 kernels a step costs
+more than it saves, so only "omp" is used. Spinning workers and OpenBLAS's own spinning workers
+must not run at once on a small machine (a kernel start then waits for a time slice), so while
+kernels run the model keeps BLAS on one thread (see CpuBackend.begin_forward), and
 localkv/__init__ shortens OpenBLAS's spin after a call (OPENBLAS_THREAD_TIMEOUT).
 
 LOCALKV_CPU_KERNELS=0 turns the kernels off (numpy/BLAS only); so does a missing numba or a
@@ -28,7 +25,9 @@ import time
 
 import numpy as np
 
-MAX_ROWS = 8  # forward passes of up to this many rows run their matmuls here (16 rows: no faster than BLAS)
+from localkv.errors import first_line
+
+MAX_ROWS = 8  # forward passes of up to this many rows run their matmuls here (more: BLAS is as fast)
 
 _state: dict = {}
 _lock = threading.Lock()
@@ -84,9 +83,7 @@ def _load() -> tuple[bool, str | None]:
         if numba.threading_layer() != "omp":
             return False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
     except Exception as e:  # no OpenMP runtime, a numba/numpy mismatch, an unwritable cache...
-        from localkv.backends import _first_line
-
-        return False, f"numba kernels unavailable ({type(e).__name__}: {_first_line(e)})"
+        return False, f"numba kernels unavailable ({type(e).__name__}: {first_line(e)})"
     _state["impl"] = impl
     return True, None
 
@@ -162,10 +159,9 @@ def rowdot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def scores(q: np.ndarray, kf: np.ndarray) -> np.ndarray:
     """Attention scores [kvh, R, n] of q [kvh, R, hd] against the keys kf [n, kvh*hd] (tokens
-    as rows, kv heads side by side: a contiguous run of pool blocks reshaped). 2.3x faster than
-    OpenBLAS's batched gemm over the strided per-head views for 24 queries x 2,000 keys (8.3 vs
-    19 ms over 30 layers), whose packing of the transposed keys dominates. Call only when
-    active()."""
+    as rows, kv heads side by side: a contiguous run of pool blocks reshaped). Faster than
+    OpenBLAS's batched gemm over the strided per-head views, whose packing of the transposed
+    keys dominates. Call only when active()."""
     kvh, R, hd = q.shape
     R8 = -(-R // 8) * 8
     qp = np.zeros((kvh, R8, hd), np.float32)

@@ -1,4 +1,4 @@
-"""The CuPy backend: ops_numpy's op set on an NVIDIA GPU, same functions, same shapes.
+"""The CuPy backend: the CPU backend's op set on an NVIDIA GPU, same functions, same shapes.
 
 Dtypes, and why:
 - weights fp16 (upload_weights; 1-D norm weights stay fp32): `x @ w` in the model runs through
@@ -16,9 +16,8 @@ chunk (causal within the chunk, attends to every cached block), an attention-mas
 Head dims with kernels: KERNEL_HEAD_DIMS; other head dims, or arrays of other dtypes/layouts, fall
 back to plain CuPy array code with the numpy backend's algorithm (correct, slower).
 
-Beyond ops_numpy's set: upload_weights, paged_decode (batched decode over block tables on the
-device), copy_blocks (copy-on-write / recall of whole blocks in every layer) and DecodeGraph
-(optional: a device-only batched decode step, replayed as a CUDA graph where CuPy allows it).
+Beyond the CPU's op set: paged_decode (one launch for a batch of single-token sequences, used for
+every decode step without extra keys) and copy_blocks (the pool's copy-on-write in one launch).
 
 UNVERIFIED: written and compile-checked (nvcc and NVRTC, sm_80/sm_90) without a GPU; nothing here
 has run on one yet. tests/test_gpu.py and scripts/gpu_check.sh are the checks to run on a GPU.
@@ -141,7 +140,8 @@ def _module(fname: str) -> cp.RawModule:
 
 @cache
 def _kernel(fname: str, kname: str):
-    assert kname in KERNELS[fname], kname
+    if kname not in KERNELS[fname]:
+        raise RuntimeError(f"kernel {kname} is not listed in KERNELS[{fname!r}] (a bug in the caller's logic)")
     return _module(fname).get_function(kname)
 
 
@@ -459,7 +459,7 @@ def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, 
     K/V found through block_table. Returns [T, H, hd] in q's dtype. If mass is given (numpy
     or CuPy), the attention weight each key received, summed over queries, is added to it:
     [n_ctx] summed over heads (the kernel path), or [kv_heads, n_extra + n_ctx] per kv head
-    (ops_numpy's layout; the CuPy fallback). T == 1 runs the split-K decode kernel, T > 1 the
+    (the CPU backend's layout; the CuPy fallback). T == 1 runs the split-K decode kernel, T > 1 the
     prefill kernel. extra = (K, V) [kv_heads, n, hd] (h2o's heavy hitters, offload's read-back
     blocks; before the whole table) takes the CuPy fallback path."""
     T, H, hd = q.shape
@@ -581,7 +581,7 @@ def paged_decode(q, k_layer, v_layer, block_tables, context_lens, scale: float, 
 
 
 def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=None, extra=None):
-    """ops_numpy's algorithm on CuPy arrays in fp32: any head dim, dtype or layout."""
+    """The CPU backend's algorithm on CuPy arrays in fp32: any head dim, dtype or layout."""
     T, H, hd = q.shape
     bt = cp.asarray(block_table)
     k = gather_kv(k_layer, bt, n_ctx).astype(cp.float32)
@@ -631,109 +631,56 @@ def upload_weights(weights: dict[str, np.ndarray]) -> dict[str, cp.ndarray]:
     return out
 
 
-# ---------------------------------------------------------------- CUDA graphs (optional)
+class DecodeBatch:
+    """Block tables and context lengths of B single-token sequences, on the device, made once
+    per forward pass and read by every layer's paged_decode."""
+
+    def __init__(self, tables: list, n_ctx: list[int]):
+        width = max(len(t) for t in tables)
+        host = np.zeros((len(tables), width), np.int32)
+        for b, t in enumerate(tables):
+            host[b, : len(t)] = cp.asnumpy(t) if isinstance(t, cp.ndarray) else np.asarray(t)
+        self.tables, self.lens = cp.asarray(host), cp.asarray(np.asarray(n_ctx, np.int32))
+        self.max_ctx = int(max(n_ctx))
 
 
-class DecodeGraph:
-    """Optional: a batched decode step of `model` over `pool` that runs on the device only,
-    replayed as a CUDA graph where CuPy can capture it.
+class CudaBackend:
+    """The op set on an NVIDIA GPU through CuPy (see the module docstring for dtypes)."""
 
-    model is a Llama built with ops=ops_cupy and upload_weights' weights; pool a BlockPool with
-    xp=cupy, dtype=kv_dtype. Shapes are fixed at construction: `batch` rows, block tables up to
-    `max_blocks` wide. run() copies one step's inputs into fixed device buffers (unused rows are
-    padded: slot -1, context 1, block table of zeros), replays the graph and returns logits
-    [n, vocab] float32 on the host. Attention is one paged_decode launch per layer for the whole
-    batch (Llama.forward loops over sequences); the logits match Llama.forward's.
+    name = "CUDA"
+    xp = cp
+    act_dtype = act_dtype
+    kv_dtype = kv_dtype
+    shared_prefix = False
+    batched_decode = True
 
-    Capture needs CuPy's stream capture (Stream.begin_capture) and a step free of host syncs;
-    when capture fails the same device code runs eagerly: `captured` is False and
-    `capture_error` says why. Intermediate arrays come from a private memory pool kept for the
-    graph's life, so a replay never writes into memory handed to someone else. The graph holds
-    the pool's and the weights' device pointers: build a new DecodeGraph if either is replaced.
-    """
+    rmsnorm = staticmethod(rmsnorm)
+    rope_tables = staticmethod(rope_tables)
+    rope = staticmethod(rope)
+    linear = staticmethod(linear)
+    silu_mul = staticmethod(silu_mul)
+    write_kv = staticmethod(write_kv)
+    frozen_table = staticmethod(frozen_table)
+    paged_attention = staticmethod(paged_attention)
+    copy_blocks = staticmethod(copy_blocks)
+    uses_kernels = staticmethod(uses_kernels)
+    begin_forward = staticmethod(begin_forward)
+    to_host = staticmethod(to_host)
+    prepare_weights = staticmethod(upload_weights)
+    decode_batch = DecodeBatch
 
-    def __init__(self, model, pool, batch: int, max_blocks: int, capture: bool = True, warmup: int = 2):
-        self.model, self.pool, self.batch, self.max_blocks = model, pool, int(batch), int(max_blocks)
-        self.max_ctx = self.max_blocks * pool.block_size
-        self.tokens = cp.zeros(self.batch, cp.int64)
-        self.positions = cp.zeros(self.batch, cp.int64)
-        self.slots = cp.full(self.batch, -1, cp.int64)
-        self.block_tables = cp.zeros((self.batch, self.max_blocks), cp.int32)
-        self.context_lens = cp.ones(self.batch, cp.int32)
-        self.graph, self.captured, self.capture_error = None, False, None
-        self._mem = cp.cuda.MemoryPool()
-        self._stream = cp.cuda.Stream(non_blocking=True)
-        self.logits = None
-        with cp.cuda.using_allocator(self._mem.malloc), self._stream:
-            for _ in range(max(1, warmup)):  # compiles kernels, creates cuBLAS state, fills the private pool
-                self.logits = self._step()  # padding rows only: slot -1 writes nothing
-            self._stream.synchronize()
-            if capture:
-                self._capture()
+    def start(self, progress: bool) -> None:
+        """Kernels compile on first use (CuPy caches them on disk)."""
 
-    def _capture(self):
-        try:
-            self._stream.begin_capture()
-            try:
-                logits = self._step()
-            finally:
-                graph = self._stream.end_capture()
-            graph.upload(self._stream)
-        except Exception as e:  # CuPy without capture support, or a step that cannot be captured
-            self.capture_error = f"{type(e).__name__}: {e}"
-            return
-        self.graph, self.logits, self.captured = graph, logits, True
+    @staticmethod
+    def embed(table, ids):
+        return table[cp.asarray(ids)].astype(act_dtype, copy=False)
 
-    def _step(self):
-        m, w, cfg = self.model, self.model.w, self.model.cfg
-        H, K, hd, B = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.batch
-        x = w["tok_embd"][self.tokens].astype(act_dtype, copy=False)
-        cos, sin = m.cos[self.positions], m.sin[self.positions]
-        for i in range(cfg.n_layers):
-            h = rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
-            qkv = (h @ w[f"{i}.wqkv"].T).reshape(B, H + 2 * K, hd)
-            rope(qkv[:, : H + K], cos, sin)
-            q, k, v = qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
-            kl, vl = self.pool.k[i], self.pool.v[i]
-            write_kv(kl, vl, self.slots, k, v)
-            attn = paged_decode(q, kl, vl, self.block_tables, self.context_lens, m.scale, self.max_ctx)
-            x += attn.reshape(B, H * hd) @ w[f"{i}.wo"].T
-            h = rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
-            x += silu_mul(h @ w[f"{i}.w_gate_up"].T) @ w[f"{i}.w_down"].T
-        h = rmsnorm(x, w["out_norm"], cfg.rms_eps)
-        return h @ m.output
+    @staticmethod
+    def logits(h, w_out) -> np.ndarray:
+        return cp.asnumpy(h @ w_out.T).astype(np.float32, copy=False)
 
-    def run(self, tokens, positions, slots, block_tables, context_lens) -> np.ndarray:
-        """One decode step for n <= batch sequences: token ids, positions and slots [n];
-        block_tables a list of n block-id lists; context_lens [n] (stored tokens after this one
-        is written). Returns logits [n, vocab] float32."""
-        n = len(tokens)
-        if not 1 <= n <= self.batch:
-            raise ValueError(f"DecodeGraph.run: {n} sequences, the graph holds 1..{self.batch}")
-        tok = np.zeros(self.batch, np.int64)
-        pos = np.zeros(self.batch, np.int64)
-        sl = np.full(self.batch, -1, np.int64)
-        bt = np.zeros((self.batch, self.max_blocks), np.int32)
-        lens = np.ones(self.batch, np.int32)
-        tok[:n], pos[:n], sl[:n], lens[:n] = tokens, positions, slots, context_lens
-        for r, table in enumerate(block_tables):
-            if len(table) > self.max_blocks:
-                raise ValueError(f"DecodeGraph.run: block table of {len(table)} > max_blocks {self.max_blocks}")
-            bt[r, : len(table)] = table
-        if lens[:n].max() > self.max_ctx or lens[:n].min() < 1:
-            raise ValueError(f"DecodeGraph.run: context lengths must be in 1..{self.max_ctx}")
-        for buf, host in (
-            (self.tokens, tok),
-            (self.positions, pos),
-            (self.slots, sl),
-            (self.block_tables, bt),
-            (self.context_lens, lens),
-        ):
-            buf.set(host, stream=self._stream)
-        with cp.cuda.using_allocator(self._mem.malloc), self._stream:
-            if self.captured:
-                self.graph.launch(self._stream)
-            else:
-                self.logits = self._step()
-            out = self.logits[:n].get(stream=self._stream)
-        return out.astype(np.float32, copy=False)
+    @staticmethod
+    def decode(q, k_layer, v_layer, batch: DecodeBatch, scale: float):
+        """One paged_decode launch for the batch's sequences (one query token each)."""
+        return paged_decode(q, k_layer, v_layer, batch.tables, batch.lens, scale, batch.max_ctx)

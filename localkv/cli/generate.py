@@ -218,9 +218,10 @@ def _print_verbose(engine, r):
     if engine.prefix_caching:
         lines.insert(3, f"prefix cache:         {r.cached_tokens}/{r.prompt_tokens} prompt tokens reused")
     s = engine.stats
-    if engine.evict.policy != "none":
+    ev = engine.policy.config
+    if ev.policy != "none":
         lines.append(
-            f"kv policy:            {engine.evict.policy}, budget {engine.evict.budget} tokens; peak "
+            f"kv policy:            {ev.policy}, budget {ev.budget} tokens; peak "
             f"{r.peak_active_tokens} active; {s.evictions} evictions, {s.offloads} offloads, "
             f"{s.recalls} recalls"
         )

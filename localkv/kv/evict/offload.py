@@ -1,0 +1,284 @@
+"""Offload and recall: blocks that leave the window move to a host tier (RAM, or a spill
+file), and in every forward each layer and kv head reads back its best offloaded blocks
+for its current queries (Quest's bound, then an exact rerank). See docs/EVICTION.md."""
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from localkv.errors import LocalkvError
+from localkv.kv.block_pool import BlockPool
+from localkv.kv.evict.budget import EvictConfig
+from localkv.kv.evict.protocol import AttendExtras, to_host
+from localkv.kv.evict.window import SeqState, TablePositions, WindowPolicy
+from localkv.sequence import Sequence
+from localkv.stats import Stats
+
+
+class OffloadTier:
+    """Blocks moved out of the pool: K/V of all layers, bit-exact, one slot each laid out
+    [2, layers, kv_heads, block_size, hd] (one layer and head of a block is one contiguous
+    run), plus the keys' min/max per layer and kv head (Quest's metadata, [layers, kv_heads,
+    head_dim, slot], so one layer's bounds are two matmuls). In RAM, or in an np.memmap file
+    under `path` (a directory), unlinked at once so nothing is left behind."""
+
+    def __init__(
+        self,
+        block_shape: tuple[int, int, int, int],
+        dtype=np.float32,
+        path: Path | str | None = None,
+        capacity: int = 8,
+    ):
+        self.block_shape = tuple(block_shape)  # (layers, block_size, kv_heads, head_dim)
+        self.dtype = np.dtype(dtype)
+        self.file = None if path is None else _open_spill(Path(path))
+        self.entries: dict[tuple[int, int], int] = {}  # (seq id, start) -> slot
+        self.free_slots: list[int] = []
+        self.version = 0  # bumped whenever entries change: cached indexes are rebuilt
+        layers, bs, kvh, hd = self.block_shape
+        self.slot_shape = (2, layers, kvh, bs, hd)
+        self.kv = np.empty((0, *self.slot_shape), self.dtype)
+        self.kmin = np.empty((layers, kvh, hd, 0), np.float32)
+        self.kmax = np.empty_like(self.kmin)
+        self._grow(max(1, capacity))
+
+    @classmethod
+    def for_pool(cls, pool: BlockPool, path: Path | str | None = None) -> "OffloadTier":
+        layers, _, bs, kvh, hd = pool.k.shape
+        return cls((layers, bs, kvh, hd), pool.k.dtype, path)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.kv)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.entries) * self.kv[0].nbytes
+
+    def _grow(self, capacity: int):
+        old, n = self.kv, len(self.kv)
+        shape = (capacity, *self.slot_shape)
+        if self.file is None:
+            self.kv = np.empty(shape, self.dtype)
+            self.kv[:n] = old
+        else:
+            _reserve(self.file, int(np.prod(shape)) * self.dtype.itemsize)
+            self.kv = np.memmap(self.file, self.dtype, "r+", shape=shape)
+        pad = ((0, 0),) * 3 + ((0, capacity - n),)
+        self.kmin, self.kmax = np.pad(self.kmin, pad), np.pad(self.kmax, pad)
+        self.free_slots.extend(range(capacity - 1, n - 1, -1))
+
+    def blocks_of(self, seq_id: int) -> list[tuple[int, int]]:
+        """(start position, slot) of a sequence's offloaded blocks, by position."""
+        return sorted((start, slot) for (sid, start), slot in self.entries.items() if sid == seq_id)
+
+    def offload(
+        self, seq: Sequence, table: TablePositions, i: int, pool: BlockPool, stats: Stats, reason: str = "over budget"
+    ) -> int:
+        """Move table entry i out of the pool; returns its slot in the tier."""
+        bid = seq.block_table[i]
+        if pool.blocks[bid].ref_count != 1:
+            raise RuntimeError(f"block {bid} is shared and cannot be offloaded: a bug in the caller's logic")
+        if not self.free_slots:
+            self._grow(2 * self.capacity)
+        slot = self.free_slots.pop()
+        k = to_host(pool.k[:, bid])  # [L, bs, kvh, hd]
+        self.kv[slot, 0], self.kv[slot, 1] = k.transpose(0, 2, 1, 3), to_host(pool.v[:, bid]).transpose(0, 2, 1, 3)
+        self.kmin[..., slot], self.kmax[..., slot] = k.min(axis=1), k.max(axis=1)
+        pos = table.positions(i)
+        self.entries[(seq.id, pos[0])] = slot
+        self.version += 1
+        del seq.block_table[i]
+        table.remove(i)
+        pool.release(bid)
+        seq.num_stored -= table.block_size
+        table.stored, seq.hashable = seq.num_stored, False
+        stats.emit("offload", seq.id, bid, pos, reason=reason)
+        return slot
+
+    def block_kv(self, slots: np.ndarray, which: int, layer: int, head: int) -> np.ndarray:
+        """K (which=0) or V (1) of one layer and kv head for the given slots: [len(slots),
+        block_size, hd], exact copies of what was offloaded."""
+        return self.kv[slots, which, layer, head]
+
+    def index(self, seq_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A sequence's offloaded blocks: starts [n], slots [n], key min and max [L, kvh, hd, n]."""
+        mine = self.blocks_of(seq_id)
+        starts = np.array([s for s, _ in mine], np.int64)
+        slots = np.array([slot for _, slot in mine], np.int64)
+        return starts, slots, np.ascontiguousarray(self.kmin[..., slots]), np.ascontiguousarray(self.kmax[..., slots])
+
+    def drop(self, seq_id: int) -> None:
+        for key in [k for k in self.entries if k[0] == seq_id]:
+            self.free_slots.append(self.entries.pop(key))
+            self.version += 1
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.kv = np.empty((0, *self.slot_shape), self.dtype)
+            self.file.close()
+            self.file = None
+
+
+def _open_spill(directory: Path):
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="localkv-offload-", suffix=".kv", dir=directory)
+        f = os.fdopen(fd, "w+b")
+    except OSError as e:
+        raise LocalkvError(f"cannot write the KV offload file under {directory}: {e.strerror or e}") from None
+    try:
+        os.unlink(name)  # lives while open (POSIX)
+    except OSError:
+        pass
+    return f
+
+
+def _reserve(f, nbytes: int):
+    """Grow the spill file with real disk space: a sparse file would crash on write when full."""
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(f.fileno(), 0, nbytes)
+        else:
+            f.truncate(nbytes)
+    except OSError as e:
+        raise LocalkvError(f"cannot grow the KV offload file to {nbytes} bytes: {e.strerror or e}") from None
+
+
+def quest_scores(q: np.ndarray, kmin: np.ndarray, kmax: np.ndarray) -> np.ndarray:
+    """Quest's upper bound of q·k over each block's keys: sum over dims of max(q*min, q*max),
+    computed as relu(q)·max + min(q, 0)·min (two matmuls). q [kvh, R, hd] (R query rows per
+    kv head), kmin/kmax [kvh, hd, n] -> [kvh, R, n]."""
+    return np.matmul(np.maximum(q, 0), kmax) + np.matmul(np.minimum(q, 0), kmin)
+
+
+class Retriever:
+    """One sequence's offloaded blocks during one forward. Per layer and kv head, Quest's
+    bound keeps the top `rerank * r_blocks` blocks as candidates, then the exact largest q·k
+    over their keys picks `r_blocks`, whose K/V are read from the tier as extra keys. Nothing
+    goes back into the pool, so each layer attends to at most resident + r_blocks blocks."""
+
+    def __init__(
+        self,
+        tier: OffloadTier,
+        starts: np.ndarray,
+        slots: np.ndarray,
+        kmin: np.ndarray,
+        kmax: np.ndarray,
+        r_blocks: int,
+        rerank: int,
+    ):
+        self.tier, self.starts, self.slots = tier, starts, slots
+        self.kmin, self.kmax = kmin, kmax  # [L, kvh, hd, n]
+        self.r = min(r_blocks, len(slots))
+        self.rerank = max(1, rerank)
+        self._picks: list[tuple[np.ndarray, np.ndarray]] = []  # (starts, largest q·k) per layer and head
+        self.most = 0  # most tokens one layer read back
+
+    @property
+    def picked(self) -> dict[int, float]:
+        """start -> largest q·k this step, over the layers and heads that read the block back."""
+        if not self._picks:
+            return {}
+        starts = np.concatenate([p[0] for p in self._picks])
+        best = np.concatenate([p[1] for p in self._picks])
+        order = np.lexsort((-best, starts))  # by start, highest score first within a start
+        starts, best = starts[order], best[order]
+        first = np.flatnonzero(np.r_[True, starts[1:] != starts[:-1]])
+        return dict(zip(starts[first].tolist(), best[first].tolist()))
+
+    def __call__(self, layer: int, q) -> tuple[np.ndarray, np.ndarray] | None:
+        """K/V [kvh, r * block_size, hd] of this layer's chosen blocks for queries q [T, H, hd]."""
+        r = self.r
+        if not r:
+            return None
+        q = to_host(q)
+        T, H, hd = q.shape
+        kvh, n = self.kmin.shape[1], len(self.slots)
+        bs = self.tier.block_shape[1]
+        qh = q.reshape(T, kvh, H // kvh, hd).transpose(1, 0, 2, 3).reshape(kvh, -1, hd)
+        c = min(n, self.rerank * r)
+        if c < n:
+            bound = quest_scores(qh, self.kmin[layer], self.kmax[layer]).max(axis=1)  # [kvh, n]
+            cand = np.argpartition(bound, n - c, axis=1)[:, n - c :]
+        else:
+            cand = np.broadcast_to(np.arange(n), (kvh, n))
+        k = np.empty((kvh, r * bs, hd), self.tier.dtype)
+        v = np.empty_like(k)
+        for h in range(kvh):
+            slots = self.slots[cand[h]]
+            keys = self.tier.block_kv(slots, 0, layer, h)  # [c, bs, hd]
+            best = (keys.reshape(c * bs, hd) @ qh[h].T).reshape(c, -1).max(axis=1)
+            pick = np.argpartition(best, c - r)[c - r :] if r < c else np.arange(c)
+            k[h] = keys[pick].reshape(r * bs, hd)
+            v[h] = self.tier.block_kv(slots[pick], 1, layer, h).reshape(r * bs, hd)
+            self._picks.append((self.starts[cand[h][pick]], best[pick]))
+        self.most = max(self.most, r * bs)
+        return k, v
+
+
+@dataclass(slots=True)
+class OffloadSeqState(SeqState):
+    index: tuple | None = None  # (tier version, tier.index(seq id)), rebuilt when the tier changes
+    retriever: Retriever | None = None  # the one extras() handed out for the current forward
+    recalled: set[int] = field(default_factory=set)  # starts read back in the last forward
+    read_back: int = 0  # most tokens one layer read back in the last forward
+
+    def sync(self, seq: Sequence) -> "OffloadSeqState":
+        self.table.sync(seq)
+        return self
+
+    def fork(self) -> "OffloadSeqState":
+        return OffloadSeqState(self.table.copy())  # offloaded blocks stay the parent's
+
+
+class OffloadPolicy(WindowPolicy):
+    """Blocks leaving the window move to an OffloadTier; each forward reads back, per layer,
+    up to the budget's recall slots of them (Retriever), one `recall` event per block that
+    comes back after a step without it."""
+
+    def __init__(self, config: EvictConfig, pool: BlockPool, stats: Stats, offload_dir: Path | str | None = None):
+        super().__init__(config, pool, stats)
+        self.tier = OffloadTier.for_pool(pool, offload_dir)
+
+    def new_state(self) -> OffloadSeqState:
+        return OffloadSeqState(TablePositions(self.block_size))
+
+    def remove(self, seq: Sequence, state: SeqState, victims: list[int]) -> None:
+        for i in reversed(victims):
+            self.tier.offload(seq, state.table, i, self.pool, self.stats, self.reason)
+
+    def extras(self, seq: Sequence) -> AttendExtras | None:
+        st = self.state(seq)
+        if st.index is None or st.index[0] != self.tier.version:
+            st.index = (self.tier.version, self.tier.index(seq.id))
+        starts, slots, kmin, kmax = st.index[1]
+        st.retriever = None
+        if len(slots):
+            recall = self.config.recall_blocks(self.block_size)
+            st.retriever = Retriever(self.tier, starts, slots, kmin, kmax, recall, self.config.rerank)
+        return None if st.retriever is None else AttendExtras(kv=st.retriever)
+
+    def after_forward(self, seq: Sequence, extras: AttendExtras | None, n_queries: int) -> None:
+        """One `recall` event per block some layer read back this step but not in the step
+        before (a block recalled every step is one recall, not one per step)."""
+        st = self.state(seq)
+        ret, st.retriever = st.retriever, None
+        picked = ret.picked if ret is not None else {}
+        for start in sorted(set(picked) - st.recalled):
+            slot = self.tier.entries[(seq.id, start)]
+            reason = "among a layer's top offloaded blocks for the current query"
+            self.stats.emit("recall", seq.id, slot, (start, start + self.block_size), picked[start], reason)
+        st.recalled = set(picked)
+        st.read_back = ret.most if ret is not None else 0
+
+    def active_tokens(self, seq: Sequence) -> int:
+        st = self.seqs.get(seq.id)
+        return seq.num_stored + (st.read_back if st is not None else 0)
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        self.tier.drop(seq.id)
