@@ -1,5 +1,3 @@
-import json
-
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -54,10 +52,8 @@ def test_parse_tests():
 
 
 def test_md_table_like_llama_bench():
-    md = bench.format_md([_row(), _row(test="tg128", ts=(40.0, 40.0))], command="localkv bench -t 2")
-    lines = md.splitlines()
-    assert "cores" in lines[0] and "localkv bench -t 2" in lines[1]
-    table = [ln for ln in lines if ln.startswith("|")]
+    md = bench.format_speed_table([_row(), _row(test="tg128", ts=(40.0, 40.0))])
+    table = md.splitlines()
     assert [c.strip() for c in table[0].strip("|").split("|")] == [
         "model",
         "size",
@@ -90,7 +86,7 @@ def test_md_compared_has_engine_and_ratio_columns():
     ]
     r = bench.ratios(rows)
     assert r == pytest.approx({"pp512": 3.0, "tg128": 0.4})
-    table = [ln for ln in bench.format_md(rows, r).splitlines() if ln.startswith("|")]
+    table = bench.format_speed_table(rows, r).splitlines()
     cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in table]
     assert cells[0][0] == "engine" and cells[0][-1] == "vs llama.cpp"
     assert [c[0] for c in cells[2:]] == ["localkv", "llama.cpp"] * 2
@@ -100,12 +96,6 @@ def test_md_compared_has_engine_and_ratio_columns():
 def test_ratios_skip_tests_without_peer():
     assert bench.ratios([_row()]) == {}
     assert bench.ratios([_row(), _row("llama.cpp", test="tg128")]) == {}
-
-
-def test_json_uses_llama_bench_names():
-    out = json.loads(bench.format_json([_row()]))
-    assert isinstance(out, list) and out[0].keys() >= LLAMA_BENCH_KEYS
-    assert out[0]["test"] == "pp512" and out[0]["backend"] == "CPU"
 
 
 def test_size_and_params_units():
@@ -129,16 +119,16 @@ def _app():
         ["memory", "-o", "html"],
         ["fork", "-r", "0"],
         ["evict", "--vs", "vllm"],
+        ["fork", "--block-size", "3"],
     ],
 )
 def test_bad_options_raise_before_loading(args, monkeypatch):
-    from localkv.bench import suites as bench_suites
+    from localkv.bench import options
 
     def no_engine(*a, **k):
         raise AssertionError("engine loaded before the options were checked")
 
-    monkeypatch.setattr(bench, "Engine", no_engine)
-    monkeypatch.setattr(bench_suites, "Engine", no_engine)
+    monkeypatch.setattr(options, "Engine", no_engine)
     res = CliRunner().invoke(_app(), args)
     assert isinstance(res.exception, LocalkvError), res.output
 
@@ -228,3 +218,58 @@ def test_speed_rows_vs_llama_cpp(engine):
     rows = bench.speed_rows(engine, ("pp16", "tg4"), reps=1, vs="llama.cpp")
     _check(rows, ["localkv", "llama.cpp"])
     assert set(bench.ratios(rows)) == {"pp16", "tg4"} and all(x > 0 for x in bench.ratios(rows).values())
+
+
+# ------------------------------------------------------------------ options and layout
+
+
+def test_command_reproduces_the_engine_settings():
+    from localkv.bench.options import Options
+
+    o = Options(engine=EngineConfig(model="m.gguf", block_size=32, kv_mem="512MiB", device="cpu"), quick=True)
+    assert (
+        o.command("fork", 2) == "localkv bench fork -m m.gguf -t 2 --quick --block-size 32 --kv-mem 512MiB --device cpu"
+    )
+    assert o.command("memory", None) == "localkv bench memory -m m.gguf --quick --block-size 32 --kv-mem 512MiB"
+    full = Options(vs="llama.cpp", reps=3, seed=7)
+    assert full.command("speed", 1) == "localkv bench speed -p 512 -n 128 -r 3 -t 1 --vs llama.cpp --seed 7"
+    assert full.command("evict", 1) == "localkv bench evict -t 1 --seed 7"
+
+
+def test_size_flag_spells_bytes_exactly():
+    from localkv.bench.options import size_flag
+
+    assert [size_flag(n) for n in (1 << 30, 3 << 29, 64 << 20, 3072, 1536)] == [
+        "1GiB",
+        "1536MiB",
+        "64MiB",
+        "3KiB",
+        "1536",
+    ]
+
+
+def test_bench_package_imports_no_engine():
+    # the timed children run as `python -m localkv.bench.child_ttft[_peer]`: what the package
+    # imports loads before their clocks start
+    import subprocess
+    import sys
+
+    code = "import sys, localkv.bench; print(sorted(m for m in sys.modules if m.startswith(('localkv.', 'numpy'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['localkv.bench']"
+
+
+def test_timers_free_through_the_engine(tmp_path):
+    # freeing through the engine lets the KV policy drop its per-sequence state too
+    from localkv.engine import Engine
+    from localkv.kv.evict import EvictConfig
+    from tiny_model import write_gguf
+
+    eng = Engine(EngineConfig(model=write_gguf(tmp_path / "t.gguf"), evict=EvictConfig(policy="sliding", budget=64)))
+    freed = []
+    policy_free = eng.policy.free
+    eng.policy.free = lambda seq: (freed.append(seq.id), policy_free(seq))
+    runner = bench.LocalRunner(eng)
+    runner.pp([5] * 20)
+    runner.tg(5, 3)
+    assert len(freed) == 2 and eng.pool.num_free == eng.pool.num_blocks

@@ -6,10 +6,15 @@ import io
 import json
 
 import pytest
+from test_bench import LLAMA_BENCH_KEYS
 
+import localkv.bench
+from localkv.bench import cache, evict, fork, memory_suite, speed
+from localkv.bench import plot as bp
 from localkv.bench import report as br
-from localkv.bench import suites as bs
+from localkv.bench.options import Options
 from localkv.cli import main
+from localkv.config import EngineConfig
 from tiny_model import write_gguf
 
 HW_KEYS = {"cpu", "cores", "threads", "loadavg_start", "loadavg_end", "other_cpu_share", "loaded"}
@@ -21,7 +26,7 @@ def tiny(tmp_path_factory):
 
 
 def _opts(tiny, **kw):
-    return bs.Options(model=str(tiny), threads=1, quick=True, **kw)
+    return Options(engine=EngineConfig(model=str(tiny), threads=1), quick=True, **kw)
 
 
 def _check_report(rep, suite):
@@ -36,7 +41,7 @@ def _check_report(rep, suite):
 
 
 def test_memory_quick():
-    rep = bs.run_memory(bs.Options(quick=True))
+    rep = memory_suite.run(Options(quick=True))
     _check_report(rep, "memory")
     assert [r["allocator"] for r in rep.rows] == ["paged", "contiguous", "contiguous-pow2", "contiguous-exact"]
     assert all(t.ok is None for t in rep.targets)  # smoke sizes: not the targets' workload
@@ -44,7 +49,7 @@ def test_memory_quick():
 
 
 def test_memory_full_workload_meets_targets():
-    rep = bs.run_memory(bs.Options())  # the documented 1,000-request workload: a couple of seconds
+    rep = memory_suite.run(Options())  # the documented 1,000-request workload: a couple of seconds
     paged, contig = rep.rows[0], rep.rows[1]
     assert paged["utilization"] >= 0.96 and 0.2 <= contig["utilization"] <= 0.4
     assert [t.ok for t in rep.targets] == [True, True, True]
@@ -52,7 +57,7 @@ def test_memory_full_workload_meets_targets():
 
 
 def test_fork_quick(tiny):
-    rep = bs.run_fork(_opts(tiny))
+    rep = fork.run(_opts(tiny))
     _check_report(rep, "fork")
     (row,) = rep.rows
     assert row["engine"] == "localkv" and row["branches"] == 8 and row["decode_tps"] > 0
@@ -62,7 +67,7 @@ def test_fork_quick(tiny):
 
 
 def test_cache_quick(tiny):
-    rep = bs.run_cache(_opts(tiny))
+    rep = cache.run(_opts(tiny))
     _check_report(rep, "cache")
     by = {(r["engine"], r["condition"]): r for r in rep.rows}
     assert set(by) == {("localkv", "cold"), ("localkv", "warm disk")}
@@ -76,7 +81,7 @@ def test_cache_quick(tiny):
 
 
 def test_evict_quick_with_long(tiny):
-    rep = bs.run_evict(_opts(tiny, long=True))
+    rep = evict.run(_opts(tiny, long=True))
     _check_report(rep, "evict")
     assert [(r["policy"], r["budget_pct"]) for r in rep.rows] == [
         ("full", 100),
@@ -94,15 +99,16 @@ def test_evict_quick_with_long(tiny):
 
 
 def test_speed_quick(tiny):
-    rep = bs.run_speed(_opts(tiny))
+    rep = speed.run(_opts(tiny))
     _check_report(rep, "speed")
     assert [r["test"] for r in rep.rows] == ["pp64", "tg16"] and all(r["avg_ts"] > 0 for r in rep.rows)
+    assert all(r.keys() >= LLAMA_BENCH_KEYS for r in json.loads(br.format_json([rep], single=True))["rows"])
     assert "| pp64 |" in br.format_md(rep).replace("  ", "")
 
 
 def test_cli_all_quick_json(tiny, capsys, monkeypatch):
     # `all` runs every suite in turn; cache (subprocesses) and evict are covered above
-    monkeypatch.setattr(bs, "SUITES", ("speed", "memory", "fork"))
+    monkeypatch.setattr(localkv.bench, "SUITES", ("speed", "memory", "fork"))
     assert main(["bench", "all", "--quick", "-m", str(tiny), "-t", "1", "-o", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["suite"] for r in out] == ["speed", "memory", "fork"]
@@ -118,6 +124,13 @@ def test_cli_suite_csv(tiny, capsys):
     assert "localkv bench fork" in out.err  # hardware and command go to stderr in csv mode
 
 
+def test_cli_engine_options_reach_the_suite(capsys):
+    assert main(["bench", "memory", "--quick", "--block-size", "32", "--kv-mem", "512MiB", "-o", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["command"] == "localkv bench memory --quick --block-size 32 --kv-mem 512MiB"
+    assert "blocks of 32" in out["summary"]["memory"]
+
+
 def test_cli_unknown_suite_is_one_line_error(capsys):
     assert main(["bench", "sped"]) != 0
     err = capsys.readouterr().err
@@ -126,15 +139,15 @@ def test_cli_unknown_suite_is_one_line_error(capsys):
 
 def test_plot_writes_pngs(tmp_path, tiny):
     pytest.importorskip("matplotlib")
-    rep = bs.run_memory(bs.Options(quick=True))
-    (png,) = br.plot(rep, tmp_path)
+    rep = memory_suite.run(Options(quick=True))
+    (png,) = bp.plot(rep, tmp_path)
     assert png.name == "bench-memory.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ev = br.Report(
         "evict",
         "x",
         rows=[{"policy": "full", "budget_pct": 100, "ppl": 5.0}, {"policy": "h2o", "budget_pct": 20, "ppl": 6.0}],
     )
-    assert br.plot(ev, tmp_path)[0].stat().st_size > 0
+    assert bp.plot(ev, tmp_path)[0].stat().st_size > 0
 
 
 # ------------------------------------------------------------------ llama.cpp side
@@ -142,7 +155,7 @@ def test_plot_writes_pngs(tmp_path, tiny):
 
 @pytest.mark.peer
 def test_fork_quick_vs_llama_cpp(tiny):
-    rep = bs.run_fork(_opts(tiny, vs="llama.cpp"))
+    rep = fork.run(_opts(tiny, vs="llama.cpp"))
     ours, theirs = rep.rows
     assert theirs["engine"] == "llama.cpp" and theirs["decode_tps"] > 0 and theirs["state_bytes"] > 0
     assert ours["vs_llama_cpp"] > 0 and rep.targets[1].ok is None  # ratio shown, judged only at full size
@@ -152,7 +165,7 @@ def test_fork_quick_vs_llama_cpp(tiny):
 
 @pytest.mark.peer
 def test_cache_quick_vs_llama_cpp(tiny):
-    rep = bs.run_cache(_opts(tiny, vs="llama.cpp"))
+    rep = cache.run(_opts(tiny, vs="llama.cpp"))
     by = {(r["engine"], r["condition"]): r for r in rep.rows}
     assert set(by) == {(e, c) for e in ("localkv", "llama.cpp") for c in ("cold", "warm disk")}
     assert by["llama.cpp", "warm disk"]["cached_tokens"] > 0 and by["llama.cpp", "cold"]["disk_bytes"] > 0
@@ -165,6 +178,6 @@ def test_cache_quick_vs_llama_cpp(tiny):
 @pytest.mark.model
 @pytest.mark.peer
 def test_fork_quick_real_model_vs_llama_cpp(real_model_path):
-    rep = bs.run_fork(bs.Options(model=str(real_model_path), threads=1, quick=True, vs="llama.cpp"))
+    rep = fork.run(Options(engine=EngineConfig(model=str(real_model_path), threads=1), quick=True, vs="llama.cpp"))
     assert [r["engine"] for r in rep.rows] == ["localkv", "llama.cpp"]
     assert all(r["decode_tps"] > 0 for r in rep.rows) and rep.targets[0].ok

@@ -11,6 +11,8 @@ import time
 def main():
     t_start = time.perf_counter()
     req = json.loads(sys.stdin.read())
+    # imported after the clock starts: the engine's code loading counts as model load, as
+    # llama_cpp's does in child_ttft_peer.py
     from localkv.config import EngineConfig
     from localkv.engine import Engine
     from localkv.generation import Generation

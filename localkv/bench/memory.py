@@ -1,6 +1,6 @@
 """`localkv bench memory`: how much of the reserved KV memory holds real tokens, paged vs
-contiguous, on one seeded workload. An allocator-level simulation: no model runs, so it takes
-seconds and gives the same numbers on any machine.
+contiguous, on one seeded workload. An allocator-level simulation: no model runs, so it gives
+the same numbers on any machine.
 
 Workload (make_workload): n requests, all queued at step 0 (an offline batch, as in the vLLM
 paper's throughput runs). Prompt and output lengths are drawn independently from a
@@ -322,23 +322,7 @@ def simulate(mem, requests: list[Request], max_series: int = 2000, check=None) -
         if not running and waiting:
             r = waiting[-1][0]
             raise LocalkvError(f"request of {r.final} tokens never fits {mem.slots} slots ({mem.name})")
-        # measure the step
-        res.steps += 1
-        stored = sum(s for _, s in running)
-        reserved = mem.reserved()
-        res.tokens_stored += stored
-        res.slots_reserved += reserved
-        for r, s in running:
-            held = mem.reserved_by(r)
-            res.reserved_later += min(held, r.final) - s
-            res.never_used += held - min(held, r.final)
-        if waiting:
-            res.waiting_steps += 1
-            res.batch_waiting += len(running)
-            res.stranded += mem.stranded(waiting[-1][0])
-        res.peak_batch = max(res.peak_batch, len(running))
-        res.peak_reserved = max(res.peak_reserved, reserved)
-        trace.append((res.steps, reserved, stored, len(running)))
+        trace.append(_record(res, mem, running, waiting[-1][0] if waiting else None))
         if check:
             check(mem, running)
     stride = max(1, -(-len(trace) // max_series))
@@ -348,6 +332,27 @@ def simulate(mem, requests: list[Request], max_series: int = 2000, check=None) -
         res.series["stored"].append(stored)
         res.series["running"].append(n)
     return res
+
+
+def _record(res: SimResult, mem, running: list, head: Request | None) -> tuple[int, int, int, int]:
+    """Add one step's measures to res (head: the waiting request at the queue's head, if any);
+    returns the step's (step, reserved, stored, running) for the series."""
+    res.steps += 1
+    stored = sum(s for _, s in running)
+    reserved = mem.reserved()
+    res.tokens_stored += stored
+    res.slots_reserved += reserved
+    for r, s in running:
+        held = mem.reserved_by(r)
+        res.reserved_later += min(held, r.final) - s
+        res.never_used += held - min(held, r.final)
+    if head is not None:
+        res.waiting_steps += 1
+        res.batch_waiting += len(running)
+        res.stranded += mem.stranded(head)
+    res.peak_batch = max(res.peak_batch, len(running))
+    res.peak_reserved = max(res.peak_reserved, reserved)
+    return res.steps, reserved, stored, len(running)
 
 
 def run(cfg: MemoryConfig, variants=CONTIGUOUS) -> tuple[list[Request], list[SimResult]]:

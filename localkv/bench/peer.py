@@ -1,9 +1,9 @@
 """llama.cpp (through llama-cpp-python) as the reference engine for `localkv bench --vs llama.cpp`.
 
 It runs the same GGUF with the same thread count and exposes the same pp/tg timers as
-bench.LocalRunner, so the two can be interleaved rep by rep; branches() is best-of-N the way
-llama.cpp's Python API does it (the fork suite), and TTFT_CHILD is the script the cache suite
-spawns to time a first token in a fresh process, with or without LlamaDiskCache.
+speed.LocalRunner, so the two can be interleaved rep by rep; branches() is best-of-N the way
+llama.cpp's Python API does it (the fork suite). The cache suite times llama.cpp's first token
+in a fresh process: child_ttft_peer.py.
 """
 
 import importlib.util
@@ -15,6 +15,12 @@ import numpy as np
 from localkv.errors import LocalkvError
 
 INSTALL_HINT = "pip install -e '.[peer]'"
+PEERS = ("llama.cpp",)  # what --vs accepts
+
+
+def check_vs(vs: str | None):
+    if vs is not None and vs not in PEERS:
+        raise LocalkvError(f"unknown --vs {vs!r}: the only engine to compare against is llama.cpp")
 
 
 def peer_available() -> bool:
@@ -123,32 +129,3 @@ class PeerRunner:
 
     def close(self):
         self.llm.close()
-
-
-# Run as `python -c TTFT_CHILD` with a JSON request on stdin: {"model", "n_ctx", "threads", "ids",
-# "cache_dir" (null: no cache), "capacity"}. Times the first token of a greedy completion of ids in
-# this fresh process, through create_completion: with LlamaDiskCache set, that call looks up the
-# longest cached prefix, load_state()s it and evaluates the rest. Prints one JSON line.
-TTFT_CHILD = r"""
-import json, sys, time
-t_start = time.perf_counter()
-a = json.loads(sys.stdin.read())
-import llama_cpp
-llm = llama_cpp.Llama(model_path=a["model"], n_ctx=a["n_ctx"], n_threads=a["threads"],
-                      n_threads_batch=a["threads"], n_batch=512, n_ubatch=512, verbose=False)
-cached = 0
-if a["cache_dir"]:
-    llm.set_cache(llama_cpp.LlamaDiskCache(cache_dir=a["cache_dir"], capacity_bytes=a["capacity"]))
-    key = llm.cache._find_longest_prefix_key(tuple(a["ids"]))  # what the call below will load
-    cached = llama_cpp.Llama.longest_token_prefix(key, a["ids"]) if key else 0
-load_s = time.perf_counter() - t_start
-t0 = time.perf_counter()
-it = llm.create_completion(a["ids"], max_tokens=a.get("max_tokens", 1), temperature=0.0, stream=True)
-first = next(it)
-ttft = time.perf_counter() - t0
-for _ in it:  # the rest; with a cache the state is saved after the last token
-    pass
-done = time.perf_counter() - t0
-print(json.dumps({"engine": "llama.cpp", "ttft_s": ttft, "load_s": load_s, "request_s": done,
-                  "prompt_tokens": len(a["ids"]), "cached_tokens": cached, "first": first["choices"][0]["text"]}))
-"""

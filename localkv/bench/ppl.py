@@ -1,5 +1,5 @@
 """Quality under a KV budget: teacher-forced perplexity of the real model on a long text
-(the GPL-3.0 license, shipped verbatim in localkv/data) for each eviction policy and budget.
+(the GPL-3.0 license, localkv/bench/text.py) for each eviction policy and budget.
 
 Tokens go through the engine in chunks (default 16: one block) with all logits kept; the
 policy acts before every chunk, so each chunk's queries see exactly the blocks the policy
@@ -9,14 +9,12 @@ kept, as token-by-token decoding would up to the chunk's own causal window.
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from localkv.bench.text import text_tokens
 from localkv.kv.evict import EvictConfig
 from localkv.sequence import Sequence
-
-TEXT = Path(__file__).parent / "data" / "gpl-3.0.txt"
 
 
 @dataclass(slots=True)
@@ -32,10 +30,6 @@ class PplRow:
     seconds: float
 
 
-def text_tokens(engine, n: int) -> list[int]:
-    return engine.tokenizer.encode(TEXT.read_text())[:n]
-
-
 def perplexity(engine, tokens: list[int], chunk: int = 16) -> tuple[float, int]:
     """exp(mean NLL of tokens[1:]) with the engine's current policy; and the most tokens of
     K/V one layer attended to at once (measured after every step: the pool's share, plus what
@@ -46,7 +40,7 @@ def perplexity(engine, tokens: list[int], chunk: int = 16) -> tuple[float, int]:
         while seq.pending:
             start = seq.num_computed
             logits = engine.step([seq], chunk, all_logits=True)
-            peak = max(peak, engine.evictor.active_tokens(seq))
+            peak = max(peak, engine.policy.active_tokens(seq))
             for i, row in enumerate(logits):
                 pos = start + i + 1  # row i predicts the token after it
                 if pos < len(tokens):

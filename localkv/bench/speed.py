@@ -1,15 +1,11 @@
-"""`localkv bench [SUITE]`: the one place for measurements.
+"""`localkv bench speed`, llama-bench style: pp N times a prefill of N random tokens into an
+empty sequence; tg N times N single-token decode steps after a 1-token prompt.
 
-Suites (bench_suites.py): speed (default), memory, fork, cache, evict, and all of them in turn.
-This module holds the speed suite's core and the command. pp N times a prefill of N random
-tokens into an empty sequence; tg N times N single-token decode steps after a 1-token prompt.
-Rows use llama-bench's JSON field names so results can sit next to llama-bench's. With
---vs llama.cpp the same tests run on llama-cpp-python with the same GGUF and threads, reps
-interleaved (A B A B ...) so machine noise hits both alike.
+Rows use llama-bench's JSON field names and the table its layout, so results can sit next to
+llama-bench's. With --vs llama.cpp the same tests run on llama-cpp-python with the same GGUF
+and threads, reps interleaved (A B A B ...) so machine noise hits both alike.
 """
 
-import json
-import os
 import re
 import statistics
 from dataclasses import dataclass
@@ -18,13 +14,17 @@ from time import perf_counter
 
 import numpy as np
 
-from localkv.bench.report import cpu_info
+from localkv.bench.options import Options
+from localkv.bench.peer import PeerRunner, check_vs
+from localkv.bench.report import LoadMeter, Report, cpu_info
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
 from localkv.sequence import Sequence
 
-PEERS = ("llama.cpp",)
-SUITE_NAMES = ("speed", "memory", "fork", "cache", "evict", "all")
+NOTE = (
+    "prefix caching off, as llama-bench has none: each rep reuses the blocks the last one freed "
+    "(pages already mapped, as llama.cpp reuses its KV buffer)"
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,7 +47,7 @@ class Test:
 
 
 class LocalRunner:
-    """localkv's side of a test: timers over an Engine."""
+    """localkv's side of a test: timers over the engine's public steps (prefill, decode, free)."""
 
     name = "localkv"
 
@@ -61,7 +61,7 @@ class LocalRunner:
             eng.prefill(seq)
             return perf_counter() - t0
         finally:
-            eng.kv.free(seq)
+            eng.free(seq)
 
     def tg(self, first: int, n: int) -> float:
         eng, seq = self.engine, Sequence([first])
@@ -73,7 +73,7 @@ class LocalRunner:
                 logits = eng.decode([seq])[0]
             return perf_counter() - t0
         finally:
-            eng.kv.free(seq)
+            eng.free(seq)
 
 
 def _measure(runner, test: Test, tokens: list[int]) -> float:
@@ -105,8 +105,6 @@ def speed_rows(
         engine.check_fits(max(t.n_prompt, 1), t.n_gen)
     runners = [LocalRunner(engine)]
     if vs:
-        from localkv.bench.peer import PeerRunner
-
         n_ctx = -(-max(t.n_ctx for t in tests) // 256) * 256
         runners.append(PeerRunner(engine.path, engine.threads, n_ctx))
     say = progress or (lambda msg: None)
@@ -170,14 +168,30 @@ def ratios(rows: list[dict], peer: str = "llama.cpp") -> dict[str, float]:
     return {t: a / by[(peer, t)] for (e, t), a in by.items() if e == "localkv" and by.get((peer, t))}
 
 
+def run(o: Options) -> Report:
+    meter = LoadMeter()
+    n_prompt, n_gen, reps = (64, 16, 1) if o.quick else (o.n_prompt, o.n_gen, o.reps or 5)
+    tests = [f"pp{n_prompt}"] * bool(n_prompt) + [f"tg{n_gen}"] * bool(n_gen)
+    eng = o.new_engine(prefix_cache=False)  # as llama-bench: no prefix cache, the pool's blocks reused
+    rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say)
+    r = ratios(rows)
+    rep = Report(
+        "speed",
+        f"prompt processing ({', '.join(tests)}) and generation speed, llama-bench style, "
+        f"{reps} rep(s)" + (", interleaved with llama.cpp" if o.vs else ""),
+        command=o.command("speed", eng.threads),
+        rows=rows,
+        table_md=format_speed_table(rows, r),
+    )
+    rep.summary = {f"{t} localkv / llama.cpp": f"{x:.2f}x" for t, x in r.items()}
+    rep.notes = [NOTE]
+    return meter.finish(rep, eng.threads)
+
+
 # ------------------------------------------------------------------ output
 
 
-def hardware() -> str:
-    return f"{cpu_info()}, {os.cpu_count()} cores"
-
-
-def _size(b: int) -> str:
+def _size(b: int) -> str:  # llama-bench's units, two decimals
     return f"{b / 2**20:.2f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
 
 
@@ -185,15 +199,9 @@ def _params(n: int) -> str:
     return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
 
 
-def format_md(rows: list[dict], ratios: dict[str, float] | None = None, command: str | None = None) -> str:
+def format_speed_table(rows: list[dict], ratios: dict[str, float] | None = None) -> str:
     """llama-bench's markdown table; when llama.cpp rows are present an engine column leads and
     a ratio column (localkv t/s / llama.cpp t/s) ends each localkv row."""
-    head = [f"CPU: {hardware()}"] + ([f"command: `{command}`"] if command else [])
-    return "\n".join(head + ["", format_speed_table(rows, ratios)])
-
-
-def format_speed_table(rows: list[dict], ratios: dict[str, float] | None = None) -> str:
-    """The table part of format_md."""
     compared = any(r["engine"] != "localkv" for r in rows)
     ratios = ratios or {}
     cols = ["model", "size", "params", "backend", "threads", "test", "t/s"]
@@ -231,20 +239,3 @@ def _cell(r: dict, col: str, ratios: dict[str, float]) -> str:
         case "vs llama.cpp":
             x = ratios.get(r["test"]) if r["engine"] == "localkv" else None
             return f"{x:.2f}x" if x is not None else ""
-
-
-def format_json(rows: list[dict]) -> str:
-    return json.dumps(rows, indent=2) + "\n"
-
-
-# ------------------------------------------------------------------ CLI
-
-
-def check_vs(vs: str | None):
-    if vs is not None and vs not in PEERS:
-        raise LocalkvError(f"unknown --vs {vs!r}: the only engine to compare against is llama.cpp")
-
-
-def check_suite(suite: str):
-    if suite not in SUITE_NAMES:
-        raise LocalkvError(f"unknown bench suite {suite!r}: use one of {', '.join(SUITE_NAMES)}")

@@ -4,100 +4,110 @@ import sys
 
 import typer
 
-from localkv.bench import report as br
-from localkv.bench.speed import check_suite, check_vs
+from localkv import bench
+from localkv.bench import peer, report
+from localkv.cli.options import engine_options
+from localkv.config import EngineConfig
 from localkv.errors import LocalkvError
 
+REPS = typer.Option(
+    None,
+    "-r",
+    "--repetitions",
+    help="Timed reps, interleaved with --vs: speed 5 (mean ± sd, as llama-bench), fork and cache 3 (medians), "
+    "--quick 1.",
+)
+VS = typer.Option(
+    None,
+    "--vs",
+    help="Also run llama.cpp (llama-cpp-python) on the same work, interleaved, with a ratio column "
+    "(speed, fork, cache).",
+)
+LONG = typer.Option(
+    False, "--long", help="evict: also a 10,000-token generation under a 1,024-token budget per policy."
+)
+SUITE = typer.Argument(
+    "speed",
+    help="speed (pp/tg t/s), memory (paged vs contiguous KV use), fork (best-of-8 sharing), cache (TTFT cold/warm, "
+    "chat hit rate), evict (perplexity under KV budgets), or all.",
+)
 
+
+@engine_options("model", "threads", "block_size", "kv_mem", "device", flags={"threads": ("-t", "--threads")})
 def bench_command(
-    model: str | None = typer.Option(None, "-m", "--model", help="Catalog name, .gguf file or model directory."),
     n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="speed: prompt tokens of the pp test (0: skip it)."),
     n_gen: int = typer.Option(128, "-n", "--n-gen", help="speed: generated tokens of the tg test (0: skip it)."),
-    repetitions: int | None = typer.Option(
-        None,
-        "-r",
-        "--repetitions",
-        help="Timed reps, interleaved with --vs: speed 5 (mean ± sd, as llama-bench), fork and cache 3 (medians), "
-        "--quick 1.",
-    ),
-    threads: int | None = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores)."),
-    vs: str | None = typer.Option(
-        None,
-        "--vs",
-        help="Also run llama.cpp (llama-cpp-python) on the same work, "
-        "interleaved, with a ratio column (speed, fork, cache).",
-    ),
+    repetitions: int | None = REPS,
+    vs: str | None = VS,
     output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
-    kv_mem: str = typer.Option(
-        "1GiB", "--kv-mem", help="KV pool size, e.g. 512MiB (memory: the memory both allocators share)."
-    ),
     quick: bool = typer.Option(False, "--quick", help="Smoke run of the suite at tiny sizes (seconds; CI)."),
     plot: str | None = typer.Option(None, "--plot", help="Write PNG charts into this folder (needs matplotlib)."),
-    long: bool = typer.Option(
-        False, "--long", help="evict: also a 10,000-token generation under a 1,024-token budget per policy."
-    ),
+    long: bool = LONG,
     seed: int = typer.Option(0, "--seed", help="Seed of the workloads, random tokens and sampling."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    suite: str = typer.Argument(
-        "speed",
-        help="speed (pp/tg t/s), memory (paged vs contiguous KV use), fork "
-        "(best-of-8 sharing), cache (TTFT cold/warm, chat hit rate), evict "
-        "(perplexity under KV budgets), or all.",
-    ),
+    suite: str = SUITE,
+    *,
+    engine: EngineConfig,
 ):
     """Measure localkv: speed (default; pp512/tg128 like llama-bench), memory, fork, cache, evict or all.
 
     Each suite prints what it measured, the hardware and load, the command that reproduces it, and
     the targets it checks. --vs llama.cpp runs llama-cpp-python on the same work in the same run."""
-    from localkv.bench.suites import RUNNERS, SUITES, Options
-
     check_suite(suite)
-    check_vs(vs)
-    br.check_output(output)
+    peer.check_vs(vs)
+    report.check_output(output)
     if plot is not None:
-        br.require_matplotlib()
+        from localkv.bench.plot import require_matplotlib
+
+        require_matplotlib()
     if suite in ("speed", "all") and not quick and (n_prompt < 0 or n_gen < 0 or not (n_prompt or n_gen)):
         raise LocalkvError("nothing to bench: give -p and/or -n a token count >= 1")
     if repetitions is not None and repetitions < 1:
         raise LocalkvError(f"invalid repetitions {repetitions}: must be >= 1")
-    if vs:
-        from localkv.bench.peer import INSTALL_HINT, peer_available
-
-        if not peer_available():  # before the engine loads, so the error comes at once
-            raise LocalkvError(f"--vs llama.cpp needs llama-cpp-python, which is not installed ({INSTALL_HINT})")
-
-    def say(msg):
-        return print(f"bench: {msg}", file=sys.stderr, flush=True)
+    if vs and not peer.peer_available():  # before the engine loads, so the error comes at once
+        raise LocalkvError(f"--vs llama.cpp needs llama-cpp-python, which is not installed ({peer.INSTALL_HINT})")
+    from localkv.bench.options import Options  # the engine's code loads only when a bench runs
 
     opts = Options(
-        model=model,
-        threads=threads,
+        engine=engine,
         vs=vs,
-        block_size=block_size,
-        kv_mem=kv_mem,
         quick=quick,
         long=long,
         seed=seed,
         reps=repetitions,
         n_prompt=n_prompt,
         n_gen=n_gen,
-        device=device,
-        progress=say,
+        progress=_say,
     )
-    names = SUITES if suite == "all" else (suite,)
     reports = []
-    for i, name in enumerate(names):
-        rep = RUNNERS[name](opts)
+    for i, name in enumerate(bench.SUITES if suite == "all" else (suite,)):
+        rep = bench.runner(name)(opts)
         reports.append(rep)
-        if output == "md":
-            sys.stdout.write(("\n" if i else "") + br.format_md(rep))
-        elif output == "csv":
-            sys.stdout.write(("\n" if i else "") + br.format_csv(rep))
-            say(f"{name}: {br.hardware_line(rep.hardware)}; {br.load_line(rep.hardware)}; command: {rep.command}")
-        sys.stdout.flush()
-        if plot is not None:
-            for path in br.plot(rep, plot):
-                say(f"wrote {path}")
+        _write(rep, output, plot, first=not i)
     if output == "json":
-        sys.stdout.write(br.format_json(reports, single=len(reports) == 1))
+        sys.stdout.write(report.format_json(reports, single=len(reports) == 1))
+
+
+def check_suite(suite: str):
+    names = (*bench.SUITES, "all")
+    if suite not in names:
+        raise LocalkvError(f"unknown bench suite {suite!r}: use one of {', '.join(names)}")
+
+
+def _say(msg: str):
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _write(rep: report.Report, output: str, plot: str | None, first: bool):
+    """One suite's report as it finishes (json: all of them at the end), and its charts."""
+    if output == "md":
+        sys.stdout.write(("" if first else "\n") + report.format_md(rep))
+    elif output == "csv":
+        sys.stdout.write(("" if first else "\n") + report.format_csv(rep))
+        hw = rep.hardware
+        _say(f"{rep.suite}: {report.hardware_line(hw)}; {report.load_line(hw)}; command: {rep.command}")
+    sys.stdout.flush()
+    if plot is not None:
+        from localkv.bench.plot import plot as draw
+
+        for path in draw(rep, plot):
+            _say(f"wrote {path}")
