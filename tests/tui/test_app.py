@@ -1,47 +1,24 @@
-"""`localkv chat`: the Textual app driven by Pilot on a tiny random model (tests/tiny_model.py)."""
+"""`localkv chat`: the whole ChatApp driven by Pilot on a tiny random model (fixtures in conftest.py).
+Each command's own cases are in test_commands.py, the worker's messages in test_worker.py, and
+each widget in its own test module."""
 
-import itertools
+import asyncio
 from dataclasses import replace
-from uuid import UUID
 
 import pytest
 
 from localkv.config import EngineConfig
 from localkv.conversations.store import ConversationStore
 from localkv.engine import Engine
-from localkv.generation import Generation
 from localkv.sampling import SamplingParams
 from localkv.tui.app import ChatApp
-from localkv.tui.kv_panel import KVPanel, bar_widths
-from localkv.tui.widgets import BranchTree, ChatMessage, Notice, clean
+from localkv.tui.widgets.branch_tree import BranchTree
+from localkv.tui.widgets.kv_panel import KVPanel
+from localkv.tui.widgets.message import ChatMessage, Notice, clean
 from localkv.units import format_size
-from tiny_model import write_gguf
 
 GREEDY = SamplingParams(temperature=0, seed=0)
 SIZE = (100, 30)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    # untied output weights: a tied random model only repeats its last token ("\n")
-    return write_gguf(tmp_path_factory.mktemp("tui") / "tiny.gguf", ctx=4096, tied=False)
-
-
-@pytest.fixture
-def engine(model_path):
-    return Engine(EngineConfig(model=model_path, kv_mem="4MiB", device="cpu"))  # fp32 K/V: the same text everywhere
-
-
-@pytest.fixture
-def ids(monkeypatch):
-    """Deterministic message ids (for snapshots): 00000000..., 00000001..."""
-    counter = itertools.count()
-    monkeypatch.setattr("localkv.conversations.store.uuid4", lambda: UUID(int=next(counter) << 96))
-
-
-def fake_clock(step=0.01):
-    """Advances one step per reading: flush and rate decisions depend on the token count only."""
-    return itertools.count(0, step).__next__
 
 
 def make_app(engine, sampling=GREEDY, max_tokens=24, ignore_eos=False, **kw):
@@ -74,34 +51,20 @@ def notices(app):
     return [(str(n.content), n.has_class("error")) for n in app.transcript.query(Notice)]
 
 
-def expected_reply(model_path, history, max_tokens=24):
-    eng = Engine(EngineConfig(model=model_path, kv_mem="4MiB", disk_cache=False, device="cpu"))
-    tok = eng.tokenizer
-    return Generation(eng, tok.encode(tok.render_chat(history)), replace(GREEDY, max_tokens=max_tokens)).run()
-
-
-class Spy(ChatApp):
-    """Records every batch the worker pushes to the UI."""
-
-    async def _stream(self, view, text, tps):
-        self.chunks = getattr(self, "chunks", []) + [text]
-        await super()._stream(view, text, tps)
-
-
 @pytest.mark.asyncio
-async def test_reply_streams_into_transcript_and_is_saved(engine, model_path):
-    app = Spy(engine, ConversationStore(), sampling=replace(GREEDY, max_tokens=24), clock=fake_clock(0.02))
+async def test_reply_streams_into_transcript_and_is_saved(engine, reference):
+    app = make_app(engine)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press(*"hello", "enter")
         await idle(pilot)
-        want = expected_reply(model_path, [{"role": "user", "content": "hello"}])
-        assert want.text and len(app.chunks) > 1  # batches, not one update at the end
-        assert messages(app) == [("user", "hello"), ("assistant", clean(want.text))]
+        want = reference([{"role": "user", "content": "hello"}])
+        assert want.text and messages(app) == [("user", "hello"), ("assistant", clean(want.text))]
         path = app.store.path(app.at)
         assert [(m.role, m.content) for m in path] == [("user", "hello"), ("assistant", want.text)]
         assert path[1].completion_tokens == len(want.tokens) and path[1].sampling["temperature"] == 0
-        view = app.transcript.query(ChatMessage).last()
+        user_view, view = app.transcript.query(ChatMessage)
         assert view.border_subtitle.endswith(want.finish_reason) and app.store.short_id(app.at) in view.border_title
+        assert (user_view.mid, view.mid) == (path[0].id, path[1].id)
         assert app.title == "tiny-test" and app.sub_title.startswith("CPU")
         # the second turn continues the same conversation and reuses the first prompt's blocks
         await send(pilot, "again")
@@ -137,6 +100,26 @@ async def test_stop_keeps_the_partial_reply(engine, key):
         assert engine.pool.usage()["used"] == 0  # the sequence was freed
         await send(pilot, "/help")  # still responsive
         assert "/regen" in notices(app)[-1][0]
+
+
+@pytest.mark.asyncio
+async def test_quitting_mid_reply_stops_it_and_saves_it(engine):
+    app = make_app(engine, max_tokens=3000, ignore_eos=True)
+    async with app.run_test(size=SIZE) as pilot:
+        app.prompt.value = "tell me everything"
+        await app.prompt.action_submit()
+        for _ in range(500):  # until the first batch is on screen
+            await pilot.pause(0.01)
+            if app.transcript.query(ChatMessage).last().source:
+                break
+        await pilot.press("ctrl+q")
+    for _ in range(1000):  # the worker ends on its own thread, after the app: until it saved both messages
+        if [c["messages"] for c in app.store.list_conversations()] == [2]:
+            break
+        await asyncio.sleep(0.01)
+    [conv] = app.store.list_conversations()
+    reply = app.store.latest_leaf(conv["full_id"])
+    assert reply.role == "assistant" and 0 < reply.completion_tokens < 3000 and app.return_code == 0
 
 
 @pytest.mark.asyncio
@@ -206,32 +189,9 @@ def _nodes(node):
 
 
 @pytest.mark.asyncio
-async def test_slash_commands(engine):
+async def test_system_prompt_starts_the_next_exchange(engine):
     app = make_app(engine)
     async with app.run_test(size=SIZE) as pilot:
-        await send(pilot, "/save")
-        assert "nothing to save" in notices(app)[-1][0]
-        await send(pilot, "/set temperature 0.5")
-        assert app.params.temperature == 0.5 and notices(app)[-1] == ("temperature = 0.5", False)
-        await send(pilot, "/set top_k 7")
-        await send(pilot, "/set seed none")
-        await send(pilot, "/set max_tokens 5")
-        assert (app.params.top_k, app.params.seed, app.params.max_tokens) == (7, None, 5)
-        for bad, why in [
-            ("/set bogus 1", "unknown setting 'bogus'"),
-            ("/set top_p 2", "invalid top-p"),
-            ("/set top_k many", "expected a number"),
-            ("/set temperature", "needs a value"),
-            ("/set max_tokens 0", "must be >= 1"),
-            ("/set evict h2o", "needs a budget"),
-            ("/set evict lru", "unknown KV policy"),
-            ("/frobnicate", "unknown command"),
-        ]:
-            await send(pilot, bad)
-            text, error = notices(app)[-1]
-            assert error and why in text and "\n" not in text, bad
-        assert app.params.top_p == 0.95 and app.engine is engine  # nothing changed by the bad ones
-
         await send(pilot, "/system Be terse.")
         assert app.system == "Be terse." and "Be terse." in app.sub_title
         assert messages(app) == [("system", "Be terse.")]
@@ -240,14 +200,37 @@ async def test_slash_commands(engine):
         assert [(m.role, m.content) for m in path][:2] == [("system", "Be terse."), ("user", "hi")]
         await send(pilot, "/save")
         assert app.store.short_id(app.cid) in notices(app)[-1][0]
+        await send(pilot, "/clear")  # a new conversation keeps the system prompt, not saved yet
+        assert app.cid is None and app.at is None and messages(app) == [("system", "Be terse.")]
 
+
+@pytest.mark.asyncio
+async def test_set_applies_params_and_rebuilds_the_engine(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "hi")
+        cid = app.cid
+        await send(pilot, "/set temperature 0.5")
+        assert app.params.temperature == 0.5 and notices(app)[-1] == ("temperature = 0.5", False)
         await send(pilot, "/set budget 64")
         await send(pilot, "/set evict sliding")
-        assert app.engine is not engine and (app.engine.evict.policy, app.engine.evict.budget) == ("sliding", 64)
-        assert app.cid is not None  # the store and the conversation stay
+        ev = app.engine.config.evict
+        assert app.engine is not engine and (ev.policy, ev.budget) == ("sliding", 64)
+        assert notices(app)[-1] == ("ready: tiny-test, KV policy sliding, budget 64 tokens", False)
+        assert app.cid == cid and app.panel.shown["policy"] == "sliding"  # the store and the conversation stay
+        await send(pilot, "more")
+        assert [m.role for m in app.store.path(app.at)] == ["user", "assistant"] * 2
 
-        await send(pilot, "/clear")
-        assert app.cid is None and app.at is None and messages(app) == [("system", "Be terse.")]
+
+@pytest.mark.asyncio
+async def test_a_bad_command_is_one_error_line_and_changes_nothing(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        for bad in ("/set evict lru", "/set top_p 2", "/frobnicate", "/regen"):
+            await send(pilot, bad)
+            text, error = notices(app)[-1]
+            assert error and text and "\n" not in text, bad
+        assert app.params == make_app(engine).params and app.engine is engine and app.cid is None
         await send(pilot, "/help")
         assert "/fork" in notices(app)[-1][0]
         await pilot.press(*"/bye", "enter")
@@ -323,26 +306,34 @@ async def test_refused_prompt_goes_back_to_the_input(model_path):
         assert messages(app) == [] and app.prompt.value == "x" * 5000
 
 
-def factory(model_path):
-    return lambda evict: Engine(EngineConfig(model=model_path, kv_mem="1MiB", evict=evict, device="cpu"))
-
-
-def test_factory_and_bar_helpers(model_path):
-    app = ChatApp(factory(model_path), ConversationStore())
-    assert app.engine is None and app.factory is not None
-    assert bar_widths([3, 0, 1, 20000], 30) == [1, 0, 1, 28]
-    assert sum(bar_widths([5, 5, 5, 5], 31)) == 31 and bar_widths([0, 0, 0, 0], 10) == [0, 0, 0, 0]
-    assert clean("a\x1bb\n\tc\x7f") == "a\u241bb\n\tc\u2421"
+@pytest.mark.asyncio
+async def test_app_from_a_config_loads_the_engine_in_the_background(config):
+    app = ChatApp(replace(config, kv_mem="1MiB"), ConversationStore(), sampling=replace(GREEDY, max_tokens=5))
+    assert app.engine is None and app.config.kv_mem == 1 << 20
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot)
+        assert app.engine is not None and app.engine.config.kv_mem == 1 << 20 and app.title == "tiny-test"
+        assert notices(app)[-1] == ("ready: tiny-test, KV policy none", False)
+        await send(pilot, "hi")
+        assert app.at is not None
 
 
 @pytest.mark.asyncio
-async def test_app_from_factory_loads_in_the_background(model_path):
-    app = ChatApp(factory(model_path), ConversationStore(), sampling=replace(GREEDY, max_tokens=5))
+async def test_an_engine_that_fails_to_build_is_an_error_line(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a model")
+    app = ChatApp(EngineConfig(model=bad, device="cpu"), ConversationStore())
     async with app.run_test(size=SIZE) as pilot:
-        await idle(pilot)
-        assert app.engine is not None and app.title == "tiny-test"
-        await send(pilot, "hi")
-        assert app.at is not None
+        for _ in range(200):
+            await pilot.pause(0.02)
+            if notices(app)[-1][1]:
+                break
+        text, error = notices(app)[-1]
+        assert error and text.startswith("error: ") and "internal error" not in text
+        assert app.engine is None and app.busy  # nothing can run; /bye still works
+        await pilot.press(*"/bye", "enter")
+        await pilot.pause()
+    assert app.return_code == 0
 
 
 def test_chat_command_checks_ids_before_the_ui(monkeypatch, capsys):
@@ -363,22 +354,23 @@ def test_chat_command_checks_ids_before_the_ui(monkeypatch, capsys):
         assert msg in capsys.readouterr().err
 
 
-def _snapshot_app(engine):
+@pytest.fixture
+def snapshot_app(engine, fake_clock):
     return make_app(engine, system="You are a tiny test model.", clock=fake_clock())
 
 
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
-def test_snapshot_main_screen(engine, ids, snap_compare, size):
+def test_snapshot_main_screen(snapshot_app, ids, snap_compare, size):
     async def chat(pilot):
         pilot.app.prompt.cursor_blink = False  # a blinking cursor is a coin flip in the screenshot
         await send(pilot, "Hello! What can you do?")
         await send(pilot, "/regen")
         await pilot.pause(0.3)
 
-    assert snap_compare(_snapshot_app(engine), terminal_size=size, run_before=chat)
+    assert snap_compare(snapshot_app, terminal_size=size, run_before=chat)
 
 
-def test_snapshot_branch_tree(engine, ids, snap_compare):
+def test_snapshot_branch_tree(snapshot_app, ids, snap_compare):
     async def chat(pilot):
         pilot.app.prompt.cursor_blink = False
         await send(pilot, "Hello!")
@@ -386,7 +378,7 @@ def test_snapshot_branch_tree(engine, ids, snap_compare):
         await send(pilot, "More?")  # continues the second branch: no deeper nesting
         await send(pilot, "/branches")
 
-    assert snap_compare(_snapshot_app(engine), terminal_size=(80, 24), run_before=chat)
+    assert snap_compare(snapshot_app, terminal_size=(80, 24), run_before=chat)
 
 
 @pytest.mark.asyncio

@@ -1,79 +1,30 @@
-"""Small widgets of the chat screen: a message, a notice line, the prompt with history, the branch tree."""
+"""The conversation tree beside the transcript."""
 
 from rich.text import Text
 from textual.binding import Binding
-from textual.message import Message as TMessage
+from textual.message import Message
 from textual.reactive import var
-from textual.widgets import Input, Markdown, Static, Tree
+from textual.widgets import Tree
 
 from localkv.conversations.store import preview
-
-ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
-# C0 controls (except tab/newline), DEL and C1 would move the terminal's cursor or be dropped
-# silently; a random or confused model can emit them, so they are shown as visible symbols
-_CONTROLS = (
-    {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127: 0x2421} | dict.fromkeys(range(128, 160), 65533)
-)
-
-
-def clean(text: str) -> str:
-    return text.translate(_CONTROLS)
-
-
-class ChatMessage(Markdown):
-    """One message of the transcript. mid is its id in the store (None until saved)."""
-
-    def __init__(self, role: str, text: str = "", mid: str | None = None, short: str = ""):
-        super().__init__(clean(text), classes=role)
-        self.role, self.mid = role, mid
-        self.set_id(short)
-
-    def set_id(self, short: str) -> None:
-        self.border_title = ROLE_TITLES[self.role] + (f" · {short}" if short else "")
-
-
-class Notice(Static):
-    """A one-line info or error line in the transcript (never saved)."""
-
-    def __init__(self, text: str, error: bool = False):
-        super().__init__(text, classes="error" if error else "info", markup=False)
-
-
-class PromptInput(Input):
-    """The message box: up/down walk the lines sent before, like a shell."""
-
-    BINDINGS = [
-        Binding("up", "history(-1)", show=False),
-        Binding("down", "history(1)", show=False),
-        # out of the box, letters are commands (p panel, b tree, r regen, f fork; i comes back)
-        Binding("escape", "app.focus('transcript')", show=False),
-    ]
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.history: list[str] = []
-        self._pos = 0  # == len(history): the line being typed
-
-    def remember(self, line: str) -> None:
-        if line and (not self.history or self.history[-1] != line):
-            self.history.append(line)
-        self._pos = len(self.history)
-
-    def action_history(self, step: int) -> None:
-        pos = min(max(self._pos + step, 0), len(self.history))
-        if pos != self._pos:
-            self._pos = pos
-            self.value = self.history[pos] if pos < len(self.history) else ""
-            self.cursor_position = len(self.value)
+from localkv.tui.widgets.message import ROLE_TITLES, clean
 
 
 class BranchTree(Tree[str]):
     """The conversation tree; node data is the full message id. Enter switches to a branch."""
 
+    DEFAULT_CSS = """
+    BranchTree {
+        dock: left;
+        width: 40;
+        border-right: vkey $primary 50%;
+        background: $panel;
+    }
+    """
     BINDINGS = [Binding("f", "fork", "Fork here"), Binding("r", "regen", "Regenerate")]
     auto_expand = var(False)  # Enter switches branches; it must not fold the node too
 
-    class Picked(TMessage):
+    class Picked(Message):
         def __init__(self, mid: str):
             super().__init__()
             self.mid = mid

@@ -62,8 +62,8 @@ class KVSnapshot:
             s.offloads,
             s.recalls,
             tuple(list(s.events)[-n_events:]),
-            engine.evict.policy,
-            engine.evict.budget,
+            engine.config.evict.policy,
+            engine.config.evict.budget,
         )
 
 
@@ -85,6 +85,16 @@ def bar_widths(counts: list[int], width: int) -> list[int]:
 class PoolBar(Widget):
     """The block pool as used / shared / cached-free / free cells, and a legend under it."""
 
+    DEFAULT_CSS = """
+    PoolBar {
+        height: 2;
+    }
+    PoolBar > .poolbar--used { color: $error; }
+    PoolBar > .poolbar--shared { color: $warning; }
+    PoolBar > .poolbar--cached { color: $success; }
+    PoolBar > .poolbar--free { color: $foreground 30%; }
+    """
+
     COMPONENT_CLASSES = {f"poolbar--{name}" for name, _ in SEGMENTS}
     usage: reactive[dict | None] = reactive(None)
 
@@ -101,6 +111,29 @@ class PoolBar(Widget):
 
 class KVPanel(VerticalScroll):
     """The docked side panel: set `snapshot` (a KVSnapshot) and `last_turn`; rates come from the worker."""
+
+    DEFAULT_CSS = """
+    KVPanel {
+        dock: right;
+        width: 34;
+        padding: 0 1;
+        border-left: vkey $primary 50%;
+        background: $panel;
+        scrollbar-size-vertical: 1;
+    }
+    KVPanel .title {
+        text-style: bold;
+        color: $accent;
+        margin-top: 1;
+    }
+    KVPanel #kv-events {
+        color: $text-muted;
+    }
+    KVPanel Sparkline {
+        height: 2;
+        margin-bottom: 1;
+    }
+    """
 
     snapshot: reactive[KVSnapshot | None] = reactive(None, init=False)
     last_turn: reactive[tuple[int, int] | None] = reactive(None, init=False)  # (cached, prompt) tokens
@@ -119,12 +152,11 @@ class KVPanel(VerticalScroll):
         yield Static("-", id="kv-rate", markup=False)
         yield Sparkline([], id="kv-spark")
 
-    def add_rate(self, tps: float) -> None:
+    def add_rate(self, tps: float, when: str) -> None:
+        """A tokens/s sample: into the sparkline, and shown as the rate `when` ("now", "last reply")."""
         spark = self.query_one(Sparkline)
         spark.data = [*(spark.data or [])[-59:], tps]
-
-    def set_rate(self, text: str) -> None:
-        self.query_one("#kv-rate", Static).update(text)
+        self.query_one("#kv-rate", Static).update(f"{tps:.1f} {when}")
 
     def watch_snapshot(self) -> None:
         self._render_stats()

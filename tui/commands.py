@@ -1,0 +1,246 @@
+"""The slash commands of `localkv chat`: a table from name to handler, and the /set parser.
+
+A handler reads the chat's state (the `Chat` protocol: ChatApp, or any object with these fields)
+and returns what should happen, in order, as plain values: notices to show (`Say`) and effects
+for the app to carry out (`Goto`, `UseParams`, `Rebuild`, ...). Nothing here imports Textual, so
+every command is testable without a running app."""
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from localkv.config import EngineConfig
+from localkv.conversations.store import ConversationStore
+from localkv.errors import LocalkvError
+from localkv.sampling import SamplingParams
+
+HELP = """\
+/system TEXT    set the system prompt (a new branch from the root)
+/set KEY VALUE  temperature top_p top_k max_tokens seed evict budget
+/fork [ID]      branch at the message picked in the tree (or ID)
+/branches       the tree: Enter switches branch, f forks, r regenerates
+/regen [ID]     regenerate the last reply (or ID's) as a sibling
+/clear          start a new conversation
+/save           where this conversation is saved
+/help  /bye
+Esc stops a reply, else leaves the input for the keys: p panel, b tree, r regen, f fork, i input
+F2 KV panel · F3 tree · ↑↓ history · Tab focus · Ctrl-Q quit"""
+SETTINGS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "evict", "budget")
+ALIASES = {"?": "help", "exit": "bye", "quit": "bye", "tree": "branches"}
+
+
+class Chat(Protocol):
+    """What the commands read. `busy`: a reply streams or an engine is being built."""
+
+    store: ConversationStore
+    cid: str | None  # the conversation shown (None: a new one, created when the first reply is saved)
+    at: str | None  # the message the next one goes under (None: a new root)
+    system: str | None
+    params: SamplingParams
+    busy: bool
+
+    @property
+    def config(self) -> EngineConfig: ...  # the engine's settings (/set evict|budget replace them)
+
+    @property
+    def picked(self) -> str | None: ...  # the message under the tree's cursor while the tree shows
+
+
+# ------------------------------------------------------------ what a command returns
+
+
+@dataclass(frozen=True, slots=True)
+class Say:
+    """A notice in the transcript."""
+
+    text: str
+    error: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Goto:
+    """Show the branch through `at` in conversation `cid`; `system` only for a new root (at None)."""
+
+    cid: str | None
+    at: str | None
+    system: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UseParams:
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuild:
+    """Build a new engine from `config` in the worker (the old one serves until it is ready)."""
+
+    config: EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Regenerate:
+    """A new reply to the question the chat is now at, with these params."""
+
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ShowTree:
+    """Show the branch tree and focus it."""
+
+
+@dataclass(frozen=True, slots=True)
+class FocusPrompt:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Quit:
+    pass
+
+
+Effect = Say | Goto | UseParams | Rebuild | Regenerate | ShowTree | FocusPrompt | Quit
+Handler = Callable[[Chat, str], list[Effect]]
+
+
+def run(chat: Chat, line: str) -> list[Effect]:
+    """The effects of one input line starting with '/'. A user's error is one error notice."""
+    name, _, arg = line[1:].partition(" ")
+    name = ALIASES.get(name.lower(), name.lower())
+    command = COMMANDS.get(name)
+    if command is None:
+        return [Say(f"unknown command /{name}: /help lists the commands", error=True)]
+    if chat.busy and not command.anytime:
+        return [Say(f"busy: /{name} must wait for the reply (Esc stops it)", error=True)]
+    try:
+        return command.handler(chat, arg.strip())
+    except LocalkvError as e:
+        return [Say(f"error: {e}", error=True)]
+
+
+# ------------------------------------------------------------ the commands
+
+
+def help_(chat: Chat, arg: str) -> list[Effect]:
+    return [Say(HELP)]
+
+
+def bye(chat: Chat, arg: str) -> list[Effect]:
+    return [Quit()]
+
+
+def clear(chat: Chat, arg: str) -> list[Effect]:
+    return [Goto(None, None, chat.system), Say("new conversation" + (" (same system prompt)" if chat.system else ""))]
+
+
+def save(chat: Chat, arg: str) -> list[Effect]:
+    if chat.cid is None:
+        return [Say("nothing to save yet: each exchange is saved when its reply ends")]
+    c = chat.store.get_conversation(chat.cid)
+    return [
+        Say(
+            f"saved as conversation {c['id']} ({c['messages']} messages, {c['branches']} branches) in "
+            f"{chat.store.db_path}: `localkv chat --cid {c['id']}` continues it"
+        )
+    ]
+
+
+def system(chat: Chat, arg: str) -> list[Effect]:
+    if not arg:
+        return [Say(f"system prompt: {chat.system or '(none)'}")]
+    # the system prompt is the root of a branch: a new one starts a new branch from the root
+    where = ": the next message starts a new branch from the root" if chat.cid else ""
+    return [Goto(chat.cid, None, arg), Say("system prompt set" + where)]
+
+
+def branches(chat: Chat, arg: str) -> list[Effect]:
+    return [ShowTree()]
+
+
+def fork(chat: Chat, arg: str) -> list[Effect]:
+    mid = chat.store.resolve_message(arg) if arg else chat.picked
+    if mid is None:
+        return [ShowTree(), Say("pick the message to branch at in the tree and press f (or /fork ID)")]
+    msg = chat.store.get_message(mid)
+    # the next message goes under the chosen one; at a question, beside it (an edited question)
+    at = msg.parent_id if msg.role == "user" else msg.id
+    what = "instead of that question" if msg.role == "user" else "after it"
+    return [
+        Goto(msg.conversation_id, at),
+        Say(f"forked at {chat.store.short_id(mid)}: your next message starts a new branch {what}"),
+        FocusPrompt(),
+    ]
+
+
+def regen(chat: Chat, arg: str) -> list[Effect]:
+    st = chat.store
+    mid = st.resolve_message(arg) if arg else chat.at
+    if mid is None:
+        raise LocalkvError("nothing to regenerate yet")
+    msg = st.get_message(mid)
+    user = st.get_message(msg.parent_id) if msg.role == "assistant" and msg.parent_id else msg
+    if user.role != "user":
+        raise LocalkvError(f"message {st.short_id(mid)} is a {msg.role} message: nothing to regenerate")
+    p = chat.params
+    if p.seed is not None:  # reproducible, yet not the sibling already there (`localkv fork` does seed + i)
+        n = sum(1 for c in st.children(user.id) if c.role == "assistant")
+        p = replace(p, seed=p.seed + n)
+    return [Goto(user.conversation_id, user.id), Regenerate(p)]
+
+
+def set_(chat: Chat, arg: str) -> list[Effect]:
+    key, _, value = arg.partition(" ")
+    key, value = key.lower().replace("-", "_"), value.strip()
+    if not key:
+        p, ev = chat.params, chat.config.evict
+        return [
+            Say(
+                f"temperature {p.temperature} · top_p {p.top_p} · top_k {p.top_k} · max_tokens "
+                f"{p.max_tokens} · seed {p.seed} · evict {ev.policy} · budget {ev.budget}"
+            )
+        ]
+    if key not in SETTINGS:
+        raise LocalkvError(f"unknown setting {key!r}: use one of {', '.join(SETTINGS)}")
+    if not value:
+        raise LocalkvError(f"/set {key} needs a value")
+    if key in ("evict", "budget"):
+        ev = chat.config.evict
+        ev = replace(ev, policy=value.lower()) if key == "evict" else replace(ev, budget=number(key, value))
+        config = replace(chat.config, evict=ev).validate()  # a bad policy fails here, before any rebuild
+        return [
+            Say(f"{key} = {value}: building a new engine (the in-memory prefix cache starts empty)"),
+            Rebuild(config),
+        ]
+    params = replace(chat.params, **{key: number(key, value)}).validate()
+    return [UseParams(params), Say(f"{key} = {getattr(params, key)}")]
+
+
+def number(key: str, value: str) -> float | int | None:
+    """A /set value: a float for temperature and top_p, else an int; none/off clears seed and budget."""
+    text = value.strip().lower()
+    if key in ("seed", "budget") and text in ("none", "off"):
+        return None
+    try:
+        return float(text) if key in ("temperature", "top_p") else int(text)
+    except ValueError:
+        raise LocalkvError(f"invalid {key} {value!r}: expected a number") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    handler: Handler
+    anytime: bool = False  # also while a reply streams (it does not touch the engine or the branch)
+
+
+COMMANDS: dict[str, Command] = {
+    "help": Command(help_, anytime=True),
+    "bye": Command(bye, anytime=True),
+    "branches": Command(branches, anytime=True),
+    "save": Command(save, anytime=True),
+    "clear": Command(clear),
+    "system": Command(system),
+    "set": Command(set_),
+    "fork": Command(fork),
+    "regen": Command(regen),
+}

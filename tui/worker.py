@@ -1,0 +1,146 @@
+"""The work that touches the engine off the UI thread: one reply (generate, save, free) and building
+an engine. Each runs in a Textual thread worker and reports only by posting Messages (`post` is the
+app's thread-safe post_message, which drops them once the app is closing); the app reacts in its
+handlers on the UI thread. Only one such worker runs at a time (see the rule in app.py)."""
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from textual.message import Message
+
+from localkv.config import EngineConfig
+from localkv.conversations.turn import Turn
+from localkv.engine import Engine
+from localkv.errors import LocalkvError
+from localkv.generation import Generation, Result
+from localkv.sampling import SamplingParams
+from localkv.tui.widgets.kv_panel import KVSnapshot
+
+FLUSH_S = 0.05  # streamed text reaches the UI at most this often: one Markdown append per batch
+RATE_S = 0.25  # tokens/s sample period; the worker also snapshots the pool for the panel this often
+
+Post = Callable[[Message], object]
+
+
+@dataclass
+class ReplyStarted(Message):
+    """The prefix lookup is done: how much of the prompt was cached, and the pool after it."""
+
+    cached_tokens: int
+    prompt_tokens: int
+    snap: KVSnapshot
+
+
+@dataclass
+class ReplyChunk(Message):
+    """Text streamed since the last chunk; every RATE_S also the decode rate and the pool."""
+
+    text: str
+    tps: float | None = None
+    snap: KVSnapshot | None = None
+
+
+@dataclass
+class ReplyDone(Message):
+    """The reply ended (or was refused: result None, nothing ran). `tail` is the text not sent yet;
+    the ids are set when the exchange was saved."""
+
+    result: Result | None
+    snap: KVSnapshot
+    tail: str = ""
+    reason: str = ""  # the finish reason, or stopped / error
+    error: str = ""  # one line for the transcript
+    tps: float | None = None  # decode rate of the whole reply
+    cid: str | None = None
+    user_id: str | None = None
+    reply_id: str | None = None
+
+
+@dataclass
+class EngineReady(Message):
+    """A new engine (None if building it failed: `error` says why, and the old one stays)."""
+
+    engine: Engine | None
+    error: str = ""
+
+
+def error_line(e: Exception) -> str:
+    """One line, as the CLI prints errors: a user's error as is, a bug named as one."""
+    return f"error: {e}" if isinstance(e, LocalkvError) else f"error: internal error: {type(e).__name__}: {e}"
+
+
+def build_engine(config: EngineConfig, post: Post) -> None:
+    try:
+        post(EngineReady(Engine(config)))
+    except Exception as e:  # the old engine stays
+        post(EngineReady(None, error_line(e)))
+
+
+def generate(
+    engine: Engine,
+    turn: Turn,
+    prompt: str | None,
+    params: SamplingParams,
+    post: Post,
+    stop: threading.Event,
+    clock: Callable[[], float],
+) -> None:
+    """One reply to `turn` plus `prompt` (None: a new reply to the turn's last question), streamed,
+    saved with Turn.save (even when stopped or failed, if any token came) and freed. `stop` ends
+    it between pieces."""
+    try:
+        tok = engine.tokenizer
+        gen = Generation(engine, tok.encode(tok.render_chat(turn.messages(prompt))), params)
+    except Exception as e:  # too long for the context, pool too small, ...: nothing ran
+        post(ReplyDone(None, KVSnapshot.of(engine), error=error_line(e)))
+        return
+    r = gen.result
+    # the prefix lookup is done: its reuse shows before the prefill ends
+    post(ReplyStarted(r.cached_tokens, r.prompt_tokens, KVSnapshot.of(engine)))
+    tail, error, t_first, t_end = _stream(engine, gen, post, stop, clock)
+    reason = r.finish_reason or ("error" if error else "stopped")
+    done = ReplyDone(r, KVSnapshot.of(engine), tail, reason, error)
+    if t_first is not None and t_end > t_first and len(r.tokens) > 1:
+        done.tps = (len(r.tokens) - 1) / (t_end - t_first)
+    if not error or r.tokens:
+        try:
+            done.user_id, ids = turn.save(
+                engine.cfg.name, prompt, [(r.text, r.completion_tokens)], r.prompt_tokens, params
+            )
+            done.cid, done.reply_id = turn.conversation_id, ids[0]
+        except LocalkvError as e:
+            done.error = f"error: not saved: {e}"
+    post(done)
+
+
+def _stream(
+    engine: Engine, gen: Generation, post: Post, stop: threading.Event, clock: Callable[[], float]
+) -> tuple[str, str, float | None, float]:
+    """Run the generation to its end (or `stop`), posting text in batches; the sequence is freed
+    here, in this thread. Returns (text not posted yet, error line, first piece's time, end time)."""
+    it, buf, r, error = iter(gen), [], gen.result, ""
+    t_flush = t_rate = clock()
+    t_first, n_rate = None, 0
+    try:
+        for piece in it:
+            buf.append(piece.text)
+            now = clock()
+            if t_first is None:  # rates count decode only, not the prefill before the first piece
+                t_first = t_rate = now
+                n_rate = len(r.tokens)
+            if now - t_flush >= FLUSH_S:
+                chunk = ReplyChunk("".join(buf))
+                if now - t_rate >= RATE_S:
+                    chunk.tps, t_rate, n_rate = (len(r.tokens) - n_rate) / (now - t_rate), now, len(r.tokens)
+                    chunk.snap = KVSnapshot.of(engine)  # the panel's timer shows it
+                post(chunk)
+                buf.clear()
+                t_flush = now
+            if stop.is_set():
+                break
+    except Exception as e:  # keep the UI and what was generated
+        error = error_line(e)
+    finally:
+        it.close()  # frees the sequence now, in this thread
+    return "".join(buf), error, t_first, clock()
