@@ -1,5 +1,6 @@
 """Token sampling: greedy, temperature, top-k, top-p, seeded."""
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -19,8 +20,8 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens
 
     def validate(self) -> "SamplingParams":
-        if not (self.temperature >= 0):
-            raise LocalkvError(f"invalid temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise LocalkvError(f"invalid temperature {self.temperature}: must be a finite number >= 0 (0 = greedy)")
         if self.top_k < 0:
             raise LocalkvError(f"invalid top-k {self.top_k}: must be >= 0 (0 = off)")
         if not (0 < self.top_p <= 1):
@@ -70,10 +71,13 @@ class Sampler:
             idx = top_k_indices(logits, p.top_k)
         else:
             idx = np.arange(logits.size)
-        sub = logits[idx].astype(np.float64) / p.temperature
+        sub = logits[idx].astype(np.float64)
         order = np.argsort(-sub, kind="stable")
         idx, sub = idx[order], sub[order]
-        probs = np.exp(sub - sub[0])
+        # shift before scaling: every value is <= 0, so any temperature > 0 (subnormal ones too)
+        # gives exponents in [-inf, 0] and a valid distribution; tiny ones put all mass on the top
+        with np.errstate(over="ignore"):
+            probs = np.exp((sub - sub[0]) / p.temperature)
         probs /= probs.sum()
         if p.top_p < 1:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1

@@ -1,8 +1,12 @@
 """The on-disk KV block store: round trips, corruption, LRU cap, concurrency, the cache CLI."""
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import shutil
+import stat
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from localkv.cli.cache import cache_app
+from localkv.kv import disk_entry as entry
 from localkv.kv import disk_store as ds
 from localkv.kv.disk_store import DiskStore
 
@@ -50,7 +55,7 @@ def test_round_trip_fp16_within_tolerance_and_fp32_exact(tmp_path):
     # fp16 halves the payload
     for d, itemsize in (("float16", 2), ("float32", 4)):
         data = entries(tmp_path / d)[0].read_bytes()
-        assert len(data) - ds.FIXED.size - ds.FIXED.unpack_from(data)[2] == 2 * k.size * itemsize
+        assert len(data) - entry.FIXED.size - entry.FIXED.unpack_from(data)[2] == 2 * k.size * itemsize
 
 
 def test_entry_path_layout_and_skip_if_present(tmp_path):
@@ -91,7 +96,7 @@ def test_damaged_file_is_a_miss_and_removed(tmp_path, damage):
     store.put(FP, "tiny", h, t, k, v)
     (p,) = entries(tmp_path)
     data = bytearray(p.read_bytes())
-    n = ds.FIXED.size + ds.FIXED.unpack_from(data)[2]
+    n = entry.FIXED.size + entry.FIXED.unpack_from(data)[2]
     if damage == "truncate":
         data = data[: len(data) // 2]
     elif damage == "truncate_header":
@@ -101,7 +106,7 @@ def test_damaged_file_is_a_miss_and_removed(tmp_path, damage):
     elif damage == "flip_payload":
         data[n + 7] ^= 0x10
     elif damage == "flip_header":  # a token digit: still valid JSON, caught by the checksum
-        i = data.index(str(t[0]).encode(), ds.FIXED.size)
+        i = data.index(str(t[0]).encode(), entry.FIXED.size)
         data[i] = ord("1") if data[i] != ord("1") else ord("2")
     else:
         data[-1] ^= 0x01
@@ -118,7 +123,7 @@ def test_newer_format_version_is_a_miss_but_kept(tmp_path):
     store.put(FP, "tiny", h, t, k, v)
     (p,) = entries(tmp_path)
     data = bytearray(p.read_bytes())
-    data[4] = ds.VERSION + 1
+    data[4] = entry.VERSION + 1
     p.write_bytes(bytes(data))
     assert store.get(FP, h, t) is None
     assert p.exists()
@@ -133,7 +138,7 @@ def test_older_format_version_is_replaced(tmp_path):
     store.put(FP, "tiny", h, t, k, v)
     (p,) = entries(tmp_path)
     data = bytearray(p.read_bytes())
-    data[4] = ds.VERSION - 1
+    data[4] = entry.VERSION - 1
     p.write_bytes(bytes(data))
     assert store.get(FP, h, t) is None
     assert not p.exists()
@@ -160,19 +165,16 @@ def test_foreign_files_are_ignored_and_kept(tmp_path):
     ]
     for f in foreign:
         f.write_bytes(b"not ours")
-    lookalike = sub / f"{x}.kvb"  # named like the entry, but without our magic
-    lookalike.write_bytes(b"GIF89a" + b"\0" * 100)
     old = 1_000_000_000
-    for f in foreign + [lookalike]:
+    for f in foreign:
         os.utime(f, (old, old))  # old enough for both the temp sweep and the LRU
     assert store.get(FP, h, t) is None
-    assert not store.put(FP, "tiny", h, t, k, v)  # the name is taken: nothing overwritten
+    assert store.put(FP, "tiny", h, t, k, v)
     assert put(store, 7)
     store.prune()
     assert store.stats()["entries"] <= 1 and len(store.ls()) == store.stats()["entries"]
     store.clear()
-    assert all(f.exists() for f in foreign + [lookalike])
-    assert lookalike.read_bytes().startswith(b"GIF89a")
+    assert all(f.read_bytes() == b"not ours" for f in foreign)
 
 
 def test_lru_cap_evicts_least_recently_used(tmp_path):
@@ -377,3 +379,208 @@ def test_cache_cli(tmp_path, monkeypatch):
     r = run(cache_app, ["clear"])
     assert r.exit_code == 0 and "removed 1 entry" in r.stdout
     assert DiskStore().stats()["entries"] == 0
+
+
+# ---------------------------------------------------------------- files that are not what they seem
+
+
+def within(seconds: float, fn, fifo: Path | None = None):
+    """fn() on a thread; fails (instead of hanging the suite) if it blocks, e.g. on a FIFO."""
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("v", fn()), daemon=True)
+    th.start()
+    th.join(seconds)
+    if th.is_alive():
+        if fifo is not None:  # let the blocked open() go: a writer shows up
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"{getattr(fn, '__name__', fn)} blocked")
+    return out.get("v")
+
+
+def test_fifo_where_an_entry_should_be_never_blocks_and_is_replaced(tmp_path):
+    store = DiskStore(tmp_path / "kvcache")
+    put(store, 110)
+    h, t, k, v = block(111)
+    p = store.path(FP, h)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(p)
+    s = within(5, store.stats, p)
+    assert (s["entries"], s["damaged"]["entries"]) == (2, 1) and [m["entries"] for m in s["models"]] == [1]
+    assert sorted(r["model"] for r in within(5, store.ls, p)) == ["(damaged)", "tiny"]
+    r = within(20, lambda: CliRunner().invoke(cache_app, ["stats"], env={"LOCALKV_HOME": str(tmp_path)}))
+    assert r.exit_code == 0
+    assert within(5, lambda: store.get(FP, h, t), p) is None
+    assert not os.path.lexists(p), "the FIFO is removed"
+    assert store.put(FP, "tiny", h, t, k, v) and store.get(FP, h, t) is not None
+
+
+def test_fifo_as_counters_or_lock_file_never_blocks(tmp_path):
+    store = DiskStore(tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    os.mkfifo(tmp_path / "stats.json")
+    os.mkfifo(tmp_path / ".stats.lock")
+    assert within(5, store.stats, tmp_path / "stats.json")["query_tokens"] == 0
+    within(5, lambda: store.record(10, 4), tmp_path / ".stats.lock")
+    assert store.warning is None
+    assert (store.stats()["query_tokens"], store.stats()["hit_tokens"]) == (10, 4)
+
+
+def test_symlinks_never_lead_out_of_the_folder(tmp_path):
+    outside = DiskStore(tmp_path / "outside")
+    h, t, k, v = block(112)
+    outside.put(FP, "tiny", h, t, k, v)  # a valid entry, just not in this cache
+    target = outside.path(FP, h)
+    store = DiskStore(tmp_path / "c")
+    p = store.path(FP, h)
+    p.parent.mkdir(parents=True)
+    p.symlink_to(target)
+    assert store.get(FP, h, t) is None and not os.path.lexists(p) and target.exists()
+    os.mkfifo(tmp_path / "fifo")
+    p.symlink_to(tmp_path / "fifo")
+    assert within(5, lambda: (store.stats(), store.get(FP, h, t))[1], tmp_path / "fifo") is None
+    # a folder of the cache that is a symlink to another: never read through, never written into
+    shutil.rmtree(tmp_path / "c" / FP[:16])
+    (tmp_path / "c" / FP[:16]).symlink_to(tmp_path / "outside" / FP[:16])
+    assert store.get(FP, h, t) is None and store.stats()["entries"] == 0
+    h2, t2, k2, v2 = block(113)
+    bait = outside.path(FP, h2)  # not an entry: in the cache it would be deleted, outside it must stay
+    bait.parent.mkdir(parents=True, exist_ok=True)
+    bait.write_bytes(b"someone else's file")
+    assert store.put(FP, "tiny", h2, t2, k2, v2)
+    assert bait.read_bytes() == b"someone else's file" and target.exists(), "nothing written or removed outside"
+    assert len(entries(tmp_path / "outside")) == 2
+    assert not (tmp_path / "c" / FP[:16]).is_symlink() and store.get(FP, h2, t2) is not None
+    store.clear()
+    assert target.exists()
+
+
+def nonfinite_entry(store, seed, dtype, value):
+    """An entry whose checksum is right but whose K holds value (NaN or Inf)."""
+    h, t, k, v = block(seed)
+    kv = np.stack([k, v]).astype(dtype)
+    kv[0, 1, 2, 0, 3] = value
+    meta = {"fingerprint": FP, "model": "tiny", "hash": f"{h:032x}", "tokens": list(t), "dtype": dtype,
+            "shape": list(SHAPE)}  # fmt: skip
+    p = store.path(FP, h)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(b"".join(entry.encode(meta, memoryview(np.ascontiguousarray(kv)).cast("B"))))
+    return h, t, k, v, p
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_nan_or_inf_payload_is_never_loaded(tmp_path, dtype, value):
+    store = DiskStore(tmp_path, dtype=dtype)
+    h, t, k, v, p = nonfinite_entry(store, 114, dtype, value)
+    k_out, v_out = np.full(SHAPE, 7.0, np.float32), np.full(SHAPE, 7.0, np.float32)
+    assert not store.load_into(FP, h, t, k_out, v_out)
+    assert (k_out == 7).all() and (v_out == 7).all(), "outputs untouched"
+    assert not p.exists(), "removed, so the next put rewrites it"
+    assert store.put(FP, "tiny", h, t, k, v) and np.isfinite(store.get(FP, h, t)[0]).all()
+    nonfinite_entry(store, 115, dtype, value)
+    assert store.get(FP, *block(115)[:2]) is None and store.read(FP, *block(115)[:2]) is None
+
+
+def test_nan_block_is_never_stored(tmp_path):
+    store = DiskStore(tmp_path)
+    h, t, k, v = block(116)
+    k[1, 0, 0, 0] = np.nan
+    assert not store.put(FP, "tiny", h, t, k, v)
+    assert entries(tmp_path) == [] and store.warning is None
+
+
+@pytest.mark.parametrize(
+    "content", [b"\0" * 4096, b"", b"GIF89a" + b"\0" * 100, b"LK"], ids=["zeros", "empty", "foreign", "cut_magic"]
+)
+def test_zero_filled_or_foreign_file_at_an_entry_name_is_replaced(tmp_path, content):
+    # nothing but localkv names files <32 hex>.kvb in these folders: what fails the checks is damage
+    store = DiskStore(tmp_path)
+    h, t, k, v = block(117)
+    p = store.path(FP, h)
+    p.parent.mkdir(parents=True)
+    p.write_bytes(content)
+    s = store.stats()
+    assert (s["entries"], s["bytes"], s["damaged"]) == (1, len(content), {"entries": 1, "bytes": len(content)})
+    assert [r["model"] for r in store.ls()] == ["(damaged)"]
+    assert store.put(FP, "tiny", h, t, k, v), "replaced on the next write"
+    assert store.get(FP, h, t) is not None and store.stats()["damaged"]["entries"] == 0
+    p.write_bytes(content)
+    assert store.get(FP, h, t) is None and not p.exists(), "or removed on the next read"
+    p.write_bytes(content)
+    assert store.clear() == 1 and not p.exists(), "and `cache clear` removes it"
+
+
+def test_lru_cap_counts_and_evicts_damaged_entries(tmp_path):
+    store = DiskStore(tmp_path)
+    put(store, 118)
+    size = entries(tmp_path)[0].stat().st_size
+    h, t, _, _ = block(119)
+    junk = store.path(FP, h)
+    junk.parent.mkdir(parents=True, exist_ok=True)
+    junk.write_bytes(b"\0" * size)
+    os.utime(junk, (1_000_000, 1_000_000))  # the least recently used
+    small = DiskStore(tmp_path, max_bytes=int(size * 2.5))
+    assert put(small, 120)
+    assert not junk.exists() and len(entries(tmp_path)) == 2
+
+
+def reheader(p: Path, change) -> None:
+    """Rewrite the JSON header of entry p through change(meta) -> new header object, with the
+    checksum recomputed over the new fields: only the types are wrong, nothing is torn."""
+    data = p.read_bytes()
+    n = entry.FIXED.unpack_from(data)[2]
+    meta = json.loads(data[entry.FIXED.size : entry.FIXED.size + n])
+    payload = data[entry.FIXED.size + n :]
+    meta.pop("checksum")
+    new = change(meta)
+    if isinstance(new, dict):
+        new["checksum"] = entry.digest(new, payload)
+    head = (new if isinstance(new, str) else json.dumps(new)).encode()
+    p.write_bytes(entry.FIXED.pack(entry.MAGIC, entry.VERSION, len(head)) + head + payload)
+
+
+BAD_HEADERS = {
+    "tokens_int": lambda m: {**m, "tokens": 5},
+    "tokens_str": lambda m: {**m, "tokens": ["a"] * len(m["tokens"])},
+    "model_list": lambda m: {**m, "model": [1, 2]},
+    "fingerprint_none": lambda m: {**m, "fingerprint": None},
+    "hash_int": lambda m: {**m, "hash": 7},
+    "shape_str": lambda m: {**m, "shape": "2,4,2,8"},
+    "shape_3d": lambda m: {**m, "shape": m["shape"][:3]},
+    "shape_negative": lambda m: {**m, "shape": [-2, -4, 2, 8]},
+    "shape_huge": lambda m: {**m, "shape": [2**62, 4, 2, 8]},
+    "dtype_int": lambda m: {**m, "dtype": 3},
+    "dtype_object": lambda m: {**m, "dtype": "object"},
+    "list": lambda m: [m],
+    "nested": lambda m: "[" * 50_000 + "]" * 50_000,  # deeper than Python's recursion limit
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_HEADERS))
+def test_header_with_wrong_types_is_damage_not_a_crash(tmp_path, monkeypatch, bad):
+    store = DiskStore(tmp_path / "kvcache")
+    h, t, k, v = block(121)
+    store.put(FP, "tiny", h, t, k, v)
+    put(store, 122)
+    reheader(store.path(FP, h), BAD_HEADERS[bad])
+    s = store.stats()
+    assert (s["entries"], s["damaged"]["entries"], len(store.ls())) == (2, 1, 2)
+    monkeypatch.setenv("LOCALKV_HOME", str(tmp_path))
+    for args in (["stats"], ["stats", "--json"], ["ls"], ["ls", "--json"]):
+        r = CliRunner().invoke(cache_app, args)
+        assert r.exit_code == 0 and r.exception is None, (args, r.output)
+    assert "damaged" in CliRunner().invoke(cache_app, ["stats"]).stdout
+    assert store.get(FP, h, t) is None and not store.path(FP, h).exists()
+    assert store.put(FP, "tiny", h, t, k, v) and store.get(FP, h, t) is not None
+
+
+def test_cache_folders_and_files_are_private(tmp_path):
+    store = DiskStore(tmp_path / "kvcache")
+    put(store, 123)
+    store.record(4, 2)
+    (p,) = entries(tmp_path)
+    for d in (tmp_path / "kvcache", p.parent.parent, p.parent):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    for f in (p, tmp_path / "kvcache" / "stats.json", tmp_path / "kvcache" / ".stats.lock"):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f

@@ -1,8 +1,10 @@
 """The conversation tree store and `localkv log`: no model, a fresh database per test."""
 
+import contextlib
 import json
 import os
 import sqlite3
+import stat
 import subprocess
 import sys
 import threading
@@ -305,6 +307,99 @@ def test_concurrent_writers_processes(db):
             s.add_message(cid, root, "assistant", f"t{i}")
         assert [p.wait(timeout=60) for p in procs] == [0, 0]
         assert len(s.children(root)) == 90 and s.get_conversation(cid)["branches"] == 90
+
+
+# --- files that are not what they seem, privacy, leftovers ---------------------------------------
+
+
+def within(seconds: float, fn, fifo: Path):
+    """fn() on a thread: the test fails, instead of hanging, if it blocks on the FIFO."""
+    out = {}
+
+    def call():
+        try:
+            out["v"] = fn()
+        except Exception as e:  # handed to the test below
+            out["e"] = e
+
+    th = threading.Thread(target=call, daemon=True)
+    th.start()
+    th.join(seconds)
+    if th.is_alive():
+        with contextlib.suppress(OSError):  # let the blocked open() go
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("blocked on a FIFO")
+    if "e" in out:
+        raise out["e"]
+    return out.get("v")
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def test_database_and_its_folder_are_private(tmp_path):
+    home = tmp_path / "new" / "home"
+    with ConversationStore(home / "conversations.db") as s:
+        forked(s)
+        for name in ("conversations.db", "conversations.db-wal", "conversations.db-shm"):
+            assert mode(home / name) == 0o600, name
+    assert mode(home) == mode(tmp_path / "new") == 0o700
+
+
+def test_world_readable_database_is_made_private(db):
+    ConversationStore(db).close()
+    os.chmod(db, 0o644)
+    other = sqlite3.connect(db, isolation_level=None)  # an open writer: -wal and -shm exist, 0644 like the db
+    other.execute("INSERT INTO conversations VALUES ('ab', 't', '2000-01-01', '2000-01-01', '')")
+    assert mode(Path(f"{db}-wal")) == 0o644
+    with ConversationStore(db) as s:
+        assert [mode(Path(f"{db}{x}")) for x in ("", "-wal", "-shm")] == [0o600] * 3
+        assert [c["full_id"] for c in s.list_conversations()] == ["ab"]
+    other.close()
+
+
+@pytest.mark.parametrize("which", ["", "-wal", "-shm"])
+def test_fifo_in_place_of_the_database_is_refused_at_once(db, which):
+    if which:
+        ConversationStore(db).close()
+    os.mkfifo(f"{db}{which}")
+    with pytest.raises(LocalkvError) as e:
+        within(5, lambda: ConversationStore(db), Path(f"{db}{which}"))
+    assert str(e.value) == f"{db}{which} is not a regular file: move it aside to start fresh"
+
+
+def test_symlinked_database_is_followed(db, tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    real = tmp_path / "elsewhere" / "conversations.db"
+    with ConversationStore(real) as s:
+        cid = s.new_conversation("tiny")
+    db.symlink_to(real)  # the user's choice: their history kept on another disk
+    with ConversationStore(db) as s:
+        assert s.latest_conversation() == cid
+
+
+def test_unwritable_folder_is_one_clear_error(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(LocalkvError) as e:
+        ConversationStore(tmp_path / "afile" / "home" / "conversations.db")
+    home = tmp_path / "afile" / "home"
+    assert str(e.value) == f"cannot create {home}: Not a directory; set LOCALKV_HOME to a writable folder"
+
+
+def test_a_killed_writer_leaves_nothing_behind(db):
+    # SQLite's -wal and -shm are the only files the store writes beside the database; a writer
+    # killed mid-way leaves them, and the next open replays and then removes them
+    code = (
+        "import os, sys; from localkv.conversations.store import ConversationStore as S; s = S(sys.argv[1]); "
+        "c = s.new_conversation('tiny'); s.add_message(c, None, 'user', 'kept'); os._exit(9)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    assert subprocess.run([sys.executable, "-c", code, str(db)], env=env, timeout=60).returncode == 9
+    assert sorted(p.name for p in db.parent.iterdir()) == [db.name, f"{db.name}-shm", f"{db.name}-wal"]
+    with ConversationStore(db) as s:
+        assert [m.content for m in s.leaves(s.latest_conversation())] == ["kept"]
+    assert sorted(p.name for p in db.parent.iterdir()) == [db.name]
 
 
 # --- localkv log ---------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from localkv.cli.app import app, err
+from localkv.cli.app import app, err, guarded_stdio, utf8_argv
 from localkv.cli.bench import bench_command
 from localkv.cli.cache import cache_app
 from localkv.cli.chat import chat
@@ -28,10 +28,19 @@ app.command("bench", help=bench_command.__doc__)(bench_command)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: user errors become one line on stderr and a non-zero exit, never a traceback."""
+    """Entry point: user errors become one line on stderr and a non-zero exit, never a traceback.
+    Arguments and stdin that are not UTF-8 are repaired with a warning (cli/app.py); a closed
+    stdin reads as empty; stdout that cannot be written is one error line (exit 1)."""
+    with guarded_stdio():
+        return _main(utf8_argv(sys.argv[1:] if argv is None else list(argv)))
+
+
+def _main(args: list[str]) -> int:
     try:
-        app(args=argv, prog_name="localkv", standalone_mode=False)
-        return 0
+        # without standalone mode, a command's typer.Exit(code) comes back as the return value
+        code = app(args=args, prog_name="localkv", standalone_mode=False)
+        sys.stdout.flush()  # here, not at exit: a full disk or a closed stdout is reported
+        return code if type(code) is int else 0
     except LocalkvError as e:
         err(f"error: {e}")
         return e.exit_code

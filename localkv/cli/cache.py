@@ -35,6 +35,12 @@ def stats(as_json: bool = JsonOpt):
     print(f"cache     {s['root']}")
     print(f"entries   {s['entries']}, {format_size(s['bytes'])} of {format_size(s['max_bytes'])}")
     print(f"lifetime  {h} of {q} prompt tokens loaded from disk" + (f" ({h / q:.0%})" if q else ""))
+    d = s["damaged"]
+    if d["entries"]:
+        print(
+            f"damaged   {d['entries']} entr{'y' if d['entries'] == 1 else 'ies'}, {format_size(d['bytes'])}: "
+            "replaced when next used; `localkv cache clear` removes them now"
+        )
     if s["models"]:
         print(f"\n{'MODEL':<24} {'FINGERPRINT':<16} {'ENTRIES':>8} {'SIZE':>10}")
         for m in s["models"]:

@@ -5,14 +5,14 @@ import os
 import re
 import sqlite3
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from uuid import uuid4
 
 from localkv.errors import LocalkvError
-from localkv.home import home
+from localkv.home import NotRegularFile, home, open_regular, private_dir
 
 ROLES = ("system", "user", "assistant")
 SHORT_LEN = 7  # like git: short ids grow past this only when needed to stay unique
@@ -110,8 +110,14 @@ class ConversationStore:
     def __init__(self, path: Path | None = None, busy_timeout: float = 5.0):
         self.db_path = Path(path) if path else home() / "conversations.db"
         self._lock = threading.RLock()  # one connection, shareable between threads
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
-        self._check_header()
+        try:
+            private_dir(self.db_path.parent)
+        except OSError as e:
+            raise LocalkvError(
+                f"cannot create {e.filename or self.db_path.parent}: {e.strerror or e}; "
+                "set LOCALKV_HOME to a writable folder"
+            ) from None
+        self._check_files()
         try:
             self._conn = sqlite3.connect(
                 self.db_path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
@@ -147,17 +153,32 @@ class ConversationStore:
             return self._corrupt(msg)
         return LocalkvError(f"conversation database {self.db_path}: {msg}")
 
-    def _check_header(self) -> None:
-        # refuse foreign files before SQLite opens them, so nothing can ever write to them
-        try:
-            with open(self.db_path, "rb") as f:
-                head = f.read(len(_MAGIC))
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            raise LocalkvError(f"cannot read conversation database {self.db_path}: {e.strerror}") from e
-        if head and head != _MAGIC:
-            raise self._corrupt("not an SQLite database")
+    def _files(self) -> list[Path]:
+        return [self.db_path, *(self.db_path.with_name(self.db_path.name + x) for x in ("-wal", "-shm"))]
+
+    def _check_files(self) -> None:
+        """Refuse foreign files before SQLite opens them, so nothing can ever write to them: the
+        database must be an SQLite file (or absent), it and its -wal/-shm regular files (a FIFO
+        would block). A symlink to a database is followed: where the history lives is the
+        user's choice. A new database is made 0600, and SQLite gives -wal/-shm the database's
+        mode; an existing one readable by others is made private: it holds every prompt."""
+        for f in self._files():
+            try:
+                fd = open_regular(f, os.O_RDONLY | (os.O_CREAT if f == self.db_path else 0), follow=True)
+            except NotRegularFile:
+                raise LocalkvError(f"{f} is not a regular file: move it aside to start fresh") from None
+            except OSError as e:
+                raise LocalkvError(f"cannot read conversation database {f}: {e.strerror}") from e
+            if fd is None:
+                continue
+            with open(fd, "rb") as fh:
+                st = os.fstat(fd)
+                if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+                    with suppress(OSError):  # a read-only disk: still readable
+                        os.fchmod(fd, 0o600)
+                head = fh.read(len(_MAGIC)) if f == self.db_path else b""
+            if head and head != _MAGIC:
+                raise self._corrupt("not an SQLite database")
 
     @contextmanager
     def _guard(self):

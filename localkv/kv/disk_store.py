@@ -5,36 +5,36 @@ covers the model fingerprint, block size and dtype (the KVManager salt), so anot
 never matches; entries still live under a directory per model so stats/ls/clear can work
 per model:  root/<fingerprint[:16]>/<hash hex[:2]>/<hash hex>.kvb
 
-File: fixed header (magic, format version, JSON length) + JSON header + raw payload
-(K then V). The JSON's checksum (CRC-32, 4 GB/s here where BLAKE2b did 1 GB/s: it guards
-against torn writes and bit rot, not against an attacker who can write the cache
-directory anyway) covers the rest of the JSON and the payload, so any bit flip or
-truncation is caught. Writes go to a temp file in the same directory and are
-renamed into place, so readers see whole files or none; two processes may share a root.
+The file format and its checks are in disk_entry.py. Writes go to a temp file in the same
+directory and are renamed into place, so readers see whole files or none; two processes may
+share a root.
+
+Nothing but localkv names files <32 hex>.kvb in these folders, so a file there that fails its
+checks is damage, whatever it holds (zeros after a crash, another format, a FIFO, a symlink):
+reads and writes replace it, `cache stats/ls` show it as damaged, the size cap and `cache clear`
+count and remove it. The folders are 0700 and never symlinks: a read or a write through one
+could leave the cache.
 """
 
 import contextlib
 import json
 import os
 import re
-import struct
+import stat
 import tempfile
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from localkv.home import home
+from localkv.home import STALE_AGE, NotRegularFile, home, open_regular, private_dir
+from localkv.kv.disk_entry import MAX_HEAD, Damaged, all_finite, decode, encode, holds_entry, read_file, read_header
 
-MAGIC = b"LKVB"
-VERSION = 2  # 2: CRC-32 checksum (1 used BLAKE2b; such files read as another version: a miss)
-FIXED = struct.Struct("<4sHI")  # magic, format version, JSON header length
 SUFFIX = ".kvb"
 TMP_PREFIX = ".lkv-"  # our temp files: distinct enough that foreign dotfiles are never swept
-TMP_MAX_AGE = 3600  # a temp file this old belongs to a crashed writer
+DAMAGED = "(damaged)"  # the model column of an entry that fails its checks
 LOW_WATER = 0.9  # evict down to this share of the cap, so a full cache is not evicted per put
 _NS = re.compile(r"[0-9A-Za-z_-]{1,16}")
 _SUB = re.compile(r"[0-9a-f]{2}")
@@ -49,50 +49,12 @@ class _Entry:
     mtime: float
 
 
-class _Corrupt(Exception):
-    """The file is ours (right magic) but damaged, or in a format older than VERSION that
-    this version never reads: delete it so it gets rewritten (put skips a block whose file
-    exists, so a kept old-format file would be a miss for good)."""
-
-
-def _canon(meta: dict) -> bytes:
-    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _digest(meta: dict, payload) -> str:
-    return f"{zlib.crc32(payload, zlib.crc32(_canon(meta))):08x}"
-
-
-def _encode(meta: dict, payload) -> list:
-    head = _canon({**meta, "checksum": _digest(meta, payload)})
-    return [FIXED.pack(MAGIC, VERSION, len(head)), head, payload]
-
-
-def _decode(data: bytes) -> tuple[dict, memoryview] | None:
-    """(meta, payload) of a verified file of this version; None for a foreign file or a
-    newer format version (not ours to judge); _Corrupt for a damaged one or an older format."""
-    if data[:4] != MAGIC:
-        if MAGIC.startswith(data[:4]):  # cut off inside the magic
-            raise _Corrupt("truncated")
-        return None
-    if len(data) < FIXED.size:
-        raise _Corrupt("truncated")
-    _, version, n = FIXED.unpack_from(data)
-    if version > VERSION:
-        return None  # a newer localkv's entry (they may share the folder): not ours to judge
-    if version < VERSION:  # an older localkv's: never read again, so it must make way for a rewrite
-        raise _Corrupt(f"format {version}, older than {VERSION}")
+def _real_dirs(path: Path) -> bool:
+    """The entry's two folders are folders, not symlinks that could lead out of the cache."""
     try:
-        meta = json.loads(data[FIXED.size : FIXED.size + n])
-        check = meta.pop("checksum")
-        shape = [int(x) for x in meta["shape"]]
-        size = 2 * int(np.prod(shape)) * np.dtype(meta["dtype"]).itemsize
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise _Corrupt(f"bad header: {e}") from None
-    payload = memoryview(data)[FIXED.size + n :]
-    if len(shape) != 4 or len(payload) != size or _digest(meta, payload) != check:
-        raise _Corrupt("size or checksum mismatch")
-    return meta, payload
+        return all(stat.S_ISDIR(os.lstat(d).st_mode) for d in (path.parent.parent, path.parent))
+    except OSError:
+        return False
 
 
 def _ns(fingerprint: str) -> str:
@@ -128,7 +90,9 @@ class DiskStore:
         return self.root / _ns(fingerprint) / x[:2] / (x + SUFFIX)
 
     def contains(self, fingerprint: str, h: int) -> bool:
-        return self.path(fingerprint, h).is_file()
+        with contextlib.suppress(OSError):
+            return stat.S_ISREG(os.lstat(self.path(fingerprint, h)).st_mode)
+        return False
 
     # ------------------------------------------------------------------ read
 
@@ -154,47 +118,60 @@ class DiskStore:
 
     def read(self, fingerprint: str, h: int, tokens) -> np.ndarray | None:
         """The verified payload as [2, layers, block_size, kv_heads, head_dim] in its stored
-        dtype (a view of the file's bytes), or None; a damaged entry is deleted."""
+        dtype (a view of the file's bytes), or None; a file that fails a check is deleted."""
         path = self.path(fingerprint, h)
-        try:
-            data = path.read_bytes()
-        except OSError:  # absent, or removed by another process mid-read
+        if not _real_dirs(path):
             return None
         try:
-            got = _decode(data)
+            data = read_file(path, self.max_bytes)
+            got = None if data is None else decode(data)
             if got is None:
                 return None
             meta, payload = got
-            if meta.get("hash") != f"{h:032x}":
-                raise _Corrupt("hash does not match the file name")
-        except _Corrupt:
-            with self._lock:
-                if _unlink(path) and self._total is not None:
-                    self._total -= len(data)
+            if meta["hash"] != f"{h:032x}":
+                raise Damaged("hash does not match the file name")
+            if meta["fingerprint"] != fingerprint or meta["tokens"] != list(tokens):
+                return None  # a valid entry, just not this block
+            if not all_finite(payload, meta["dtype"]):
+                raise Damaged("NaN or Inf in K/V")
+        except Damaged:
+            self._drop(path)
             return None
-        shape = meta["shape"]
-        if meta.get("fingerprint") != fingerprint or meta.get("tokens") != list(tokens) or shape[1] != len(tokens):
-            return None  # a valid entry, just not this block
-        kv = np.frombuffer(payload, meta["dtype"]).reshape(2, *shape)
+        except OSError:  # unreadable, or removed by another process mid-read
+            return None
+        kv = np.frombuffer(payload, meta["dtype"]).reshape(2, *meta["shape"])
         with contextlib.suppress(OSError):
             os.utime(path)  # mtime is the LRU clock
         return kv
 
+    def _drop(self, path: Path):
+        """Delete what is at an entry's name (the file, or the link, FIFO... itself)."""
+        with contextlib.suppress(OSError):
+            size = os.lstat(path).st_size
+            with self._lock:
+                if _unlink(path) and self._total is not None:
+                    self._total -= size
+
     # ----------------------------------------------------------------- write
 
     def put(self, fingerprint: str, model_name: str, h: int, tokens, k: np.ndarray, v: np.ndarray) -> bool:
-        """Store one block (k, v: [layers, block_size, kv_heads, head_dim]) unless present.
-        Never raises for I/O: a failure disables writes for this process and sets warning."""
+        """Store one block (k, v: [layers, block_size, kv_heads, head_dim]) unless present; a
+        block holding NaN or Inf is not stored. Never raises for I/O: a failure disables
+        writes for this process and sets warning."""
         k, v = np.asarray(k), np.asarray(v)
         if k.shape != v.shape or k.ndim != 4 or k.shape[1] != len(tokens):
             raise ValueError(f"k {k.shape} and v {v.shape} must both be [layers, {len(tokens)}, heads, dim]")
         path = self.path(fingerprint, h)
-        if self.disabled or path.exists():
+        if self.disabled or (_real_dirs(path) and self._holds(path)):  # never look through a symlink
             return False
         with np.errstate(over="ignore"):
-            kv = np.stack([k, v]).astype(self.dtype)
-        if self.dtype == np.float16 and not np.isfinite(kv).all():
-            kv = np.stack([k, v]).astype(np.float32)  # fp16 would overflow: keep this block exact
+            kv = np.ascontiguousarray(np.stack([k, v]).astype(self.dtype))
+        if not all_finite(memoryview(kv).cast("B"), kv.dtype.name):
+            if self.dtype == np.float32:
+                return False
+            kv = np.ascontiguousarray(np.stack([k, v]).astype(np.float32))  # fp16 overflowed: keep it exact
+            if not all_finite(memoryview(kv).cast("B"), "float32"):
+                return False  # the model made NaN or Inf: nothing a later run should load
         meta = {
             "fingerprint": fingerprint,
             "model": model_name,
@@ -203,11 +180,11 @@ class DiskStore:
             "dtype": kv.dtype.name,
             "shape": list(k.shape),
         }
-        chunks = _encode(meta, memoryview(np.ascontiguousarray(kv)).cast("B"))
+        chunks = encode(meta, memoryview(kv).cast("B"))
         try:
             if self._total is None:
                 self.prune()
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_dirs(path)
             if not self._write(path, chunks, keep_existing=True):
                 return False
         except OSError as e:
@@ -218,6 +195,29 @@ class DiskStore:
             self._enforce_cap()
         return True
 
+    def _holds(self, path: Path) -> bool:
+        """An entry is at path; anything else there is deleted, so the block gets written."""
+        try:
+            held = holds_entry(path)
+        except OSError:
+            return True  # unreadable: leave it, and this block unwritten
+        if held is False:
+            self._drop(path)
+        return bool(held)
+
+    def _make_dirs(self, path: Path):
+        """The entry's folders, 0700; a symlink or a file where one belongs is removed first, so
+        no write lands outside the cache."""
+        private_dir(self.root)
+        for d in (path.parent.parent, path.parent):
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISDIR(os.lstat(d).st_mode):
+                    os.unlink(d)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, 0o700)
+        if not _real_dirs(path):
+            raise OSError(f"{path.parent} is not a folder")
+
     def _write(self, path: Path, chunks, keep_existing=False) -> bool:
         fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.stem}-", suffix=".tmp", dir=path.parent)
         try:
@@ -225,7 +225,7 @@ class DiskStore:
                 for c in chunks:
                     f.write(c)
             # no fsync: after a power loss the checksum turns a torn file into a miss
-            if keep_existing and path.exists():
+            if keep_existing and os.path.lexists(path):
                 return False  # another process wrote the same block meanwhile
             os.replace(tmp, path)
             return True
@@ -250,7 +250,7 @@ class DiskStore:
                     for f in it:
                         if _FILE.fullmatch(f.name) and f.name.startswith(sub.name):
                             with contextlib.suppress(OSError):
-                                st = f.stat()
+                                st = f.stat(follow_symlinks=False)
                                 out.append(_Entry(Path(f.path), st.st_size, st.st_mtime))
                         elif temps is not None and _TMP.fullmatch(f.name):
                             temps.append(Path(f.path))
@@ -268,18 +268,19 @@ class DiskStore:
         self._scan(temps)
         with contextlib.suppress(OSError), os.scandir(self.root) as it:  # stats.json temps
             temps += [Path(f.path) for f in it if _TMP.fullmatch(f.name)]
-        old = time.time() - TMP_MAX_AGE
+        old = time.time() - STALE_AGE
         removed = 0
         for t in temps:
             with contextlib.suppress(OSError):
-                if t.stat().st_mtime < old:
+                if os.lstat(t).st_mtime < old:
                     t.unlink()
                     removed += 1
         return removed + self._enforce_cap()
 
     def _enforce_cap(self) -> int:
-        """Rescan (other processes write too) and delete least recently used entries until
-        under LOW_WATER of the cap. Entries the other process deleted count as gone."""
+        """Rescan (other processes write too) and delete least recently used entries, damaged
+        ones included, until under LOW_WATER of the cap. Entries the other process deleted
+        count as gone."""
         entries = self._scan()
         total = sum(e.size for e in entries)
         removed = 0
@@ -287,9 +288,9 @@ class DiskStore:
             for e in sorted(entries, key=lambda e: e.mtime):
                 if total <= self.max_bytes * LOW_WATER:
                     break
-                if _is_ours(e.path) and _unlink(e.path):
+                if _unlink(e.path):
                     removed += 1
-                total -= e.size  # a foreign look-alike is not part of the cache either
+                total -= e.size
         self._total = total
         return removed
 
@@ -301,7 +302,7 @@ class DiskStore:
         if self.disabled or not (query_tokens or hit_tokens):
             return
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            private_dir(self.root)
             with self._locked():
                 c = self._counters()
                 c["query_tokens"] += int(query_tokens)
@@ -317,39 +318,59 @@ class DiskStore:
         except ImportError:  # no flock (Windows): a lost update under a race is tolerable
             yield
             return
-        with open(self.root / ".stats.lock", "a") as f:
+        lock = self.root / ".stats.lock"
+        try:
+            fd = open_regular(lock, os.O_WRONLY | os.O_CREAT)
+        except NotRegularFile:  # a FIFO or link in its place: ours to replace
+            _unlink(lock)
+            fd = open_regular(lock, os.O_WRONLY | os.O_CREAT)
+        if fd is None:
+            raise FileNotFoundError(f"cannot make {lock}")
+        with open(fd, "wb") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             yield
 
     def _counters(self) -> dict:
         try:
-            c = json.loads((self.root / "stats.json").read_text())
+            c = json.loads(read_file(self.root / "stats.json", MAX_HEAD) or b"{}")
             return {k: int(c.get(k, 0)) for k in ("hit_tokens", "query_tokens")}
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError, Damaged):
             return {"hit_tokens": 0, "query_tokens": 0}
 
-    def ls(self) -> list[dict]:
-        """Every entry, most recently used first."""
+    def _rows(self) -> list[tuple[dict, bool]]:
+        """(row, valid) for every entry; a damaged one is shown by its folder and file name."""
         rows = []
         for e in self._scan():
-            m = _header(e.path)
-            if m is not None:
-                rows.append(
-                    {
-                        "model": m.get("model", "?"),
-                        "fingerprint": str(m.get("fingerprint", ""))[:16],
-                        "hash": str(m.get("hash", ""))[:12],
-                        "tokens": len(m.get("tokens", ())),
-                        "dtype": m.get("dtype", "?"),
-                        "bytes": e.size,
-                        "last_used": e.mtime,
-                    }
-                )
-        return sorted(rows, key=lambda r: -r["last_used"])
+            try:
+                m = read_header(e.path)
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+            ok = m is not None
+            m = m or {"model": DAMAGED, "fingerprint": e.path.parent.parent.name, "hash": e.path.stem, "tokens": []}
+            row = {
+                "model": m["model"],
+                "fingerprint": m["fingerprint"][:16],
+                "hash": m["hash"][:12],
+                "tokens": len(m["tokens"]),
+                "dtype": m.get("dtype", "?"),
+                "bytes": e.size,
+                "last_used": e.mtime,
+            }
+            rows.append((row, ok))
+        return sorted(rows, key=lambda r: -r[0]["last_used"])
+
+    def ls(self) -> list[dict]:
+        """Every entry, most recently used first; damaged ones with the model DAMAGED."""
+        return [r for r, _ in self._rows()]
 
     def stats(self) -> dict:
         models: dict[str, dict] = {}
-        for r in self.ls():  # newest first: a model shows its most recent name
+        damaged = {"entries": 0, "bytes": 0}
+        for r, ok in self._rows():  # newest first: a model shows its most recent name
+            if not ok:
+                damaged["entries"] += 1
+                damaged["bytes"] += r["bytes"]
+                continue
             m = models.setdefault(
                 r["fingerprint"], {"name": r["model"], "fingerprint": r["fingerprint"], "entries": 0, "bytes": 0}
             )
@@ -358,22 +379,27 @@ class DiskStore:
         ms = sorted(models.values(), key=lambda m: -m["bytes"])
         return {
             "root": str(self.root),
-            "entries": sum(m["entries"] for m in ms),
-            "bytes": sum(m["bytes"] for m in ms),
+            "entries": sum(m["entries"] for m in ms) + damaged["entries"],
+            "bytes": sum(m["bytes"] for m in ms) + damaged["bytes"],
             "max_bytes": self.max_bytes,
             "models": ms,
+            "damaged": damaged,
             **self._counters(),
         }
 
     def clear(self, model: str | None = None) -> int:
-        """Delete entries of model (a model name or fingerprint prefix), or all. Entries
-        removed; bytes freed go to cleared_bytes. Foreign files stay."""
+        """Delete entries of model (a model name or fingerprint prefix), or all; damaged ones go
+        with all, or with a fingerprint prefix their folder matches. Entries removed; bytes
+        freed go to cleared_bytes. Foreign files stay."""
         n = freed = 0
         for e in self._scan():
-            m = _header(e.path)
-            if m is None or (
-                model is not None and m.get("model") != model and not str(m.get("fingerprint", "")).startswith(model)
-            ):
+            try:
+                m = read_header(e.path)
+            except FileNotFoundError:
+                continue
+            if m is None:
+                m = {"model": None, "fingerprint": e.path.parent.parent.name}
+            if model is not None and m["model"] != model and not m["fingerprint"].startswith(model):
                 continue
             if _unlink(e.path):
                 n += 1
@@ -388,22 +414,3 @@ class DiskStore:
             self._total = max(0, self._total - freed)
         self.cleared_bytes = freed
         return n
-
-
-def _is_ours(path: Path) -> bool:
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        return MAGIC.startswith(f.read(4))  # a file cut inside the magic is a damaged entry
-    return False
-
-
-def _header(path: Path) -> dict | None:
-    """The JSON header of an entry with our magic (any format version), or None."""
-    try:
-        with open(path, "rb") as f:
-            magic, _, n = FIXED.unpack(f.read(FIXED.size))
-            if magic != MAGIC:
-                return None
-            m = json.loads(f.read(n))
-        return m if isinstance(m, dict) else None
-    except (OSError, ValueError, struct.error):
-        return None

@@ -1,0 +1,168 @@
+"""One entry of the disk cache as a file, and every check a file must pass to be loaded.
+
+File: fixed header (magic, format version, JSON length) + JSON header + raw payload (K then
+V). The JSON's checksum (CRC-32, several times faster than BLAKE2b: it guards against torn
+writes and bit rot, not against an attacker who can write the cache directory anyway) covers
+the rest of the JSON and the payload, so any bit flip or truncation is caught.
+
+The cache's contents are not trusted beyond that: only regular files are opened (no FIFO,
+device or symlink; see home.open_regular), the JSON must have every field with the type this
+version reads, sizes must agree before anything is allocated, and a payload holding NaN or Inf
+is refused: the checksum proves the bytes are the ones written, not that they are K/V a model
+could have made.
+"""
+
+import json
+import math
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from localkv.home import NotRegularFile, open_regular
+
+MAGIC = b"LKVB"
+VERSION = 2  # 2: CRC-32 checksum (1 used BLAKE2b; such files read as another version: a miss)
+FIXED = struct.Struct("<4sHI")  # magic, format version, JSON header length
+MAX_HEAD = 1 << 20  # a JSON header longer than this is damage: a block's tokens take a few KiB
+
+# per stored dtype: its bits as signed and unsigned integers, +Inf's bits and -Inf's (see all_finite)
+_NONFINITE = {
+    "float16": (np.int16, np.uint16, 0x7C00, 0xFC00),
+    "float32": (np.int32, np.uint32, 0x7F800000, 0xFF800000),
+}
+
+
+class Damaged(Exception):
+    """The file at an entry's name is damaged, not an entry at all, or in a format older than
+    VERSION that this version never reads: the store deletes it so it gets rewritten (a block
+    whose file holds an entry is not written again, so a kept bad file would be a miss for good)."""
+
+
+def header_ok(m) -> bool:
+    """The JSON header has every field this version reads, with the type it reads it as."""
+    return (
+        isinstance(m, dict)
+        and all(isinstance(m.get(k), str) for k in ("fingerprint", "model", "hash", "checksum"))
+        and m.get("dtype") in _NONFINITE
+        and isinstance(m.get("tokens"), list)
+        and all(type(t) is int for t in m["tokens"])
+        and isinstance(m.get("shape"), list)
+        and len(m["shape"]) == 4
+        and all(type(x) is int and x > 0 for x in m["shape"])
+        and m["shape"][1] == len(m["tokens"])
+    )
+
+
+def _canon(meta: dict) -> bytes:
+    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+
+
+def digest(meta: dict, payload) -> str:
+    return f"{zlib.crc32(payload, zlib.crc32(_canon(meta))):08x}"
+
+
+def encode(meta: dict, payload) -> list:
+    """The file's bytes, in chunks: fixed header, JSON header with its checksum, payload."""
+    head = _canon({**meta, "checksum": digest(meta, payload)})
+    return [FIXED.pack(MAGIC, VERSION, len(head)), head, payload]
+
+
+def payload_size(meta: dict) -> int:
+    return 2 * math.prod(meta["shape"]) * np.dtype(meta["dtype"]).itemsize
+
+
+def decode(data: bytes) -> tuple[dict, memoryview] | None:
+    """(meta, payload) of a verified file of this version; None for a newer format version (not
+    ours to judge: a newer localkv may share the folder); Damaged for anything else."""
+    if data[:4] != MAGIC:
+        raise Damaged("not an entry")  # zeros, foreign bytes, or cut inside the magic
+    if len(data) < FIXED.size:
+        raise Damaged("truncated")
+    _, version, n = FIXED.unpack_from(data)
+    if version > VERSION:
+        return None
+    if version < VERSION:  # an older localkv's: never read again, so it must make way for a rewrite
+        raise Damaged(f"format {version}, older than {VERSION}")
+    if n > MAX_HEAD:
+        raise Damaged("header too long")
+    try:
+        meta = json.loads(data[FIXED.size : FIXED.size + n])
+    except (ValueError, RecursionError) as e:
+        raise Damaged(f"bad header: {type(e).__name__}") from None
+    if not header_ok(meta):
+        raise Damaged("bad header")
+    check = meta.pop("checksum")
+    payload = memoryview(data)[FIXED.size + n :]
+    if len(payload) != payload_size(meta) or digest(meta, payload) != check:
+        raise Damaged("size or checksum mismatch")
+    return meta, payload
+
+
+def read_file(path: Path, limit: int) -> bytes | None:
+    """The bytes of a regular file of at most limit bytes, None if absent; Damaged for a
+    special file, a symlink or a file too big to be an entry."""
+    try:
+        fd = open_regular(path)
+    except NotRegularFile:
+        raise Damaged("not a regular file") from None
+    if fd is None:
+        return None
+    with open(fd, "rb") as f:
+        if os.fstat(fd).st_size > limit:
+            raise Damaged("larger than the cache may grow")
+        return f.read()
+
+
+def read_header(path: Path) -> dict | None:
+    """The JSON header of an entry with our magic (any format version) if it has the fields
+    this version shows, with their types, and (in this version) the file its size says; None
+    for anything else; FileNotFoundError if gone."""
+    try:
+        fd = open_regular(path)
+        if fd is None:
+            raise FileNotFoundError(path)
+        with open(fd, "rb") as f:
+            magic, version, n = FIXED.unpack(f.read(FIXED.size))
+            if magic != MAGIC or n > MAX_HEAD:
+                return None
+            m = json.loads(f.read(n))
+            size = os.fstat(fd).st_size
+    except FileNotFoundError:
+        raise
+    except (NotRegularFile, OSError, ValueError, RecursionError, struct.error):
+        return None
+    if not header_ok(m) or (version == VERSION and size != FIXED.size + n + payload_size(m)):
+        return None
+    return m
+
+
+def holds_entry(path: Path) -> bool | None:
+    """True when path starts like an entry of this format version or a newer one (its checksum
+    is checked when it is read), False when something else is there, None when nothing is."""
+    try:
+        fd = open_regular(path)
+    except NotRegularFile:
+        return False
+    if fd is None:
+        return None
+    with open(fd, "rb") as f:
+        head = f.read(FIXED.size)
+    if len(head) < FIXED.size:
+        return False
+    magic, version, _ = FIXED.unpack(head)
+    return magic == MAGIC and version >= VERSION
+
+
+def all_finite(payload, dtype: str) -> bool:
+    """No NaN or Inf in payload, from two max-reductions over its bits, which read the payload
+    but write nothing (this runs for every block of a warm start; np.isfinite on float16 is
+    several times slower). Read as signed integers, a positive NaN/Inf is at least the all-ones
+    exponent, and no finite value is; read as unsigned, every negative NaN/Inf is at least the
+    sign bit plus that exponent, and no finite value is."""
+    signed, unsigned, exp, neg = _NONFINITE[dtype]
+    if len(payload) == 0:
+        return True
+    return int(np.frombuffer(payload, signed).max()) < exp and int(np.frombuffer(payload, unsigned).max()) < neg
