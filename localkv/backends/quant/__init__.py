@@ -1,0 +1,188 @@
+"""Weights kept in their GGUF encoding and multiplied in place: no float32 copy of a model.
+
+A QTensor is one weight matrix [rows=out, cols=in] as the file stores it (a read-only view
+into the mapped file). Four operations cover a Llama forward pass:
+- matmul_few(x, w): x @ W.T for 1-8 activation rows (decode steps, forks), numba kernels that
+  read the blocks directly, on all the kernels' threads (`_kernels`, `_float`);
+- matmul_many(x, w): the same for many rows (prefill): tiles of W dequantized into a reused
+  float32 scratch, each multiplied by BLAS;
+- dequantize_rows / get_rows: rows as float32 (embedding lookups, tests).
+
+Thread rules (docs/ARCHITECTURE.md, cpu_kernels): matmul_few starts numba's OpenMP workers, so
+call it with BLAS held to one thread, as the model does for passes of up to 8 rows; everything
+else here runs on the calling thread or in BLAS.
+
+The kernels follow cpu_kernels: LOCALKV_CPU_KERNELS=0, a missing numba or OpenMP runtime turn
+them off (cpu_kernels.load decides, for both), compiled code is cached beside these files, and
+each type's kernels are checked against the numpy path when they load. Without them every
+operation runs the numpy path (`_numpy`: gguf's dequantizer + BLAS) with the same results
+within float rounding. load(types) prepares only the types a model uses.
+"""
+
+import hashlib
+import importlib
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from localkv.backends.quant import _numpy
+from localkv.backends.quant._tensor import SUPPORTED, KernelRun, QStack, QTensor, from_gguf
+from localkv.backends.quant._types import BLOCK_TYPES
+from localkv.errors import first_line
+
+__all__ = ["SUPPORTED", "QStack", "QTensor", "active", "dequantize_rows", "from_gguf", "get_rows", "load",
+           "matmul_few", "matmul_many", "why_not"]  # fmt: skip
+MAX_FEW = 8  # matmul_few's activation rows per kernel call; more go to matmul_many
+
+
+# ---------------------------------------------------------------- loading
+
+_state: dict[str, str | None] = {}  # qtype -> None (kernels ready) or why they are not
+_lock = threading.Lock()
+_entry = None  # the module of kernel entry points (_compiled), once a type has loaded
+
+
+def load(types: Iterable[str] = SUPPORTED, progress: bool = False) -> bool:
+    """Compile (or load from numba's cache) and self-check the kernels of these types only.
+    True when all of them can run; otherwise those that can still do. Safe to call again."""
+    from localkv.backends import cpu_kernels
+
+    types = sorted(set(types))
+    for t in types:
+        if t not in SUPPORTED:
+            raise ValueError(f"weight type {t} is not supported")
+    with _lock:
+        todo = [t for t in types if t not in _state]
+        if todo and not cpu_kernels.load():
+            _state.update(dict.fromkeys(todo, cpu_kernels.why_not()))
+            todo = []
+        t0 = time.perf_counter()
+        if todo:
+            _drop_stale_cache()
+        for t in todo:
+            _state[t] = _load_type(t)
+        if any(_state[t] is None for t in todo):
+            global _entry
+            _entry = importlib.import_module("localkv.backends.quant._compiled")
+        took = time.perf_counter() - t0
+        if progress and todo and took > 1.0:
+            print(f"compiled the quantized-weight kernels in {took:.1f}s (cached for later runs)", file=sys.stderr)
+    return all(_state[t] is None for t in types)
+
+
+def active(qtype: str) -> bool:
+    """The kernels of this type are loaded and passed their check."""
+    return qtype in _state and _state[qtype] is None
+
+
+def why_not(qtype: str) -> str | None:
+    if qtype not in _state:
+        return "not loaded"
+    return _state[qtype]
+
+
+def _load_type(qtype: str) -> str | None:
+    try:
+        entry = importlib.import_module("localkv.backends.quant._compiled")
+        return None if entry.check(qtype) else f"{qtype} kernel self-check failed"
+    except Exception as e:  # a numba/llvm mismatch, an unwritable cache...
+        return f"{qtype} kernels unavailable ({type(e).__name__}: {first_line(e)})"
+
+
+def _drop_stale_cache():
+    """numba's cache knows only the file of the kernel it compiled, not the decoders and
+    intrinsics it inlined from the other files here: drop the cache when any of them changed."""
+    here = Path(__file__).parent
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(here.glob("*.py")))).hexdigest()
+    stamp = here / "__pycache__" / "quant_sources.sha1"
+    try:
+        if stamp.exists() and stamp.read_text() == digest:
+            return
+        for p in here.glob("__pycache__/*.nb[ic]"):
+            p.unlink(missing_ok=True)
+        stamp.parent.mkdir(exist_ok=True)
+        stamp.write_text(digest)
+    except OSError:  # a read-only install: numba caches elsewhere, keyed on the files' times
+        pass
+
+
+# ---------------------------------------------------------------- operations
+
+
+def matmul_few(x: np.ndarray, w: "QTensor | QStack | Sequence[QTensor]") -> np.ndarray:
+    """x [R, cols] float32 (1 <= R <= 8) @ W.T -> float32 [R, rows]. Given a QStack (or a
+    list of QTensors, stacked on each call: make the QStack once instead), the outputs of its
+    weights side by side [R, sum of rows]."""
+    if not isinstance(w, (QTensor, QStack)):
+        w = QStack(tuple(w))
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.cols:
+        raise ValueError(f"activations {x.shape} do not match weights of {w.cols} columns")
+    if not 0 < x.shape[0] <= MAX_FEW:
+        return np.concatenate([matmul_many(x, t) for run in w.runs for t in run.tensors], axis=1)
+    out = np.empty((x.shape[0], w.rows), np.float32)
+    for run in w.runs:
+        if active(run.qtype) and (run.qtype in BLOCK_TYPES or w.cols % 8 == 0):
+            _entry.few(run, x, out)
+        else:
+            _few_numpy(run, x, out)
+    return out
+
+
+def _few_numpy(run: KernelRun, x: np.ndarray, out: np.ndarray):
+    xa = _numpy.quantize_activations(x) if run.qtype in BLOCK_TYPES else x
+    for t, col in zip(run.tensors, run.offs):
+        out[:, col : col + t.rows] = _numpy.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, None, _dequant(t)).T
+
+
+def matmul_many(x: np.ndarray, w: QTensor, scratch: np.ndarray | None = None) -> np.ndarray:
+    """x [R, cols] @ W.T for many rows (prefill): float32 [R, rows], the transpose of a
+    C-contiguous [rows, R] result (BLAS runs W @ x.T, the faster order). W is dequantized a
+    tile of rows at a time into scratch (float32, reused when large enough: pass the same one
+    each call) and each tile multiplied by BLAS on its own threads."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.cols:
+        raise ValueError(f"activations {x.shape} do not match a weight of {w.cols} columns")
+    return _numpy.matmul_t(x, w.data, w.qtype, w.rows, w.cols, scratch, _dequant(w)).T
+
+
+def dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows r0..r1 of W as float32 into out [r1 - r0, cols] (a new array when None)."""
+    if not 0 <= r0 <= r1 <= w.rows:
+        raise ValueError(f"rows {r0}..{r1} are outside a weight of {w.rows} rows")
+    if out is None:
+        out = np.empty((r1 - r0, w.cols), np.float32)
+    elif out.shape != (r1 - r0, w.cols) or out.dtype != np.float32:
+        raise ValueError(f"out must be float32 {(r1 - r0, w.cols)}, got {out.dtype.name} {out.shape}")
+    return _dequant(w)(r0, r1, out)
+
+
+def get_rows(w: QTensor, ids) -> np.ndarray:
+    """Rows ids of W as float32 [len(ids), cols] (embedding lookup)."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if len(ids) and (ids.min() < 0 or ids.max() >= w.rows):
+        raise ValueError(f"row ids must be in 0..{w.rows - 1}, got {ids.min()}..{ids.max()}")
+    if w.qtype in BLOCK_TYPES and active(w.qtype):
+        out = np.empty((len(ids), w.cols), np.float32)
+        _entry.dequantize(w, ids, out)
+        return out
+    return _numpy.get_rows(w.data, w.qtype, ids, w.cols)
+
+
+def _dequant(w: QTensor):
+    """dequant(r0, r1, out) for w: the serial kernel when loaded, else gguf's dequantizer."""
+    if w.qtype in BLOCK_TYPES and active(w.qtype):
+
+        def kernel(r0: int, r1: int, out: np.ndarray) -> np.ndarray:
+            if not out.flags.c_contiguous:
+                return _numpy.dequantize_rows(w.data, w.qtype, r0, r1, out)
+            _entry.dequantize(w, np.arange(r0, r1), out)
+            return out
+
+        return kernel
+    return lambda r0, r1, out: _numpy.dequantize_rows(w.data, w.qtype, r0, r1, out)

@@ -1,0 +1,68 @@
+"""Entry points into the compiled kernels (imported once numba has loaded): the kernel call for
+a run of weights of one type, the dequantizer, and the check each type passes as it loads."""
+
+import numpy as np
+
+from localkv.backends.quant import _numpy
+from localkv.backends.quant._float import matmul_few_float
+from localkv.backends.quant._formats import MARKERS
+from localkv.backends.quant._kernels import CHUNK
+from localkv.backends.quant._kernels import dequantize as _dequantize
+from localkv.backends.quant._kernels import matmul_few as _matmul_few
+from localkv.backends.quant._types import BLOCK_TYPES, block_size
+
+
+def few(run, x: np.ndarray, out: np.ndarray):
+    """out[:, run.col:] = x @ W.T for the weights of a KernelRun, side by side."""
+    kernel = _matmul_few if run.qtype in BLOCK_TYPES else matmul_few_float
+    kernel(MARKERS[run.qtype], x, run.datas, run.offs, out)
+
+
+def dequantize(w, rows: np.ndarray, out: np.ndarray):
+    """out[i] = row rows[i] of the block-type weight w, as float32 (out C-contiguous)."""
+    _dequantize(MARKERS[w.qtype], w.data, rows, out)
+
+
+def sample_weight(qtype: str, rows: int, cols: int, seed: int = 0):
+    """A weight of random but valid blocks: random bytes, with bit 6 of every odd byte clear, so
+    that each fp16 scale (all at even offsets, little-endian) is finite."""
+    from localkv.backends.quant import QTensor
+
+    rng = np.random.default_rng(seed)
+    if qtype not in BLOCK_TYPES:
+        w = rng.standard_normal((rows, cols), dtype=np.float32)
+        if qtype == "BF16":
+            return QTensor((w.view(np.uint32) >> 16).astype(np.uint16), qtype, (rows, cols))
+        return QTensor(w.astype(np.float16 if qtype == "F16" else np.float32), qtype, (rows, cols))
+    values, nbytes = block_size(qtype)
+    data = rng.integers(0, 256, (rows, cols // values * nbytes), dtype=np.uint8)
+    data[:, 1::2] &= 0xBF
+    return QTensor(data, qtype, (rows, cols))
+
+
+def check(qtype: str) -> bool:
+    """Compile (or load) this type's kernels now, not inside a timed step, and check them
+    against the numpy path: both few-row paths, several weights at once, a row count that
+    is not a multiple of the work chunk, and the dequantizer."""
+    from localkv.backends.quant import QStack
+
+    values = block_size(qtype)[0] if qtype in BLOCK_TYPES else 32
+    cols = 3 * values if values == 32 else 2 * values
+    ws = (sample_weight(qtype, CHUNK + 3, cols, 1), sample_weight(qtype, 5, cols, 2))
+    dense = [_numpy.dequantize_rows(w.data, qtype, 0, w.rows, np.empty(w.shape, np.float32)) for w in ws]
+    if qtype in BLOCK_TYPES:
+        got = np.empty(dense[0].shape, np.float32)
+        dequantize(ws[0], np.arange(ws[0].rows), got)
+        if not np.array_equal(got, dense[0]):
+            return False
+    rng = np.random.default_rng(3)
+    for rows in (1, 2, 3, 8):
+        x = rng.standard_normal((rows, cols), dtype=np.float32)
+        out = np.empty((rows, ws[0].rows + ws[1].rows), np.float32)
+        (run,) = QStack(ws).runs
+        few(run, x, out)
+        xa = _numpy.quantize_activations(x) if qtype in BLOCK_TYPES else x
+        want = xa.astype(np.float64) @ np.concatenate(dense).T.astype(np.float64)
+        if not np.allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
+            return False
+    return True

@@ -1,0 +1,55 @@
+"""The few-row matmul for weights stored as floats (F32, F16, BF16: Hugging Face checkpoints
+and the small tensors of GGUF files): float FMAs, the activations kept as float32.
+
+F16 and BF16 are passed as uint16 arrays and widened 8 values at a time as they are read;
+each weight row is read from memory once per call and from L1 for the further activation
+rows.
+"""
+
+from numba import njit, prange
+from numba.extending import overload, register_jitable
+
+from localkv.backends.quant._kernels import _chunk, _chunks
+from localkv.backends.quant._simd_f32 import bload, fadd, fload, fma, fzero, hload, hsum
+
+_PAR = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
+
+
+def load8(qt, w, off):
+    """8 weights from flat element off of w as an F32x8."""
+
+
+@overload(load8, jit_options={"_nrt": False})
+def _load8(qt, w, off):
+    return {"F32": lambda qt, w, off: fload(w, off), "F16": lambda qt, w, off: hload(w, off),
+            "BF16": lambda qt, w, off: bload(w, off)}[qt.qname]  # fmt: skip
+
+
+@register_jitable(_nrt=False)
+def _float_dot(qt, w, base, x, xo, K):
+    """Weight row (from element base) . activations x (from element xo), K a multiple of 8."""
+    a0, a1, a2, a3 = fzero(), fzero(), fzero(), fzero()
+    k = 0
+    while k + 32 <= K:
+        a0 = fma(load8(qt, w, base + k), fload(x, xo + k), a0)
+        a1 = fma(load8(qt, w, base + k + 8), fload(x, xo + k + 8), a1)
+        a2 = fma(load8(qt, w, base + k + 16), fload(x, xo + k + 16), a2)
+        a3 = fma(load8(qt, w, base + k + 24), fload(x, xo + k + 24), a3)
+        k += 32
+    while k < K:
+        a0 = fma(load8(qt, w, base + k), fload(x, xo + k), a0)
+        k += 8
+    return hsum(fadd(fadd(a0, a1), fadd(a2, a3)))
+
+
+@njit(**_PAR)
+def matmul_few_float(qt, x, ws, offs, out):
+    """As _kernels.matmul_few, for F32 / F16 / BF16 weights (x float32 C-contiguous, K % 8 == 0)."""
+    R, K = x.shape
+    counts = _chunks(ws)
+    for c in prange(counts[0] + counts[1] + counts[2]):
+        i, n0, n1, col = _chunk(ws, offs, counts, c)
+        w = ws[i]
+        for n in range(n0, n1):
+            for r in range(R):
+                out[r, col + n] = _float_dot(qt, w, n * K, x, r * K, K)

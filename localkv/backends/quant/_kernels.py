@@ -1,0 +1,239 @@
+"""numba kernels on GGUF blocks: the matmuls of a few activation rows (decode), and the
+dequantization of weight rows to float32 (prefill tiles, embedding lookups).
+
+Decode: integer products on int8 activations, not float FMAs on unpacked weights. The
+activations are quantized once per call like llama.cpp's Q8_0 (per 32 values, scale
+amax/127); a group of 32 weights then costs one packed unsigned x signed byte multiply-add
+(`_simd.dot`: vpdpbusd with VNNI, vpmaddubsw + vpmaddwd on AVX2) and one float FMA for its
+scale, where a float path needs the 32 weights widened to float (four conversions) and four
+FMAs per activation row. Both were measured on Q4_1, Q8_0 and Q4_K; the integer path was
+faster for every type and row count, more so the more rows. Results differ from float math
+by the int8 rounding of the activations only (the weights' own values are exact).
+
+Two loops over the same per-type decoder (`_formats.group`):
+- up to ROW_MAX rows: each activation row is one dot product along the weight row (the
+  groups alternate between two accumulators so that FMA latency does not bound the loop);
+- more rows: activation rows sit in the 8 lanes of the vectors, so a decoded group is
+  multiplied into all 8 rows with 8 packed multiply-adds (`_simd.lanes_dot`) instead of
+  being multiplied 8 times.
+
+Each weight row is read once per call, whichever path. Work is split over weight rows with
+prange (numba's OpenMP layer; see cpu_kernels for the thread rules). A call takes up to three
+matrices of one type (`ws`, sharing the activations: q, k and v; gate and up), so a decode
+step makes fewer kernel calls, each of which costs numba's dispatch and OpenMP's start.
+
+Dequantization is serial: it runs between BLAS calls in prefill, where BLAS owns the threads.
+"""
+
+import numpy as np
+from numba import njit, prange
+from numba.extending import register_jitable
+
+from localkv.backends.quant._formats import geometry, group, lanes_product, product
+from localkv.backends.quant._simd import at, izero, load32, prefetch
+from localkv.backends.quant._simd_f32 import expand, fadd, fload, fma, fmul, fpair, fsplat, fzero, hsum, lane, tofloat
+
+_PAR = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
+_SER = dict(fastmath=True, boundscheck=False, cache=True, nogil=True)
+
+ROW_MAX = 2  # up to this many activation rows take the row path, more the 8-lane path
+LANES = 8  # activation rows per call at most
+CHUNK = 16  # weight rows per work item
+PREFETCH = 4096  # bytes ahead in the weights: the hardware prefetcher alone left the loads waiting
+
+
+@register_jitable(fastmath=False)
+def _quantize(x, xq, dx, xs16):
+    """x [R, K] float32 -> xq int8 [R, K], per 32 values q = rint(x / d) with d = amax / 127
+    (dx [R, K/32]); xs16 [R, K/16] = d * the sum of each 16 q (what the offsets multiply).
+    A group holding inf or nan gets q = 0 and d = nan, so its outputs are nan as in float
+    math (without fastmath here: it would assume there are none)."""
+    R, K = x.shape
+    for r in range(R):
+        for g in range(K // 32):
+            amax = np.float32(0)
+            for i in range(32):
+                amax = max(amax, abs(x[r, 32 * g + i]))
+                if x[r, 32 * g + i] != x[r, 32 * g + i]:
+                    amax = np.float32(np.inf)
+            d = amax / np.float32(127)
+            inv = np.float32(1) / d if amax > 0 else np.float32(0)
+            if amax == np.inf:
+                d, inv = np.float32(np.nan), np.float32(0)
+            sa = 0
+            sb = 0
+            for i in range(32):
+                q = np.int32(np.rint(x[r, 32 * g + i] * inv)) if inv > 0 else 0
+                xq[r, 32 * g + i] = q
+                if i < 16:
+                    sa += q
+                else:
+                    sb += q
+            dx[r, g] = d
+            xs16[r, 2 * g] = d * np.float32(sa)
+            xs16[r, 2 * g + 1] = d * np.float32(sb)
+
+
+@register_jitable(_nrt=False)
+def _chunks(ws):
+    """Work items over the stacked matrices: chunks of CHUNK rows, none spanning two matrices
+    (a kernel then takes its matrix out of the tuple once per chunk, not once per row)."""
+    return (
+        (ws[0].shape[0] + CHUNK - 1) // CHUNK,
+        (ws[1].shape[0] + CHUNK - 1) // CHUNK,
+        (ws[2].shape[0] + CHUNK - 1) // CHUNK,
+    )
+
+
+@register_jitable(_nrt=False)
+def _chunk(ws, offs, counts, c):
+    """(matrix index, first row, end row, output column of row 0) of chunk c."""
+    c = np.int64(c)  # prange's index may be unsigned; unsigned - signed is a float in numba
+    i = int(c >= counts[0]) + int(c >= counts[0] + counts[1])
+    c -= counts[0] * (i > 0) + counts[1] * (i > 1)
+    return i, c * CHUNK, min((c + 1) * CHUNK, ws[i].shape[0]), offs[i]
+
+
+@register_jitable(_nrt=False)
+def _row_step(qt, w, blk, j, g, xq, dx, xsv, r, ng, a, m):
+    """Group j of the block at blk (group g of the row) . activation row r, into a and m."""
+    prefetch(w, blk + PREFETCH)
+    u, sa, sb, ma, mb = group(qt, w, blk, j)
+    p = tofloat(product(qt, izero(), u, load32(xq, 32 * (r * ng + g))))
+    a = fma(p, fmul(fpair(sa, sb), fsplat(at(dx, r * ng + g))), a)
+    return a, fma(fpair(ma, mb), fload(xsv, 8 * (r * ng + g)), m)
+
+
+@register_jitable(_nrt=False)
+def _row_dot(qt, w, base, xq, dx, xsv, r, ng):
+    """One weight row . activation row r. Groups alternate between two accumulators (FMA
+    latency would bound one); a K-quant block's 8 groups are written out, so that each
+    group's shifts and scale unpacking are constants."""
+    groups, nbytes = geometry(qt)
+    a0, a1, m0, m1 = fzero(), fzero(), fzero(), fzero()
+    if groups == 1:
+        for g in range(0, ng - 1, 2):
+            a0, m0 = _row_step(qt, w, base + g * nbytes, 0, g, xq, dx, xsv, r, ng, a0, m0)
+            a1, m1 = _row_step(qt, w, base + (g + 1) * nbytes, 0, g + 1, xq, dx, xsv, r, ng, a1, m1)
+        if ng % 2:
+            a0, m0 = _row_step(qt, w, base + (ng - 1) * nbytes, 0, ng - 1, xq, dx, xsv, r, ng, a0, m0)
+    else:  # the K-quants: 8 groups per block, written out so that j is a constant in each
+        for b in range(ng // 8):
+            blk, g = base + b * nbytes, 8 * b
+            a0, m0 = _row_step(qt, w, blk, 0, g, xq, dx, xsv, r, ng, a0, m0)
+            a1, m1 = _row_step(qt, w, blk, 1, g + 1, xq, dx, xsv, r, ng, a1, m1)
+            a0, m0 = _row_step(qt, w, blk, 2, g + 2, xq, dx, xsv, r, ng, a0, m0)
+            a1, m1 = _row_step(qt, w, blk, 3, g + 3, xq, dx, xsv, r, ng, a1, m1)
+            a0, m0 = _row_step(qt, w, blk, 4, g + 4, xq, dx, xsv, r, ng, a0, m0)
+            a1, m1 = _row_step(qt, w, blk, 5, g + 5, xq, dx, xsv, r, ng, a1, m1)
+            a0, m0 = _row_step(qt, w, blk, 6, g + 6, xq, dx, xsv, r, ng, a0, m0)
+            a1, m1 = _row_step(qt, w, blk, 7, g + 7, xq, dx, xsv, r, ng, a1, m1)
+    return hsum(fadd(fadd(a0, a1), fadd(m0, m1)))
+
+
+@register_jitable(_nrt=False)
+def _lanes_step(qt, w, blk, j, g, xi, dxv, xsa, xsb, a, m):
+    """Group j of the block at blk (group g of the row) . 8 activation rows, into a and m."""
+    prefetch(w, blk + PREFETCH)
+    u, sa, sb, ma, mb = group(qt, w, blk, j)
+    pa, pb = lanes_product(qt, u, xi, 256 * g)
+    a = fma(fma(tofloat(pa), fsplat(sa), fmul(tofloat(pb), fsplat(sb))), fload(dxv, 8 * g), a)
+    return a, fadd(m, fma(fsplat(ma), fload(xsa, 8 * g), fmul(fsplat(mb), fload(xsb, 8 * g))))
+
+
+@register_jitable(_nrt=False)
+def _lanes_row(qt, w, base, xi, dxv, xsa, xsb, ng):
+    """One weight row . 8 activation rows (lane r = row r); loops as in _row_dot."""
+    groups, nbytes = geometry(qt)
+    a0, a1, m0, m1 = fzero(), fzero(), fzero(), fzero()
+    if groups == 1:
+        for g in range(0, ng - 1, 2):
+            a0, m0 = _lanes_step(qt, w, base + g * nbytes, 0, g, xi, dxv, xsa, xsb, a0, m0)
+            a1, m1 = _lanes_step(qt, w, base + (g + 1) * nbytes, 0, g + 1, xi, dxv, xsa, xsb, a1, m1)
+        if ng % 2:
+            a0, m0 = _lanes_step(qt, w, base + (ng - 1) * nbytes, 0, ng - 1, xi, dxv, xsa, xsb, a0, m0)
+    else:
+        for b in range(ng // 8):
+            blk, g = base + b * nbytes, 8 * b
+            a0, m0 = _lanes_step(qt, w, blk, 0, g, xi, dxv, xsa, xsb, a0, m0)
+            a1, m1 = _lanes_step(qt, w, blk, 1, g + 1, xi, dxv, xsa, xsb, a1, m1)
+            a0, m0 = _lanes_step(qt, w, blk, 2, g + 2, xi, dxv, xsa, xsb, a0, m0)
+            a1, m1 = _lanes_step(qt, w, blk, 3, g + 3, xi, dxv, xsa, xsb, a1, m1)
+            a0, m0 = _lanes_step(qt, w, blk, 4, g + 4, xi, dxv, xsa, xsb, a0, m0)
+            a1, m1 = _lanes_step(qt, w, blk, 5, g + 5, xi, dxv, xsa, xsb, a1, m1)
+            a0, m0 = _lanes_step(qt, w, blk, 6, g + 6, xi, dxv, xsa, xsb, a0, m0)
+            a1, m1 = _lanes_step(qt, w, blk, 7, g + 7, xi, dxv, xsa, xsb, a1, m1)
+    return fadd(fadd(a0, a1), fadd(m0, m1))
+
+
+@register_jitable
+def _spread(xs16):
+    """The 16-value sums as [row][g][8 lanes] (a quarter of each sum per lane): the min terms
+    of a group are then one FMA with fpair(ma, mb)."""
+    R, ng = xs16.shape[0], xs16.shape[1] // 2
+    xsv = np.empty(R * ng * 8, np.float32)
+    for r in range(R):
+        for g in range(ng):
+            for i in range(4):
+                xsv[8 * (r * ng + g) + i] = xs16[r, 2 * g] * np.float32(0.25)
+                xsv[8 * (r * ng + g) + 4 + i] = xs16[r, 2 * g + 1] * np.float32(0.25)
+    return xsv
+
+
+@register_jitable
+def _interleave(xq, dx, xs16):
+    """The activations in the 8-lane layout: xi [g][dword][row][4 bytes], dxv/xsa/xsb [g][row]
+    (rows past R are zero, so their lanes compute nothing)."""
+    R, K = xq.shape
+    ng = K // 32
+    xi = np.zeros(ng * 256, np.int8)
+    dxv, xsa, xsb = np.zeros(ng * 8, np.float32), np.zeros(ng * 8, np.float32), np.zeros(ng * 8, np.float32)
+    for r in range(R):
+        for g in range(ng):
+            for k in range(8):
+                for i in range(4):
+                    xi[256 * g + 32 * k + 4 * r + i] = xq[r, 32 * g + 4 * k + i]
+            dxv[8 * g + r], xsa[8 * g + r], xsb[8 * g + r] = dx[r, g], xs16[r, 2 * g], xs16[r, 2 * g + 1]
+    return xi, dxv, xsa, xsb
+
+
+@njit(**_PAR)
+def matmul_few(qt, x, ws, offs, out):
+    """out[:, offs[i] + n] = x @ row n of ws[i] for the three matrices ws (same type, same
+    columns; pass a zero-row array for unused ones). x float32 [R, K], 1 <= R <= LANES."""
+    R, K = x.shape
+    ng = K // 32
+    xq = np.empty((R, K), np.int8)
+    dx = np.empty((R, ng), np.float32)
+    xs16 = np.empty((R, 2 * ng), np.float32)
+    _quantize(x, xq, dx, xs16)
+    counts = _chunks(ws)
+    if R <= ROW_MAX:
+        xsv = _spread(xs16)
+        for c in prange(counts[0] + counts[1] + counts[2]):
+            i, n0, n1, col = _chunk(ws, offs, counts, c)
+            w = ws[i]
+            for n in range(n0, n1):
+                for r in range(R):
+                    out[r, col + n] = _row_dot(qt, w, n * w.shape[1], xq, dx, xsv, r, ng)
+    else:
+        xi, dxv, xsa, xsb = _interleave(xq, dx, xs16)
+        for c in prange(counts[0] + counts[1] + counts[2]):
+            i, n0, n1, col = _chunk(ws, offs, counts, c)
+            w = ws[i]
+            for n in range(n0, n1):
+                v = _lanes_row(qt, w, n * w.shape[1], xi, dxv, xsa, xsb, ng)
+                for r in range(R):
+                    out[r, col + n] = lane(v, r)
+
+
+@njit(**_SER)
+def dequantize(qt, w, rows, out):
+    """out[i] = weight row rows[i] of w as float32 (out [len(rows), K] C-contiguous)."""
+    K = out.shape[1]
+    for i in range(len(rows)):
+        base = rows[i] * w.shape[1]
+        groups, nbytes = geometry(qt)
+        for g in range(K // 32):
+            u, sa, sb, ma, mb = group(qt, w, base + (g // groups) * nbytes, g % groups)
+            expand(out, i * K + 32 * g, u, sa, sb, ma, mb)

@@ -1,0 +1,64 @@
+"""The numpy-only path (no numba, or LOCALKV_CPU_KERNELS=0): gguf's dequantizer on tiles of
+weight rows, then BLAS. Slower, same results as the kernels within float rounding: for block
+types the few-row product quantizes the activations to int8 exactly as the kernels do
+(`quantize_activations`), so both paths compute the same sums.
+"""
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+# Weights per dequantized tile (16 MiB of float32). BLAS runs each tile as one gemm, and many
+# small gemms cost it far more than the dequantizing does: tiles of a few hundred rows or more.
+TILE_VALUES = 1 << 22
+
+
+def tile_rows(cols: int) -> int:
+    return max(64, TILE_VALUES // cols)
+
+
+def quantize_activations(x: np.ndarray) -> np.ndarray:
+    """x [R, K] float32 with each 32 values rounded to int8 steps of amax/127 (as float32)."""
+    R, K = x.shape
+    xb = x.reshape(R, K // 32, 32)
+    amax = np.abs(xb).max(axis=-1)
+    d = amax / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=amax > 0)
+    with np.errstate(invalid="ignore"):  # inf or nan in a group: its outputs are nan
+        return (np.rint(xb * inv[..., None]) * d[..., None]).reshape(R, K)
+
+
+def dequantize_rows(data: np.ndarray, qtype: str, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
+    """Rows r0..r1 of a weight's data as float32 into out [r1 - r0, cols]."""
+    rows = data[r0:r1]
+    if qtype == "F32" or qtype == "F16":
+        out[...] = rows
+    elif qtype == "BF16":
+        out[...] = (rows.astype(np.uint32) << 16).view(np.float32)
+    else:
+        out[...] = gguf_dequantize(rows, GGMLQuantizationType[qtype])
+    return out
+
+
+def get_rows(data: np.ndarray, qtype: str, ids: np.ndarray, cols: int) -> np.ndarray:
+    out = np.empty((len(ids), cols), np.float32)
+    for i, r in enumerate(ids):
+        dequantize_rows(data, qtype, int(r), int(r) + 1, out[i : i + 1])
+    return out
+
+
+def matmul_t(x: np.ndarray, data: np.ndarray, qtype: str, rows: int, cols: int, scratch, dequant) -> np.ndarray:
+    """(x @ W.T).T as a C-contiguous [rows, R] array: W dequantized tile by tile into scratch
+    by dequant(r0, r1, tile), each tile multiplied by BLAS (W @ x.T, the faster order)."""
+    out_t = np.empty((rows, len(x)), np.float32)
+    if qtype == "F32":
+        return np.matmul(data, x.T, out=out_t)
+    step = tile_rows(cols)
+    if scratch is None or scratch.dtype != np.float32 or scratch.size < min(step, rows) * cols:
+        scratch = np.empty(min(step, rows) * cols, np.float32)
+    flat = scratch.reshape(-1)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        tile = dequant(r0, r1, flat[: (r1 - r0) * cols].reshape(r1 - r0, cols))
+        np.matmul(tile, x.T, out=out_t[r0:r1])
+    return out_t
