@@ -77,19 +77,22 @@ class Engine:
 
     # ------------------------------------------------------------ steps
 
-    def step(self, seqs: list[Sequence], max_tokens: int | None = None, all_logits: bool = False) -> np.ndarray:
-        """One forward pass over the pending tokens of seqs (at most max_tokens in all);
-        returns logits [len(seqs), vocab] for each sequence's last processed token
-        (with all_logits: [tokens processed, vocab], one row per token)."""
+    def step(
+        self,
+        seqs: list[Sequence],
+        max_tokens: int | None = None,
+        all_logits: bool = False,
+        counts: list[int] | None = None,
+    ) -> np.ndarray:
+        """One forward pass over the pending tokens of seqs: `counts[i]` of seqs[i] when given,
+        else as many as fit max_tokens in order; returns logits [len(seqs), vocab] for each
+        sequence's last processed token (with all_logits: [tokens processed, vocab], one row
+        per token). A step that raises changes nothing."""
+        if counts is None:
+            counts = self.chunk_counts(seqs, max_tokens)
+        if not all(0 < n <= len(s.pending) for s, n in zip(seqs, counts)):
+            raise LocalkvError("internal: a step count outside a sequence's pending tokens (a bug in the caller)")
         tokens, positions, slots, spans, rows = [], [], [], [], []
-        budget = max_tokens or sum(len(s.pending) for s in seqs)
-        limit = self.policy.chunk_limit()
-        counts, left = [], budget
-        for seq in seqs:
-            counts.append(min(len(seq.pending), left, limit or left))
-            left -= counts[-1]
-        if not all(counts):
-            raise LocalkvError("internal: step on a sequence with no pending tokens")
         # every plan, then the pool check, before any sequence is touched: a failed step changes nothing
         plans = [self.policy.plan(s, n) for s, n in zip(seqs, counts)]
         need = sum(self.kv.need(s, n) for s, n in zip(seqs, counts))
@@ -117,6 +120,24 @@ class Engine:
             if self.prefix_caching:
                 self.kv.register_full_blocks(seq)
         return logits
+
+    def chunk_counts(self, seqs: list[Sequence], max_tokens: int | None = None) -> list[int]:
+        """Pending tokens each sequence gets in one step of at most max_tokens (in order), within
+        the KV policy's chunk limit."""
+        left = max_tokens or sum(len(s.pending) for s in seqs)
+        limit = self.policy.chunk_limit()
+        counts = []
+        for seq in seqs:
+            counts.append(min(len(seq.pending), left, limit or left))
+            left -= counts[-1]
+        return counts
+
+    def blocks_short(self, seqs: list[Sequence], counts: list[int]) -> int:
+        """How many more free blocks a step of these counts needs than the pool has (<= 0: it
+        fits). Changes nothing; raises BudgetReached as step would."""
+        plans = [self.policy.plan(s, n) for s, n in zip(seqs, counts)]
+        need = sum(self.kv.need(s, n) for s, n in zip(seqs, counts))
+        return need - self.pool.num_free - sum(len(p.victims) for p in plans)
 
     def fork(self, seq: Sequence) -> Sequence:
         child = self.kv.fork(seq)
@@ -182,9 +203,10 @@ class Engine:
 
     # ------------------------------------------------------------ requests
 
-    def check_fits(self, n_prompt: int, max_tokens: int, n_seqs: int = 1):
+    def check_fits(self, n_prompt: int, max_tokens: int, n_seqs: int = 1, queued: bool = False):
         """Refuse, before any work, a request of n_seqs replies (forks of one prompt) that cannot
-        fit the context, the KV budget or the pool's free blocks."""
+        fit the context, the KV budget or the pool's free blocks (with queued: the whole pool,
+        which a request waiting its turn in a shared scheduler may get)."""
         ctx, ev, bs = self.cfg.ctx_len, self.policy.config, self.block_size
         if n_prompt == 0:
             raise LocalkvError("empty prompt: nothing to run")
@@ -200,14 +222,15 @@ class Engine:
             total = min(total, ev.budget + bs)
         shared = n_prompt // bs if n_seqs > 1 else 0  # full prompt blocks every fork shares
         need = shared + n_seqs * (-(-total // bs) - shared)
-        if need > self.pool.num_free and n_seqs > 1:
+        free = self.pool.num_blocks if queued else self.pool.num_free
+        if need > free and n_seqs > 1:
             raise PoolExhausted(
                 f"{n_seqs} branches of up to {max_tokens} tokens need {need} KV blocks with sharing; the pool has "
-                f"{self.pool.num_free} free (raise --kv-mem, or lower --branches or --max-tokens)"
+                f"{free} free (raise --kv-mem, or lower --branches or --max-tokens)"
             )
-        if need > self.pool.num_free:
+        if need > free:
             raise PoolExhausted(
-                f"request needs {need} KV blocks ({total} tokens), the pool has {self.pool.num_free} "
+                f"request needs {need} KV blocks ({total} tokens), the pool has {free} "
                 f"free of {self.pool.num_blocks} (raise --kv-mem or lower --max-tokens)"
             )
 

@@ -8,13 +8,14 @@ token is appended to a branch and a branch is declared finished.
 """
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from localkv.engine import Engine
-from localkv.errors import BudgetReached, LocalkvError
+from localkv.errors import LocalkvError
 from localkv.model.tokenizer import TokenStreamer
 from localkv.sampling import Sampler, SamplingParams
 from localkv.sequence import Sequence
@@ -25,7 +26,7 @@ class Branch:
     """One reply: its sequence, sampler, streamed text and why it ended."""
 
     index: int
-    seq: Sequence
+    seq: Sequence | None  # None once the branch is finished and freed (or while preempted)
     sampler: Sampler
     streamer: TokenStreamer
     tokens: list[int] = field(default_factory=list)
@@ -33,6 +34,7 @@ class Branch:
     finish_reason: str = ""  # stop | length | context | kv_budget | interrupted
     stop_detail: str = ""
     peak_active_tokens: int = 0  # most tokens of K/V the branch attended to in one layer
+    stored: int = 0  # tokens of K/V it held when it finished
 
 
 @dataclass(slots=True)
@@ -58,19 +60,19 @@ class Result:
 
     @property
     def text(self) -> str:
-        return self.branches[0].text
+        return self.branches[0].text if self.branches else ""
 
     @property
     def tokens(self) -> list[int]:
-        return self.branches[0].tokens
+        return self.branches[0].tokens if self.branches else []
 
     @property
     def finish_reason(self) -> str:
-        return self.branches[0].finish_reason
+        return self.branches[0].finish_reason if self.branches else ""
 
     @property
     def stop_detail(self) -> str:
-        return self.branches[0].stop_detail
+        return self.branches[0].stop_detail if self.branches else ""
 
     @property
     def peak_active_tokens(self) -> int:
@@ -94,55 +96,167 @@ class Result:
 
 
 class Generation:
-    """Iterate for Pieces as tokens are sampled; .result holds the record. Requests that cannot
-    fit are refused when the Generation is made, before any work. Ctrl-C during iteration ends
-    it cleanly (live branches finish 'interrupted') and is re-raised."""
+    """One request: a prompt, n branches, how they are sampled. Iterate for Pieces as tokens are
+    sampled (it drives its own Scheduler), or hand it to a shared Scheduler (the server) and
+    read .pieces(); .result holds the record. A request that could never fit the context, the
+    KV budget or the pool is refused when it is made, before any work. Ctrl-C during iteration
+    ends it cleanly (live branches finish 'interrupted') and is re-raised."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams | None = None, n: int = 1):
-        self._t0 = time.perf_counter()  # TTFT counts the prefix lookup (memory and disk) too
+    def __init__(
+        self,
+        engine: Engine,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        n: int = 1,
+        queued: bool = False,
+    ):
+        self._t0 = time.perf_counter()  # TTFT counts the wait, the prefix lookup and the prefill
         self.params = (params or SamplingParams()).validate()
         if n < 1:
             raise LocalkvError(f"invalid branch count {n}: must be >= 1")
-        engine.check_fits(len(prompt_ids), self.params.max_tokens, n)
-        self.engine, self.n = engine, n
-        self.root, cached = engine.open_sequence(prompt_ids)
-        self.result = Result([], len(prompt_ids), cached, load_s=engine.loaded.load_s)
+        engine.check_fits(len(prompt_ids), self.params.max_tokens, n, queued)  # queued: for a shared scheduler
+        self.engine, self.n, self.prompt = engine, n, list(prompt_ids)
+        self.result = Result([], len(prompt_ids), load_s=engine.loaded.load_s)
         self.stop_ids = frozenset() if self.params.ignore_eos else frozenset(engine.tokenizer.stop_ids)
+        self.root: Sequence | None = None  # the prompt's sequence until it forks into the branches
+        self.done = False
+        self._out: deque[Piece] = deque()  # appended on the engine's thread, read by the consumer
+        self._cow0 = engine.stats.cow_copies
+        self._t_prefilled = 0.0
+        self._persisted = False
+        self._admitted = False
+
+    # ------------------------------------------------------------ for its consumer
 
     def __iter__(self) -> Iterator[Piece]:
-        eng, r = self.engine, self.result
-        cow0 = eng.stats.cow_copies
+        from localkv.scheduler import Scheduler
+
+        sched = Scheduler(self.engine, max_seqs=self.n)
+        sched.add(self)
         try:
-            logits = eng.prefill(self.root)
-            r.prompt_s = time.perf_counter() - self._t0
-            self._fork()
-            live, rows = list(r.branches), [logits] * self.n
-            t1 = time.perf_counter()
-            while live:
-                yield from self.advance(live, rows)
-                r.peak_blocks = max(r.peak_blocks, eng.blocks_used)
-                live = [b for b in live if not b.finish_reason]
-                if live:
-                    rows = self._decode(live)
-            r.eval_s = time.perf_counter() - t1
-            yield from self._flush()
+            while not self.done:
+                sched.step()
+                yield from self.pieces()
+            yield from self.pieces()
         except KeyboardInterrupt:
-            for b in r.branches:
-                b.finish_reason = b.finish_reason or "interrupted"
-            list(self._flush())
+            self.cancel("interrupted")
             raise
-        finally:
-            self._finish(cow0)
+        except GeneratorExit:  # the consumer stopped reading: free everything now
+            self.cancel("stopped")
+            raise
+        except BaseException:
+            self.cancel("error")
+            raise
 
-    def _fork(self):
-        eng, params = self.engine, self.params
-        seqs = [self.root] + [eng.fork(self.root) for _ in range(self.n - 1)]
+    def pieces(self) -> Iterator[Piece]:
+        """The text streamed since the last call (safe from another thread)."""
+        while self._out:
+            yield self._out.popleft()
+
+    def run(self) -> Result:
+        for _ in self:
+            pass
+        return self.result
+
+    # ------------------------------------------------------------ for the scheduler
+
+    def admit(self) -> None:
+        """Open the prompt's sequence, its leading blocks from the prefix cache (memory, disk).
+        A lone request's consumer may call it first, to show the reuse before the prefill."""
+        if self._admitted:
+            return
+        self._admitted = True
+        self.root, cached = self.engine.open_sequence(self.prompt)
+        if not self.result.branches:  # not a request resumed after a preemption
+            self.result.cached_tokens = cached
+
+    def prefilling(self) -> bool:
+        return self.root is not None and bool(self.root.pending)
+
+    def schedulable(self) -> list[Sequence]:
+        if self.root is not None:
+            return [self.root]
+        return [b.seq for b in self.result.branches if b.seq is not None and b.seq.pending]
+
+    def on_logits(self, rows: dict[int, np.ndarray]) -> None:
+        """Logits for this request's sequences whose pending tokens are all computed."""
+        if self.root is not None:
+            if self.root.id not in rows:
+                return
+            self._fork(rows[self.root.id])
+            return
+        live = [b for b in self.result.branches if b.seq is not None and b.seq.id in rows and not b.finish_reason]
+        self.advance(live, [rows[b.seq.id] for b in live])
+        self._after_advance()
+
+    def out_of_budget(self, seq: Sequence, reason: str) -> None:
+        for b in self.result.branches:
+            if b.seq is seq:
+                b.finish_reason, b.stop_detail = "kv_budget", reason
+        if self.root is seq:  # the prompt itself does not fit the KV budget's policy
+            self.cancel("kv_budget", reason)
+            return
+        self._after_advance()
+
+    def preempt(self) -> None:
+        """Free every block; admit() and the scheduler recompute the prompt and each live
+        branch's tokens later (its sampler and text carry on)."""
+        eng = self.engine
+        self._admitted = False
+        if self.root is not None:
+            eng.free(self.root)
+            self.root = None
+        for b in self.result.branches:
+            if b.seq is not None:
+                eng.free(b.seq)
+                b.seq = None
+
+    def cancel(self, reason: str, detail: str = "") -> None:
+        for b in self.result.branches:
+            if not b.finish_reason:
+                b.finish_reason, b.stop_detail = reason, detail
+        if not self.result.branches:
+            self.result.branches = [
+                Branch(
+                    0,
+                    None,
+                    Sampler(self.params),
+                    self.engine.tokenizer.streamer(),
+                    finish_reason=reason,
+                    stop_detail=detail,
+                )
+            ]
+        self._after_advance()
+
+    # ------------------------------------------------------------ one request's life
+
+    def _fork(self, logits: np.ndarray):
+        """The prompt is computed: fork it into the branches (or, after a preemption, back into
+        the live ones, their generated tokens pending) and sample each branch's first token."""
+        eng, r, root = self.engine, self.result, self.root
+        self.root = None
+        if not self._t_prefilled:
+            self._t_prefilled = time.perf_counter()
+            r.prompt_s = self._t_prefilled - self._t0
+        if r.branches:  # resuming: each live branch recomputes what it generated
+            holders = [b for b in r.branches if not b.finish_reason]
+            seqs = [root] + [eng.fork(root) for _ in holders[1:]]
+            for b, seq in zip(holders, seqs):
+                seq.tokens.extend(b.tokens)
+                b.seq = seq
+            if not holders:
+                eng.free(root)
+            self._after_advance()
+            return
+        seqs = [root] + [eng.fork(root) for _ in range(self.n - 1)]
         for i, seq in enumerate(seqs):
-            b = Branch(i, seq, Sampler(params.for_branch(i)), eng.tokenizer.streamer())
+            b = Branch(i, seq, Sampler(self.params.for_branch(i)), eng.tokenizer.streamer())
             b.peak_active_tokens = eng.policy.active_tokens(seq)
-            self.result.branches.append(b)
+            r.branches.append(b)
+        self.advance(list(r.branches), [logits] * self.n)
+        self._after_advance()
 
-    def advance(self, live: list[Branch], rows) -> Iterator[Piece]:
+    def advance(self, live: list[Branch], rows) -> None:
         """Sample each live branch's next token from its logits row, append it, stream its text,
         and finish the branch on a stop token, max_tokens or the context's end."""
         eng, p, r = self.engine, self.params, self.result
@@ -150,6 +264,7 @@ class Generation:
             tok = b.sampler(row)
             if not r.ttft_s:
                 r.ttft_s = time.perf_counter() - self._t0
+            b.peak_active_tokens = max(b.peak_active_tokens, eng.policy.active_tokens(b.seq))
             if tok in self.stop_ids:
                 b.finish_reason = "stop"
                 continue
@@ -158,45 +273,42 @@ class Generation:
             piece = b.streamer.push(tok)
             b.text += piece
             if piece:
-                yield Piece(b.index, piece)
+                self._out.append(Piece(b.index, piece))
             if len(b.tokens) >= p.max_tokens:
                 b.finish_reason = "length"
             elif len(b.seq.tokens) >= eng.cfg.ctx_len and eng.policy.config.policy == "none":
                 b.finish_reason = "context"
 
-    def _decode(self, live: list[Branch]) -> list[np.ndarray]:
-        eng = self.engine
-        try:
-            out = eng.decode([b.seq for b in live])
-        except BudgetReached as e:
-            for b in live:
-                b.finish_reason, b.stop_detail = "kv_budget", str(e)
-            return []
-        for b in live:
-            b.peak_active_tokens = max(b.peak_active_tokens, eng.policy.active_tokens(b.seq))
-        return list(out)
-
-    def _flush(self) -> Iterator[Piece]:
-        for i, b in enumerate(self.result.branches):
+    def _after_advance(self):
+        """Free the sequences of finished branches at once (their blocks go to other requests);
+        when every branch is done, record, flush and finish."""
+        eng, r = self.engine, self.result
+        r.peak_blocks = max(r.peak_blocks, eng.blocks_used)
+        for b in r.branches:
+            if b.finish_reason and b.seq is not None:
+                self._persist(b.seq)
+                b.stored = b.seq.num_stored
+                eng.free(b.seq)
+                b.seq = None
+        if self.done or any(not b.finish_reason for b in r.branches) or self.root is not None and not r.branches:
+            return
+        if self.root is not None:
+            eng.free(self.root)
+            self.root = None
+        r.eval_s = time.perf_counter() - (self._t_prefilled or time.perf_counter())
+        bs = eng.block_size
+        r.unshared_blocks = sum(-(-b.stored // bs) for b in r.branches)
+        r.cow_copies = eng.stats.cow_copies - self._cow0
+        for b in r.branches:
             tail = b.streamer.flush()
             b.text += tail
             if tail:
-                yield Piece(i, tail)
+                self._out.append(Piece(b.index, tail))
+        self.done = True
 
-    def _finish(self, cow0: int):
-        """Record what the branches held, write the prompt's blocks to the disk cache, free."""
-        eng, r = self.engine, self.result
-        r.peak_blocks = max(r.peak_blocks, eng.blocks_used)
-        bs = eng.block_size
-        r.unshared_blocks = sum(-(-b.seq.num_stored // bs) for b in r.branches)
-        r.cow_copies = eng.stats.cow_copies - cow0
-        eng.persist_prompt(self.root, r.prompt_tokens, r.cached_tokens)
-        for b in r.branches:
-            eng.free(b.seq)
-        if not r.branches:
-            eng.free(self.root)
-
-    def run(self) -> Result:
-        for _ in self:
-            pass
-        return self.result
+    def _persist(self, seq: Sequence):
+        """Write the prompt's full blocks to the disk cache, once, before the first branch
+        holding them is freed (not earlier: the write would delay the first token)."""
+        if not self._persisted:
+            self._persisted = True
+            self.engine.persist_prompt(seq, self.result.prompt_tokens, self.result.cached_tokens)

@@ -101,10 +101,12 @@ def test_policy_none_stops_with_a_clear_reason(tiny):
 
 def test_shared_blocks_are_never_evicted_from_under_a_fork(tiny):
     eng = engine(tiny, "sliding", budget=48)
-    # the 40-token prompt is shared by both branches: once the budget is full, nothing may go
+    # the 40-token prompt is shared by both branches: when the budget is full, nothing may go, so
+    # the first branch to need room stops; its blocks freed, the other's are its own to evict
     r = Generation(eng, PROMPT, replace(GREEDY, max_tokens=30, ignore_eos=True), n=2).run()
-    assert [b.finish_reason for b in r.branches] == ["kv_budget"] * 2
-    assert all("shared" in b.stop_detail for b in r.branches) and eng.stats.evictions == 0
+    first, second = r.branches
+    assert first.finish_reason == "kv_budget" and "shared" in first.stop_detail
+    assert second.finish_reason == "length" and eng.stats.evictions > 0
     assert eng.pool.num_free == eng.pool.num_blocks
 
 

@@ -96,7 +96,7 @@ def generate(
         post(ReplyDone(None, KVSnapshot.of(engine), error=error_line(e)))
         return
     r = gen.result
-    # the prefix lookup is done: its reuse shows before the prefill ends
+    gen.admit()  # the prefix lookup, now: its reuse shows before the prefill ends
     post(ReplyStarted(r.cached_tokens, r.prompt_tokens, KVSnapshot.of(engine)))
     tail, error, t_first, t_end = _stream(engine, gen, post, stop, clock)
     reason = r.finish_reason or ("error" if error else "stopped")

@@ -64,15 +64,15 @@ def test_stop_ends_the_reply_and_keeps_what_came(engine, fake_clock):
 
 
 def test_a_failure_mid_reply_keeps_and_saves_what_came(engine, fake_clock, monkeypatch):
-    decode, calls = engine.decode, []
+    step, calls = engine.step, []
 
-    def failing(seqs):
+    def failing(seqs, *a, **k):
         calls.append(len(seqs))
-        if len(calls) == 3:
+        if len(calls) == 4:  # the prefill, two decode steps, then the failure
             raise RuntimeError("device lost")
-        return decode(seqs)
+        return step(seqs, *a, **k)
 
-    monkeypatch.setattr(engine, "decode", failing)
+    monkeypatch.setattr(engine, "step", failing)
     store = ConversationStore()
     done = run(engine, Turn(store), "hello", fake_clock(), replace(GREEDY, ignore_eos=True))[-1]
     assert (done.reason, done.error) == ("error", "error: internal error: RuntimeError: device lost")

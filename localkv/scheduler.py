@@ -1,0 +1,178 @@
+"""Continuous batching: many requests through one engine and one block pool.
+
+Every step takes the running sequences' next tokens (decodes first) plus chunks of waiting
+prompts, up to a token budget, and runs them as one forward pass. Requests join and leave
+between steps. A request is admitted when seats (sequences) and free blocks allow; one whose
+prompt starts with the full blocks another request is still prefilling waits until they are
+computed, so a shared system prompt is computed once and hit by the rest. When the pool runs
+dry, the newest request is preempted: its blocks are freed, and it is recomputed later from its
+prompt and what it generated so far (freed blocks keep their hashes, so most come back from the
+prefix cache); it is never dropped.
+
+The scheduler knows requests only through the small protocol below (Generation implements it).
+add() and cancel() may be called from other threads; step() runs on the engine's one thread.
+"""
+
+import threading
+from collections import deque
+from typing import Protocol
+
+import numpy as np
+
+from localkv.engine import Engine
+from localkv.errors import BudgetReached
+from localkv.sequence import Sequence
+
+
+class Request(Protocol):
+    n: int  # sequences it decodes (branches)
+    prompt: list[int]
+    done: bool
+
+    def admit(self) -> None: ...  # open the prompt's sequence (prefix cache lookup)
+
+    def schedulable(self) -> list[Sequence]: ...  # its sequences with pending tokens
+
+    def prefilling(self) -> bool: ...  # still computing its prompt
+
+    def on_logits(self, rows: dict[int, np.ndarray]) -> None: ...  # seq id -> logits, for finished chunks
+
+    def out_of_budget(self, seq: Sequence, reason: str) -> None: ...  # the KV policy cannot make room
+
+    def preempt(self) -> None: ...  # free every block; resume later from scratch
+
+    def cancel(self, reason: str) -> None: ...  # finish now and free every block
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_seqs: int = 64, token_budget: int | None = None):
+        if max_seqs < 1:
+            raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
+        self.engine, self.max_seqs = engine, max_seqs
+        self.token_budget = token_budget or engine.config.prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self.preemptions = 0
+        self._inbox: deque[tuple[str, Request, str]] = deque()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ other threads
+
+    def add(self, req: Request) -> None:
+        with self._lock:
+            self._inbox.append(("add", req, ""))
+
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """Finish req at the next step and free its blocks (a client that went away)."""
+        with self._lock:
+            self._inbox.append(("cancel", req, reason))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self._inbox)
+
+    # ------------------------------------------------------------ the engine's thread
+
+    def step(self) -> bool:
+        """Admit, batch, run one forward pass, hand out the logits. Returns whether a forward
+        pass ran."""
+        self._take_inbox()
+        self._admit()
+        seqs, counts, owners = self._batch()
+        while seqs and self.engine.blocks_short(seqs, counts) > 0:
+            if not self._preempt_newest(keep=self.running[0]):
+                raise RuntimeError("a lone request outgrew the KV pool (check_fits should have refused it)")
+            seqs, counts, owners = self._batch()
+        if not seqs:
+            self._reap()
+            return False
+        logits = self.engine.step(seqs, counts=counts)
+        rows: dict[int, dict[int, np.ndarray]] = {}
+        for seq, row, req in zip(seqs, logits, owners):
+            if not seq.pending:  # its whole chunk is computed: the row is its next token's
+                rows.setdefault(id(req), {})[seq.id] = row
+        for req in dict.fromkeys(owners):
+            if id(req) in rows:
+                req.on_logits(rows[id(req)])
+        self._reap()
+        return True
+
+    def _take_inbox(self):
+        with self._lock:
+            items, self._inbox = list(self._inbox), deque()
+        for op, req, reason in items:
+            if op == "add":
+                self.waiting.append(req)
+            elif req in self.running or req in self.waiting:
+                req.cancel(reason)
+                self._reap()
+
+    def _seats(self) -> int:
+        return sum(r.n for r in self.running)
+
+    def _admit(self):
+        held = []
+        while self.waiting:
+            req = self.waiting[0]
+            if self._seats() + req.n > self.max_seqs and self.running:
+                break
+            if self._blocks_for(req) > self.engine.pool.num_free and self.running:
+                break
+            self.waiting.popleft()
+            if self._shares_a_prefilling_prefix(req):
+                held.append(req)  # admitted once those blocks are computed
+                continue
+            req.admit()
+            self.running.append(req)
+        self.waiting.extendleft(reversed(held))
+
+    def _blocks_for(self, req: Request) -> int:
+        """Blocks to admit req: its prompt (cached blocks count as free already) and one per
+        branch to start decoding."""
+        return -(-len(req.prompt) // self.engine.block_size) + req.n
+
+    def _shares_a_prefilling_prefix(self, req: Request) -> bool:
+        if not self.engine.prefix_caching:
+            return False
+        bs = self.engine.block_size
+        head = req.prompt[:bs]
+        if len(req.prompt) <= bs:
+            return False
+        return any(r.prefilling() and r.prompt[:bs] == head for r in self.running)
+
+    def _batch(self) -> tuple[list[Sequence], list[int], list[Request]]:
+        """Decodes first, then prompt chunks, within the token budget and the KV policy."""
+        decode, prefill = [], []
+        for req in self.running:
+            for seq in req.schedulable():
+                (decode if len(seq.pending) == 1 and not req.prefilling() else prefill).append((seq, req))
+        seqs, counts, owners = [], [], []
+        left = max(self.token_budget, len(decode))
+        for seq, req in decode + prefill:
+            if left <= 0:
+                break
+            n = self.engine.chunk_counts([seq], left)[0]
+            try:
+                self.engine.policy.plan(seq, n)
+            except BudgetReached as e:
+                req.out_of_budget(seq, str(e))
+                continue
+            seqs.append(seq)
+            counts.append(n)
+            owners.append(req)
+            left -= n
+        return seqs, counts, owners
+
+    def _preempt_newest(self, keep: Request) -> bool:
+        for req in reversed(self.running):
+            if req is not keep:
+                req.preempt()
+                self.running.remove(req)
+                self.waiting.appendleft(req)
+                self.preemptions += 1
+                return True
+        return False
+
+    def _reap(self):
+        self.running = [r for r in self.running if not r.done]
+        self.waiting = deque(r for r in self.waiting if not r.done)

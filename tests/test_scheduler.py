@@ -1,0 +1,149 @@
+"""Continuous batching: many requests through one engine give each request the tokens it gets
+alone, share the pool, join and leave between steps, and survive a pool that runs dry."""
+
+import numpy as np
+import pytest
+
+from localkv.config import EngineConfig
+from localkv.engine import Engine
+from localkv.generation import Generation
+from localkv.sampling import SamplingParams
+from localkv.scheduler import Scheduler
+from tiny_model import write_gguf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+RNG = np.random.default_rng(7)
+PROMPTS = [RNG.integers(3, 261, n).tolist() for n in (40, 7, 23, 64, 15)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("sched") / "tiny.gguf", ctx=256)
+
+
+def engine(path, **kw):
+    kw.setdefault("disk_cache", False)
+    return Engine(EngineConfig(model=path, block_size=8, **kw))
+
+
+def drain(sched: Scheduler, gens, max_steps=10_000):
+    for _ in range(max_steps):
+        if all(g.done for g in gens):
+            return
+        sched.step()
+    raise AssertionError("the scheduler did not finish its requests")
+
+
+def solo(path, prompt, params=GREEDY, n=1):
+    return [b.tokens for b in Generation(engine(path), prompt, params, n).run().branches]
+
+
+def test_requests_batched_together_get_the_tokens_they_get_alone(tiny):
+    eng = engine(tiny)
+    sched = Scheduler(eng)
+    gens = [Generation(eng, p, GREEDY, queued=True) for p in PROMPTS]
+    for g in gens:
+        sched.add(g)
+    drain(sched, gens)
+    for g, p in zip(gens, PROMPTS):
+        assert g.result.tokens == solo(tiny, p)[0]
+    assert eng.pool.num_free == eng.pool.num_blocks
+    eng.pool.check([])
+
+
+def test_a_step_mixes_decodes_with_prompt_chunks(tiny, monkeypatch):
+    eng = engine(tiny, prefill_chunk=16)
+    steps, step = [], eng.step
+
+    def spy(seqs, *a, **k):
+        steps.append(list(k["counts"]))
+        return step(seqs, *a, **k)
+
+    monkeypatch.setattr(eng, "step", spy)
+    sched = Scheduler(eng)
+    first = Generation(eng, PROMPTS[0], GREEDY, queued=True)
+    sched.add(first)
+    while not first.result.tokens:
+        sched.step()
+    late = Generation(eng, PROMPTS[3], GREEDY, queued=True)  # joins while the first decodes
+    sched.add(late)
+    drain(sched, [first, late])
+    mixed = [c for c in steps if len(c) == 2 and c[0] == 1 and c[1] > 1]
+    assert mixed, f"no step held a decode and a prompt chunk: {steps}"
+    assert all(sum(c) <= 16 for c in steps)  # the token budget
+    assert late.result.tokens == solo(tiny, PROMPTS[3])[0]
+
+
+def test_forks_share_the_pool_with_other_requests(tiny):
+    eng = engine(tiny)
+    sched = Scheduler(eng)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
+    fork = Generation(eng, PROMPTS[0], params, n=3, queued=True)
+    other = Generation(eng, PROMPTS[1], GREEDY, queued=True)
+    for g in (fork, other):
+        sched.add(g)
+    drain(sched, [fork, other])
+    assert [b.tokens for b in fork.result.branches] == solo(tiny, PROMPTS[0], params, 3)
+    assert other.result.tokens == solo(tiny, PROMPTS[1])[0]
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_a_dry_pool_preempts_the_newest_and_resumes_it(tiny):
+    # 20 blocks of 8 tokens: three 64-token prompts with 24 tokens each cannot all be held at once
+    per_block = 2 * 2 * 8 * 2 * 16 * 4  # layers, block, kv heads, head dim, fp32; K and V
+    eng = engine(tiny, kv_mem=20 * per_block, prefix_cache=False)
+    assert eng.pool.num_blocks == 20
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [RNG.integers(3, 261, 64).tolist() for _ in range(3)]
+    sched = Scheduler(eng)
+    gens = [Generation(eng, p, params, queued=True) for p in prompts]
+    for g in gens:
+        sched.add(g)
+    drain(sched, gens)
+    assert sched.preemptions > 0
+    for g, p in zip(gens, prompts):
+        assert g.result.tokens == solo(tiny, p, params)[0]  # recomputed, never dropped or changed
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_cancel_frees_blocks_at_once(tiny):
+    eng = engine(tiny)
+    sched = Scheduler(eng)
+    gens = [Generation(eng, p, SamplingParams(max_tokens=200, ignore_eos=True), queued=True) for p in PROMPTS[:3]]
+    for g in gens:
+        sched.add(g)
+    for _ in range(5):
+        sched.step()
+    assert eng.pool.num_free < eng.pool.num_blocks
+    for g in gens[:2]:
+        sched.cancel(g)
+    sched.step()
+    assert gens[0].done and gens[1].done and gens[0].result.finish_reason == "cancelled"
+    assert not gens[2].done
+    held = eng.pool.num_blocks - eng.pool.num_free
+    assert held == len(gens[2].result.branches[0].seq.block_table)  # only the survivor holds blocks
+    drain(sched, gens)
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_a_shared_prompt_is_computed_once(tiny):
+    eng = engine(tiny)
+    system = RNG.integers(3, 261, 48).tolist()  # six full blocks every request starts with
+    sched = Scheduler(eng)
+    gens = [Generation(eng, system + [10 + i, 20 + i], GREEDY, queued=True) for i in range(5)]
+    for g in gens:
+        sched.add(g)
+    drain(sched, gens)
+    assert [g.result.cached_tokens for g in gens[1:]] == [48] * 4
+
+
+def test_max_seqs_caps_what_runs_at_once(tiny, monkeypatch):
+    eng = engine(tiny)
+    sched = Scheduler(eng, max_seqs=2)
+    widths, step = [], eng.step
+    monkeypatch.setattr(eng, "step", lambda seqs, *a, **k: widths.append(len(seqs)) or step(seqs, *a, **k))
+    gens = [Generation(eng, p, GREEDY, queued=True) for p in PROMPTS]
+    for g in gens:
+        sched.add(g)
+    drain(sched, gens)
+    assert max(widths) == 2 and all(g.result.tokens for g in gens)
