@@ -23,6 +23,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from localkv.errors import ModelError
+from localkv.model import chat_template
 from localkv.model.pretokenize import bpe_model, pre_name
 from localkv.model.pretokenize import byte_decoder as _byte_decoder
 from localkv.model.tokenizer_gguf import read_metadata
@@ -229,14 +230,9 @@ class Tokenizer:
         does, so encode(render_chat(...)) holds exactly one."""
         bos = self.decode([self.bos_id] if self.bos_id is not None else [])
         eos = self.decode([self.eos_id] if self.eos_id is not None else [])
-        try:
-            text = self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-            )
-        except ModelError:
-            raise
-        except Exception as e:  # jinja errors, or a template tripping over a message's shape
-            raise ModelError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+        text = chat_template.render(
+            self._template, messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
         if self.add_bos and bos and text.startswith(bos):
             text = text[len(bos) :]
         if self.add_eos and eos and text.endswith(eos):
@@ -245,29 +241,7 @@ class Tokenizer:
 
     @cached_property
     def _template(self):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        # Same environment settings as HF transformers' apply_chat_template.
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = _raise_template_error
-        env.globals["strftime_now"] = _strftime_now
-        try:
-            return env.from_string(self.chat_template or CHATML_TEMPLATE)
-        except Exception as e:
-            raise ModelError(f"chat template does not parse: {e}") from e
-
-
-def _raise_template_error(message: str):
-    raise ModelError(f"chat template rejected the conversation: {message}")
-
-
-def _strftime_now(fmt: str) -> str:
-    from datetime import datetime
-
-    return datetime.now().strftime(fmt)
+        return chat_template.compile_template(self.chat_template or CHATML_TEMPLATE)
 
 
 class TokenStreamer:
