@@ -13,6 +13,8 @@ from localkv.errors import LocalkvError
 from localkv.kv.evict import EvictConfig
 from localkv.units import parse_size
 
+KV_DTYPES = {"f32": "float32", "f16": "float16"}  # --kv-dtype values (besides auto) -> numpy dtype names
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -27,6 +29,8 @@ class EngineConfig:
     disk_cache_size: int | str = "2GiB"  # LRU cap of the disk cache
     evict: EvictConfig = field(default_factory=EvictConfig)  # KV budget per sequence and what happens past it
     offload_dir: str | None = None  # offload policy: spill blocks to a file here instead of RAM
+    kv_dtype: str = "auto"  # K/V pool: auto (the backend's default), f32 or f16 (KV_DTYPES)
+    ctx: int | None = None  # most tokens one sequence may hold (prompt + reply); None: the model's context
 
     def __post_init__(self):
         # sizes arrive as text from flags; they are kept as bytes
@@ -52,6 +56,10 @@ class EngineConfig:
             raise LocalkvError(f"unknown device {self.device!r}: use one of {', '.join(DEVICES)}")
         if self.kv_mem < 1:
             raise LocalkvError("invalid --kv-mem 0: the KV pool needs memory")
+        if self.ctx is not None and self.ctx < 2:
+            raise LocalkvError(f"invalid --ctx {self.ctx}: a sequence needs at least 2 tokens (a prompt and a reply)")
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
+            raise LocalkvError(f"unknown --kv-dtype {self.kv_dtype!r}: use auto, {', '.join(KV_DTYPES)}")
         self.evict.validate(bs)
         return self
 

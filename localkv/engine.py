@@ -1,19 +1,29 @@
 """The engine: a model, a block pool, and the steps that run sequences through them."""
 
+import ctypes
+import mmap
+import sys
+
 import numpy as np
 
 from localkv import backends
-from localkv.config import EngineConfig
+from localkv.config import KV_DTYPES, EngineConfig
 from localkv.errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
-from localkv.hub.catalog import resolve_model
+from localkv.hub.fit import check_fits
+from localkv.hub.resolve import resolve_model
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.block_tables import KVManager
 from localkv.kv.disk_store import DiskStore
 from localkv.kv.evict import make_policy
 from localkv.model.llama import Llama, Span
 from localkv.model.loader import load_model
+from localkv.model.weights import dense_weights
 from localkv.sequence import Sequence
 from localkv.stats import Stats
+from localkv.units import format_size
+
+_MADV_NOHUGEPAGE = 15  # <sys/mman.h>
+KV_FORMAT = "kv2"  # 2: K rows in the model's own RoPE order (llama GGUFs: pairwise), no longer un-permuted
 
 
 class Engine:
@@ -30,16 +40,24 @@ class Engine:
         self.ops = backends.select(cfg.device, self.threads)  # before the model loads: a missing GPU fails fast
         backends.tune_malloc()
         self.path = resolve_model(cfg.model, progress=progress)
+        check_fits(self.path, cfg.kv_mem, kv_on_host=self.ops.xp is np)  # before mapping anything
         self.loaded = loaded = load_model(self.path, progress=progress)
         self.cfg, self.tokenizer = loaded.config, loaded.tokenizer
+        self.kv_dtype = _kv_dtype(cfg.kv_dtype, self.ops)
         self.ops.start(progress)  # kernels, after the model: a bad model fails first
-        self.model = Llama(self.cfg, self.ops.prepare_weights(loaded.weights), self.ops)
+        weights, model_cfg = loaded.weights, self.cfg
+        if not getattr(self.ops, "quant_weights", False):  # a backend without kernels on quantized weights
+            weights, model_cfg = dense_weights(weights, self.cfg, np.dtype(self.ops.act_dtype))
+        self.model = Llama(model_cfg, self.ops.prepare_weights(weights), self.ops)
         self.stats = Stats()
         self.pool = self._new_pool()
         # validates the policy and opens the offload tier before any generation starts
         self.policy = make_policy(cfg.evict, self.pool, self.stats, cfg.offload_dir)
-        dtype = np.dtype(self.ops.kv_dtype).name  # fp16 GPU K/V must never be read as CPU fp32 K/V
-        self.kv = KVManager(self.pool, salt=f"{self.cfg.fingerprint}:{cfg.block_size}:{dtype}".encode())
+        self.ctx = self._context()  # tokens one sequence may hold: --ctx, checked against the model and the pool
+        # K/V of another dtype, RoPE order or format must never be read as these: all in the key
+        dtype = self.kv_dtype.name
+        salt = f"{self.cfg.fingerprint}:{cfg.block_size}:{dtype}:rope-{model_cfg.rope_style}:{KV_FORMAT}"
+        self.kv = KVManager(self.pool, salt=salt.encode())
         self.prefix_caching = cfg.prefix_cache
         # entries in the pool's own dtype: loading is a checked copy, no conversion
         self.disk = None
@@ -47,20 +65,28 @@ class Engine:
             self.disk = DiskStore(max_bytes=cfg.disk_cache_size, dtype=dtype)
 
     def _new_pool(self) -> BlockPool:
-        m, bs = self.cfg, self.config.block_size
-        per_block = 2 * m.n_layers * bs * m.n_kv_heads * m.head_dim * np.dtype(self.ops.kv_dtype).itemsize
+        m = self.cfg
+        per_block = self.kv_bytes_per_token * self.config.block_size
         if self.config.kv_mem < per_block:
             raise LocalkvError(f"--kv-mem {self.config.kv_mem} bytes is smaller than one KV block ({per_block} bytes)")
-        return BlockPool(
+        pool = BlockPool(
             m.n_layers,
             self.config.kv_mem // per_block,
-            bs,
+            self.config.block_size,
             m.n_kv_heads,
             m.head_dim,
-            dtype=self.ops.kv_dtype,
+            dtype=self.kv_dtype,
             xp=self.ops.xp,
             stats=self.stats,
         )
+        if pool.xp is np:
+            _small_pages(pool.k, pool.v)
+        return pool
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers, in the pool's dtype."""
+        return 2 * self.cfg.n_layers * self.cfg.kv_dim * self.kv_dtype.itemsize
 
     @property
     def cpu_kernels(self) -> bool:
@@ -203,15 +229,35 @@ class Engine:
 
     # ------------------------------------------------------------ requests
 
+    def _context(self) -> int:
+        """--ctx (default: the model's context). One it asks for must fit the model's context and,
+        for one sequence, the pool (under a KV budget, only the budget's blocks are held)."""
+        ctx, model_ctx, bs = self.config.ctx, self.cfg.ctx_len, self.block_size
+        if ctx is None:
+            return model_ctx
+        if ctx > model_ctx:
+            raise ContextOverflow(f"--ctx {ctx} is more than the model's context of {model_ctx} tokens")
+        ev = self.policy.config
+        held = min(ctx, ev.budget + bs) if ev.budget is not None else ctx
+        need = -(-held // bs)
+        if need > self.pool.num_blocks:
+            per = self.kv_bytes_per_token * bs
+            raise PoolExhausted(
+                f"--ctx {ctx} needs {need} KV blocks ({format_size(need * per)}) for one sequence; the pool holds "
+                f"{self.pool.num_blocks} ({format_size(self.pool.num_blocks * per)}): raise --kv-mem or lower --ctx"
+            )
+        return ctx
+
     def check_fits(self, n_prompt: int, max_tokens: int, n_seqs: int = 1, queued: bool = False):
         """Refuse, before any work, a request of n_seqs replies (forks of one prompt) that cannot
         fit the context, the KV budget or the pool's free blocks (with queued: the whole pool,
         which a request waiting its turn in a shared scheduler may get)."""
-        ctx, ev, bs = self.cfg.ctx_len, self.policy.config, self.block_size
+        ctx, ev, bs = self.ctx, self.policy.config, self.block_size
         if n_prompt == 0:
             raise LocalkvError("empty prompt: nothing to run")
         if n_prompt >= ctx:
-            raise ContextOverflow(f"prompt is {n_prompt} tokens; the model's context holds {ctx} (shorten the prompt)")
+            whose = "the model's context" if ctx == self.cfg.ctx_len else "the context (--ctx)"
+            raise ContextOverflow(f"prompt is {n_prompt} tokens; {whose} holds {ctx} (shorten the prompt)")
         if ev.policy == "none" and ev.budget is not None and n_prompt > ev.budget:
             raise BudgetReached(
                 f"prompt is {n_prompt} tokens, more than the KV budget of {ev.budget} "
@@ -265,3 +311,31 @@ def _blas_threads() -> int:
         import os
 
         return os.cpu_count() or 1
+
+
+def _kv_dtype(choice: str, ops) -> np.dtype:
+    """The KV pool's dtype for EngineConfig.kv_dtype on this backend ("auto": the backend's own)."""
+    if choice == "auto":
+        return np.dtype(ops.kv_dtype)
+    dtype = np.dtype(KV_DTYPES[choice])
+    if dtype.name not in getattr(ops, "kv_dtypes", (np.dtype(ops.kv_dtype).name,)):
+        raise LocalkvError(f"--kv-dtype {choice}: the {ops.name} backend keeps K/V in {np.dtype(ops.kv_dtype).name}")
+    return dtype
+
+
+def _small_pages(*arrays: np.ndarray):
+    """No transparent huge pages for the KV pool: each layer's K and V are separate regions of
+    it, so with 2 MB pages the first block of a run alone makes 2 x layers x 2 MB resident (120
+    MB for SmolLM2-135M); 4 KB pages hold what the run uses. Linux only; best effort."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    page = mmap.PAGESIZE
+    for a in arrays:
+        start, end = -(-a.ctypes.data // page) * page, (a.ctypes.data + a.nbytes) // page * page
+        if end > start:
+            madvise(start, end - start, _MADV_NOHUGEPAGE)

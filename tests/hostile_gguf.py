@@ -271,3 +271,70 @@ def hostile_cases() -> list[Case]:
         Case("tensor name too long", _tensors((1, {"name": "t" * 100})).build(), "at most 64"),
     ]
     return cases
+
+
+# ---------------------------------------------------------------- metadata that lies about the tensors
+
+
+@dataclass(frozen=True)
+class MetaCase:
+    """A real small model (tests/tiny_model.write_gguf with these arguments) whose metadata, or
+    tensor set, is broken; the loader's error line must contain `expect`."""
+
+    name: str
+    args: dict
+    expect: str
+
+
+L = "llama."
+METADATA_CASES = [
+    MetaCase("zero heads", {"meta": {L + "attention.head_count": 0}}, "head_count is 0: outside 1..4096"),
+    MetaCase("zero KV heads", {"meta": {L + "attention.head_count_kv": 0}}, "head_count_kv is 0: outside"),
+    MetaCase("KV heads not dividing heads", {"meta": {L + "attention.head_count_kv": 3}}, "cannot share 3 KV heads"),
+    MetaCase("NaN rope base", {"meta": {L + "rope.freq_base": float("nan")}}, "freq_base is nan: not a finite"),
+    MetaCase("negative rope base", {"meta": {L + "rope.freq_base": -1.0}}, "freq_base is -1.0"),
+    MetaCase("infinite rms eps", {"meta": {L + "attention.layer_norm_rms_epsilon": float("inf")}}, "epsilon is inf"),
+    MetaCase("zero rms eps", {"meta": {L + "attention.layer_norm_rms_epsilon": 0.0}}, "epsilon is 0.0"),
+    MetaCase("negative FFN width", {"meta": {L + "feed_forward_length": -5}}, "feed_forward_length is -5"),
+    MetaCase("zero FFN width", {"meta": {L + "feed_forward_length": 0}}, "feed_forward_length is 0"),
+    MetaCase("FFN width off", {"meta": {L + "feed_forward_length": 128}}, "the metadata implies [128, 64]"),
+    MetaCase("key length of 10^9", {"meta": {L + "attention.key_length": 10**9}}, "key_length is 1000000000"),
+    MetaCase(
+        "key length off",
+        {"meta": {L + "attention.key_length": 8, L + "rope.dimension_count": 8}},
+        "the metadata implies [32, 64]",
+    ),
+    MetaCase(
+        "odd key length",
+        {"meta": {L + "attention.key_length": 15, L + "rope.dimension_count": 15}},
+        "head width 15 is odd",
+    ),
+    MetaCase("value length differs", {"meta": {L + "attention.value_length": 8}}, "value_length is 8: differs"),
+    MetaCase("partial rope", {"meta": {L + "rope.dimension_count": 8}}, "dimension_count is 8: differs"),
+    MetaCase("width not divisible by heads", {"meta": {L + "attention.head_count": 3}}, "does not divide"),
+    MetaCase(
+        "width off",
+        {"meta": {L + "embedding_length": 128, L + "attention.key_length": 16}},
+        "the metadata implies [261, 128]",
+    ),
+    MetaCase("zero context", {"meta": {L + "context_length": 0}}, "context_length is 0"),
+    MetaCase("context of 2^40", {"meta": {L + "context_length": 1 << 40}}, "context_length is 1099511627776"),
+    MetaCase("negative block count", {"meta": {L + "block_count": -1}}, "block_count is -1"),
+    MetaCase("block count as text", {"meta": {L + "block_count": "2"}}, "block_count is '2': not an integer"),
+    MetaCase("more blocks than layers", {"meta": {L + "block_count": 3}}, "says 3 layers (block_count) but the file"),
+    MetaCase("fewer blocks than layers", {"meta": {L + "block_count": 1}}, "says 1 layers (block_count) but the file"),
+    MetaCase("vocab size off", {"meta": {L + "vocab_size": 1000}}, "vocab_size is 1000: differs from the 261"),
+    MetaCase("no head count", {"meta": {L + "attention.head_count": None}}, "has no llama.attention.head_count"),
+    MetaCase("no width", {"meta": {L + "embedding_length": None}}, "has no llama.embedding_length"),
+    MetaCase("no token list", {"meta": {"tokenizer.ggml.tokens": None}}, "no tokenizer.ggml.tokens"),
+    MetaCase("no merges", {"meta": {"tokenizer.ggml.merges": None}}, "has no tokenizer.ggml.merges"),
+    MetaCase("token types short", {"meta": {"tokenizer.ggml.token_type": [1] * 5}}, "token_type holds 5 entries"),
+    MetaCase("missing tensor", {"drop": ("blk.1.ffn_up.weight",)}, "missing tensor 'blk.1.ffn_up.weight'"),
+    MetaCase("missing output norm", {"drop": ("output_norm.weight",)}, "missing tensor 'output_norm.weight'"),
+    MetaCase(
+        "unsupported tensor type",
+        {"types": {"blk.0.ffn_up.weight": "TQ1_0"}, "dim": 256, "ffn": 256},
+        "tensor 'blk.0.ffn_up.weight' is TQ1_0, which localkv cannot compute on",
+    ),
+    MetaCase("another architecture", {"arch": "gpt2"}, "unsupported architecture 'gpt2'"),
+]

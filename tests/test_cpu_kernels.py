@@ -1,11 +1,17 @@
-"""The compiled few-row CPU kernels (numba): same results as numpy, used by decode, BLAS kept
-off the kernels' cores while they run, and a clean fallback when they are off."""
+"""The compiled CPU kernels (numba; the weight matmuls' are in test_quant_kernels.py): same
+results as numpy, BLAS kept off the kernels' cores while they run, and a clean fallback when
+they are off (LOCALKV_CPU_KERNELS=0: same tokens)."""
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from localkv.backends import cpu as ops_numpy
-from localkv.backends import cpu_kernels
+from localkv.backends import cpu_kernels, quant
 from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.generation import Generation
@@ -27,25 +33,6 @@ def kernels():
     return cpu_kernels
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 20])
-@pytest.mark.parametrize("k,n", [(64, 48), (576, 960), (37, 5)])
-def test_rowdot_matches_numpy(kernels, rows, k, n):
-    rng = np.random.default_rng(rows * 1000 + k)
-    x = rng.standard_normal((rows, k), dtype=np.float32)
-    w = rng.standard_normal((n, k), dtype=np.float32)
-    w.flags.writeable = False  # weights mapped from the cache are read-only
-    got = kernels.rowdot(x, w)
-    assert got.shape == (rows, n) and got.dtype == np.float32
-    np.testing.assert_allclose(got, x @ w.T, rtol=1e-4, atol=1e-4 * np.sqrt(k))
-
-
-def test_rowdot_takes_a_strided_row_view(kernels):
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((6, 2, 32), dtype=np.float32)[:, 1]  # rows not contiguous
-    w = rng.standard_normal((16, 32), dtype=np.float32)
-    np.testing.assert_allclose(kernels.rowdot(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("rows,n", [(3, 16), (8, 160), (17, 33), (24, 2000)])
 def test_scores_match_numpy(kernels, rows, n):
     rng = np.random.default_rng(rows + n)
@@ -64,8 +51,12 @@ def test_off_switch(monkeypatch):
     assert not ok and "LOCALKV_CPU_KERNELS=0" in why
 
 
-def test_blas_on_one_thread_while_kernels_run(tiny, kernels):
+def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch):
     from threadpoolctl import threadpool_info
+
+    from localkv.backends import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "INTERVAL", 1e9)  # the engine's 2 threads, whatever else runs here
 
     def blas_threads():
         return {i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"}
@@ -100,7 +91,9 @@ def test_decode_same_with_and_without_kernels(tiny, kernels, monkeypatch):
 
     with_kernels = run()
     monkeypatch.setitem(cpu_kernels._state, "ok", False)
-    assert not ops_numpy.uses_kernels(1)
+    for qtype in list(quant._state):
+        monkeypatch.setitem(quant._state, qtype, "off in this test")
+    assert not ops_numpy.uses_kernels(1) and not quant.active("F32")
     without = run()
     assert with_kernels[0] == without[0]
     assert with_kernels[1] == without[1]
@@ -136,12 +129,88 @@ def test_prefill_attention_same_with_and_without_kernels(kernels, monkeypatch, t
         np.testing.assert_allclose(on[1], off[1], rtol=1e-4, atol=1e-5)
 
 
-def test_rmsnorm_and_rope_match_numpy(kernels, monkeypatch):
+@pytest.mark.parametrize("style", ["neox", "normal"])
+def test_rmsnorm_and_rope_match_numpy(kernels, monkeypatch, style):
     rng = np.random.default_rng(5)
     x, w = rng.standard_normal((37, 576), dtype=np.float32), rng.standard_normal(576, dtype=np.float32)
     qkv = rng.standard_normal((37, 15, 64), dtype=np.float32)
     cos, sin = ops_numpy.rope_tables(64, 37, 10000.0)
-    got_norm, got_rope = ops_numpy.rmsnorm(x, w, 1e-5), ops_numpy.rope(qkv.copy()[:, :12], cos, sin)
+    got_norm, got_rope = ops_numpy.rmsnorm(x, w, 1e-5), ops_numpy.rope(qkv.copy()[:, :12], cos, sin, style)
     monkeypatch.setitem(cpu_kernels._state, "ok", False)
     np.testing.assert_allclose(got_norm, ops_numpy.rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got_rope, ops_numpy.rope(qkv.copy()[:, :12], cos, sin), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_rope, ops_numpy.rope(qkv.copy()[:, :12], cos, sin, style), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_styles_rotate_their_own_pairs():
+    """normal rotates (2i, 2i+1) by frequency i, neox (i, i + hd/2): the same rotation on rows
+    in llama.cpp's order and in Hugging Face's."""
+    rng = np.random.default_rng(2)
+    hd = 8
+    x = rng.standard_normal((3, 2, hd), dtype=np.float32)
+    cos, sin = ops_numpy.rope_tables(hd, 3, 100.0)
+    perm = np.arange(hd).reshape(2, hd // 2).T.reshape(-1)  # pairs order -> value index in halves order
+    got_pairs = ops_numpy.rope(x[..., perm].copy(), cos, sin, "normal")
+    got_halves = ops_numpy.rope(x.copy(), cos, sin, "neox")
+    np.testing.assert_allclose(got_pairs, got_halves[..., perm], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(ops_numpy.rope(x.copy(), cos, sin, "normal"), got_halves, atol=1e-3)
+
+
+def test_kernels_off_gives_the_same_tokens(tiny):
+    """LOCALKV_CPU_KERNELS=0 in a fresh process: numpy and BLAS only, the same greedy tokens."""
+    code = (
+        "import json, sys; from localkv.engine import Engine; from localkv.config import EngineConfig;"
+        "from localkv.generation import Generation; from localkv.sampling import SamplingParams;"
+        "e = Engine(EngineConfig(model=sys.argv[1], disk_cache=False));"
+        f"r = Generation(e, {PROMPT}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).run();"
+        "print(json.dumps([e.cpu_kernels, r.tokens]))"
+    )
+
+    def run(switch: str):
+        env = dict(os.environ, LOCALKV_CPU_KERNELS=switch)
+        out = subprocess.run([sys.executable, "-c", code, str(tiny)], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    on, off = run("1"), run("0")
+    assert on[0] and not off[0]
+    assert on[1] == off[1] and len(on[1]) == 12
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_decode_attention_matches_paged_attention(kernels, monkeypatch, dtype, parallel):
+    """One kernel call for B single-token sequences (tables in any block order, ragged
+    lengths, an f16 pool read as its bits) gives paged_attention's result for each."""
+    monkeypatch.setattr(cpu_kernels, "PARALLEL_ATTENTION", 0 if parallel else 1 << 62)
+    rng = np.random.default_rng(7)
+    kvh, g, hd, bs, nb = 3, 3, 64, 16, 40
+    kl, vl = (rng.standard_normal((nb, bs, kvh, hd)).astype(dtype) for _ in range(2))
+    lens = [1, 17, 300, 64]
+    tables = [rng.permutation(nb)[: -(-n // bs)] for n in lens]
+    q = rng.standard_normal((len(lens), kvh * g + 2 * kvh, hd), dtype=np.float32)[:, : kvh * g]
+    got = ops_numpy.decode(q, kl, vl, ops_numpy.DecodeBatch(tables, lens), 0.125)
+    for b, (t, n) in enumerate(zip(tables, lens)):
+        want = ops_numpy.paged_attention(q[b : b + 1], kl, vl, t, n, 0.125)[0]
+        np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-5)
+
+
+def test_threads_leave_the_cores_other_processes_keep_busy():
+    from localkv.backends.cpu_threads import CoreShare
+
+    tick = os.sysconf("SC_CLK_TCK")
+    clock, busy, own = [0.0], [0.0], [0.0]
+    share = CoreShare(2, machine=lambda: (busy[0], 0.0), own=lambda: own[0], clock=lambda: clock[0], cpus=2)
+
+    def interval(others: float, mine: float) -> int:  # cores' worth of work over one second
+        clock[0] += 1.0
+        own[0] += mine
+        busy[0] += (others + mine) * tick
+        return share.threads()
+
+    assert interval(0.1, 2.0) == 2
+    assert interval(0.9, 1.0) == 2  # once: a blip
+    assert interval(0.9, 1.0) == 1  # twice: another process holds a core
+    assert interval(0.3, 1.0) == 1
+    assert interval(0.3, 1.0) == 2  # free again
+    assert CoreShare(2, machine=lambda: None).threads() == 2  # no /proc/stat: the engine's count
+    assert CoreShare(1).threads() == 1

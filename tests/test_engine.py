@@ -14,7 +14,7 @@ from localkv.errors import ContextOverflow, LocalkvError, PoolExhausted
 from localkv.generation import Generation
 from localkv.sampling import SamplingParams
 from localkv.sequence import Sequence
-from tiny_model import tiny_weights, write_gguf, write_hf_dir
+from tiny_model import read_back, tiny_weights, write_gguf, write_hf_dir
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +23,17 @@ def gguf_path(tmp_path_factory):
 
 
 def engine(path, **kw):
-    return Engine(EngineConfig(model=path, **kw))
+    """f32 K/V unless asked: these tests hold paging, chunking and batching to the float32 math
+    of a dense forward (f16 K/V, the CPU's default, has its own tests below)."""
+    return Engine(EngineConfig(model=path, **({"kv_dtype": "f32"} | kw)))
 
 
-def dense_reference(tokens, seed=0):
-    """An independent plain Llama forward on the Hugging Face weights (no pool, no paging)."""
-    w, hp = tiny_weights(seed)
+def dense_reference(tokens, seed=0, weights=None, freq_factors=None, **shape):
+    """An independent plain Llama forward on the Hugging Face weights (no pool, no paging):
+    tiny_weights(seed, **shape), or the given ones (e.g. read_back of a quantized file);
+    freq_factors divide the RoPE frequencies (Llama 3's rope_freqs)."""
+    w, hp = tiny_weights(seed, **shape)
+    w = w if weights is None else weights
     H, K, D = hp["n_heads"], hp["n_kv_heads"], hp["dim"]
     hd = D // H
     T = len(tokens)
@@ -36,7 +41,7 @@ def dense_reference(tokens, seed=0):
     def norm(x, g):
         return x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * g
 
-    inv = 10000.0 ** (-np.arange(0, hd, 2) / hd)
+    inv = 10000.0 ** (-np.arange(0, hd, 2) / hd) / (1.0 if freq_factors is None else np.asarray(freq_factors))
     ang = np.arange(T)[:, None] * inv[None]
     cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
 
@@ -89,14 +94,50 @@ def test_block_size_and_chunking_do_not_change_logits(gguf_path, block_size, chu
     np.testing.assert_allclose(eng.prefill(Sequence(PROMPT)), dense_reference(PROMPT)[-1], rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("chunk, max_rows", [(1024, 64), (100, 64), (100, 2)])
-def test_batched_decode_equals_each_sequence_alone(gguf_path, monkeypatch, chunk, max_rows):
-    # several logits rows: the vocabulary in one slice, in 100-row slices (the last one partial),
-    # or in one call (more rows than the slicing is for)
-    from localkv.backends import cpu as model
+TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
-    monkeypatch.setattr(model, "LOGIT_CHUNK", chunk)
-    monkeypatch.setattr(model, "LOGIT_CHUNK_MAX_ROWS", max_rows)
+
+def _follows(got, want):
+    """Within the rounding of int8 activations: block types quantize them per 32 values, as
+    llama.cpp does, for their matmuls of up to 8 rows (the logits row, decode steps); about 1%
+    of a logit on these random weights, whose logits are too flat for argmax to be stable."""
+    err = np.abs(got - want)
+    assert err.mean() <= 0.03 * np.abs(want).mean() and err.max() <= 0.05 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_every_weight_type_computes_in_place(tmp_path, qtype):
+    """Prefill (tiles dequantized, BLAS) and decode (kernels on the blocks) match a dense
+    forward on the values the file holds, step by step."""
+    shape = {"dim": 256, "ffn": 512} if qtype.endswith("_K") else {}
+    path = write_gguf(tmp_path / "m.gguf", quant=qtype, ctx=128, **shape)
+    ref = dense_reference(PROMPT, weights=read_back(path, **shape), **shape)
+    eng = engine(path, block_size=4)
+    _follows(eng.prefill(Sequence(PROMPT)), ref[-1])
+    seq = Sequence(PROMPT[:1])
+    eng.prefill(seq)
+    for t in range(1, 12):
+        seq.tokens.append(PROMPT[t])
+        _follows(eng.decode([seq])[0], ref[t])
+
+
+def test_prefill_and_decode_agree(tmp_path):
+    """The same positions through prefill (many rows: BLAS on dequantized tiles) and through
+    decode steps (one row: the kernels) give the same logits within int8 rounding."""
+    path = write_gguf(tmp_path / "m.gguf", quant="Q4_1", ctx=128)
+    eng = engine(path, block_size=4)
+    all_rows = eng.score(PROMPT[:20])
+    seq = Sequence(PROMPT[:1])
+    rows = [eng.prefill(seq)]
+    for t in range(1, 20):
+        seq.tokens.append(PROMPT[t])
+        rows.append(eng.decode([seq])[0])
+    for t, row in enumerate(rows):
+        _follows(row, all_rows[t])
+
+
+def test_batched_decode_equals_each_sequence_alone(gguf_path):
+    # three rows take the kernels' 8-lane path, one row alone the row-by-row path
     eng = engine(gguf_path, block_size=4)
     prompts = [PROMPT[:5], PROMPT[:17], PROMPT[3:30]]
     seqs = [Sequence(list(p)) for p in prompts]
@@ -232,3 +273,45 @@ def test_malloc_tuning_keeps_temporaries_mapped():
         ).stdout
     )
     assert off["tuned"] is False
+
+
+def test_rope_frequency_factors_of_the_file_are_applied(tmp_path):
+    """A rope_freqs tensor (Llama 3's long-context scaling) divides the RoPE frequencies."""
+    factors = np.array([1, 1, 1, 2, 4, 8, 16, 40], np.float32)  # head width 16: 8 frequencies
+    path = write_gguf(tmp_path / "f.gguf", ctx=128, extra={"rope_freqs.weight": factors})
+    eng = engine(path)
+    assert eng.cfg.rope_freq_factors == tuple(factors.tolist())
+    got = eng.prefill(Sequence(PROMPT))
+    np.testing.assert_allclose(got, dense_reference(PROMPT, freq_factors=factors)[-1], rtol=1e-3, atol=1e-3)
+    assert np.abs(got - dense_reference(PROMPT)[-1]).max() > 1e-2  # the factors matter here
+
+
+def test_f16_kv_pool_halves_the_bytes_and_keeps_the_tokens(gguf_path):
+    f32, f16 = engine(gguf_path, kv_dtype="f32"), engine(gguf_path, kv_dtype="f16")
+    assert f32.pool.k.dtype == np.float32 and f16.pool.k.dtype == np.float16
+    assert f32.kv_bytes_per_token == 2 * f16.kv_bytes_per_token == 2 * 2 * 32 * 4  # K and V, 2 layers, 2x16
+    np.testing.assert_allclose(f16.prefill(Sequence(PROMPT)), f32.prefill(Sequence(PROMPT)), rtol=1e-2, atol=1e-2)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    runs = [Generation(e, PROMPT, params, n=3).run() for e in (f32, f16)]
+    assert [b.tokens for b in runs[0].branches] == [b.tokens for b in runs[1].branches]
+
+
+def test_kv_dtype_is_checked_before_loading(gguf_path):
+    with pytest.raises(LocalkvError, match="unknown --kv-dtype 'q4'"):
+        engine(gguf_path, kv_dtype="q4")
+    assert Engine(EngineConfig(model=gguf_path)).pool.k.dtype == np.float16  # auto: the CPU's default
+
+
+def test_disk_cache_entries_of_another_kv_dtype_are_misses(gguf_path):
+    prompt = PROMPT * 2
+
+    def cached(kv_dtype):
+        eng = engine(gguf_path, kv_dtype=kv_dtype, block_size=8)
+        seq, hit = eng.open_sequence(prompt)
+        eng.prefill(seq)
+        eng.persist_prompt(seq, len(prompt), hit)
+        return hit
+
+    assert cached("f32") == 0
+    assert cached("f16") == 0  # the f32 entries are never read into an f16 pool
+    assert cached("f32") == cached("f16") >= len(prompt) - 16  # each reads its own (the last token is run)

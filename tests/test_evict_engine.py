@@ -59,9 +59,9 @@ def test_offload_reads_back_what_it_moved_out(tiny):
     """Offload attends to every offloaded block while they fit the recall slots: the logits
     equal the full cache's, though the pool held at most 4 blocks of the sequence."""
     tokens = list(map(int, np.random.default_rng(5).integers(3, 261, 90)))
-    full = engine(tiny).score(tokens)
+    full = engine(tiny, kv_dtype="f32").score(tokens)  # f32 K/V: the two must agree to float rounding
     cfg = EvictConfig(policy="offload", budget=96, sinks=8, recent=16)  # 12 blocks: 4 resident, 8 recall slots
-    eng = Engine(EngineConfig(model=tiny, block_size=8, prefix_cache=False, evict=cfg))
+    eng = Engine(EngineConfig(model=tiny, block_size=8, prefix_cache=False, evict=cfg, kv_dtype="f32"))
     got = eng.score(tokens)
     assert eng.stats.offloads >= 7 and eng.stats.recalls >= 7 and eng.stats.evictions == 0
     np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
@@ -72,9 +72,9 @@ def test_h2o_attends_to_its_heavy_hitters(tiny):
     """While the heavy-hitter slots can hold every token that left the table, h2o loses
     nothing: the logits equal the full cache's, though the pool held at most 4 blocks."""
     tokens = list(map(int, np.random.default_rng(6).integers(3, 261, 90)))
-    full = engine(tiny).score(tokens)
+    full = engine(tiny, kv_dtype="f32").score(tokens)  # f32 K/V: the two must agree to float rounding
     cfg = EvictConfig(policy="h2o", budget=96, sinks=8, recent=16)  # 12 blocks: 4 resident, 64 heavy slots
-    eng = Engine(EngineConfig(model=tiny, block_size=8, prefix_cache=False, evict=cfg))
+    eng = Engine(EngineConfig(model=tiny, block_size=8, prefix_cache=False, evict=cfg, kv_dtype="f32"))
     seq_peak = []
     real_step = eng.step
 

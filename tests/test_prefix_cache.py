@@ -88,9 +88,9 @@ def test_disk_tier_serves_a_new_engine_with_identical_output(tiny):
     r = Generation(warm, PROMPT, replace(GREEDY, max_tokens=12, ignore_eos=True)).run()
     assert r.cached_tokens == 64 and warm.stats.disk_hits == 64
     assert r.tokens == ref.tokens
-    # entries keep the pool's dtype (fp32 on the CPU): logits after a disk hit equal a full
-    # recompute up to float summation order
-    assert {r["dtype"] for r in warm.disk.ls()} == {"float32"}
+    # entries keep the pool's dtype (f16 on the CPU by default): logits after a disk hit equal a
+    # full recompute up to float summation order
+    assert {r["dtype"] for r in warm.disk.ls()} == {warm.kv_dtype.name} == {"float16"}
     eng = engine(tiny)
     s, hit = eng.open_sequence(PROMPT)
     assert hit == 64

@@ -9,6 +9,7 @@ from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.generation import Generation
 from localkv.sampling import SamplingParams
+from localkv.sequence import Sequence
 
 pytestmark = pytest.mark.model
 TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
@@ -26,28 +27,56 @@ def test_greedy_capital_of_france_mentions_paris(engine):
 
 
 def test_chat_answer_mentions_paris(engine):
+    # not "What is the capital of France?": there the top two first tokens are 0.09 apart, and
+    # llama.cpp (whose int8 activations the kernels share) answers "L'Étoile, la Cité, ..." too
     tok = engine.tokenizer
-    ids = tok.encode(tok.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
+    ids = tok.encode(tok.render_chat([{"role": "user", "content": "Name the capital of France."}]))
     r = Generation(engine, ids, SamplingParams(temperature=0, max_tokens=32)).run()
     assert "Paris" in r.text and r.finish_reason == "stop"
 
 
-@pytest.mark.peer
-def test_logits_match_llama_cpp(engine, real_model_path):
-    """Teacher-forced 256 tokens of English: top-1 agrees on >= 90% of positions and the
-    mean |logit difference| is <= 0.5 (numbers recorded in the issue's closing note)."""
+@pytest.fixture(scope="module")
+def llama_cpp_logits(engine, real_model_path):
+    """llama.cpp's logits for the first 256 tokens of TEXT, teacher-forced."""
     import llama_cpp
 
     ids = engine.tokenizer.encode(TEXT)[:256]
     assert len(ids) == 256
-    ours = engine.score(ids)
     llm = llama_cpp.Llama(
         model_path=str(real_model_path), n_ctx=512, n_batch=512, logits_all=True, verbose=False, n_threads=2
     )
     llm.eval(ids)
-    theirs = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+    return ids, np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+
+
+def _parity(ours, theirs, what: str):
     top1 = float((ours.argmax(-1) == theirs.argmax(-1)).mean())
     mean_abs = float(np.abs(ours - theirs).mean())
-    print(f"parity: top-1 agreement {top1:.4f}, mean |logit diff| {mean_abs:.4f}")
-    assert top1 >= 0.90
-    assert mean_abs <= 0.5
+    print(f"parity ({what}): top-1 agreement {top1:.4f}, mean |logit diff| {mean_abs:.4f}")
+    assert top1 >= 0.95
+    assert mean_abs <= 0.3
+
+
+@pytest.mark.peer
+def test_logits_match_llama_cpp(engine, llama_cpp_logits):
+    """Teacher-forced 256 tokens of English in one prefill (BLAS on dequantized tiles): top-1
+    agrees on >= 95% of positions and the mean |logit difference| is <= 0.3."""
+    ids, theirs = llama_cpp_logits
+    _parity(engine.score(ids), theirs, "prefill")
+
+
+@pytest.mark.peer
+def test_decode_steps_match_llama_cpp(engine, llama_cpp_logits):
+    """The same positions one decode step at a time (the kernels on the Q4_1 blocks, int8
+    activations): the same bounds."""
+    ids, theirs = llama_cpp_logits
+    n = len(ids)
+    seq = Sequence(ids[:1])
+    rows = [engine.prefill(seq)]
+    try:
+        for t in range(1, n):
+            seq.tokens.append(ids[t])
+            rows.append(engine.decode([seq])[0])
+    finally:
+        engine.free(seq)
+    _parity(np.asarray(rows), theirs[:n], "decode")

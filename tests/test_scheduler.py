@@ -91,7 +91,7 @@ def test_forks_share_the_pool_with_other_requests(tiny):
 def test_a_dry_pool_preempts_the_newest_and_resumes_it(tiny):
     # 20 blocks of 8 tokens: three 64-token prompts with 24 tokens each cannot all be held at once
     per_block = 2 * 2 * 8 * 2 * 16 * 4  # layers, block, kv heads, head dim, fp32; K and V
-    eng = engine(tiny, kv_mem=20 * per_block, prefix_cache=False)
+    eng = engine(tiny, kv_mem=20 * per_block, prefix_cache=False, kv_dtype="f32")
     assert eng.pool.num_blocks == 20
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [RNG.integers(3, 261, 64).tolist() for _ in range(3)]

@@ -1,48 +1,11 @@
-"""The numba kernels behind cpu_kernels (imported only when numba is there).
-
-rowdot_1 / rowdot_4n (x [R, K], w [N, K], out [R, N]; R = 1, or a multiple of 4): out = x @ w.T,
-parallel over the N weight rows. Each weight row is read once from memory and multiplied into
-all R activation rows, one accumulator per row, 4 rows at a time: written out so the
-accumulators stay in registers and the K loop vectorizes.
-"""
+"""The numba kernels behind cpu_kernels (imported only when numba is there)."""
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
 
 _OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
-
-
-@njit(**_OPTS)
-def rowdot_1(x, w, out):
-    K = x.shape[1]
-    for n in prange(w.shape[0]):
-        s0 = np.float32(0)
-        for k in range(K):
-            s0 += x[0, k] * w[n, k]
-        out[0, n] = s0
-
-
-@njit(**_OPTS)
-def rowdot_4n(x, w, out):
-    # rows in passes of 4 over each weight row: the later passes read it from L1. One pass with
-    # 8 accumulators was no faster
-    K = x.shape[1]
-    for n in prange(w.shape[0]):
-        for r in range(0, x.shape[0], 4):
-            s0 = np.float32(0)
-            s1 = np.float32(0)
-            s2 = np.float32(0)
-            s3 = np.float32(0)
-            for k in range(K):
-                wv = w[n, k]
-                s0 += x[r, k] * wv
-                s1 += x[r + 1, k] * wv
-                s2 += x[r + 2, k] * wv
-                s3 += x[r + 3, k] * wv
-            out[r, n] = s0
-            out[r + 1, n] = s1
-            out[r + 2, n] = s2
-            out[r + 3, n] = s3
 
 
 @njit(**_OPTS)
@@ -117,6 +80,20 @@ def rope(x, cos, sin):
 
 
 @njit(**_SERIAL)
+def rope_pairs(x, cos, sin):
+    """Rotate the adjacent pairs (2i, 2i+1) of x [T, heads, hd] in place by cos/sin [T, hd/2]
+    (llama.cpp's "normal" order)."""
+    T, n_heads, hd = x.shape
+    for t in range(T):
+        for j in range(n_heads):
+            for i in range(hd // 2):
+                a = x[t, j, 2 * i]
+                b = x[t, j, 2 * i + 1]
+                x[t, j, 2 * i] = a * cos[t, i] - b * sin[t, i]
+                x[t, j, 2 * i + 1] = b * cos[t, i] + a * sin[t, i]
+
+
+@njit(**_SERIAL)
 def causal_max(s, tq, first):
     """Scores s [kvh, g*tq, n] of a causal query block, rows ordered (group, query): query i sees
     keys 0 .. first+i. Subtracts each row's maximum over the keys it sees and sets the rest to
@@ -133,3 +110,76 @@ def causal_max(s, tq, first):
                 s[h, row, j] -= m
             for j in range(end, n):
                 s[h, row, j] = ninf
+
+
+# ---------------------------------------------------------------- decode attention
+
+
+@intrinsic
+def _half_to_float(typingctx, bits):
+    """An IEEE half float, given as its uint16 bits, as float32 (numba has no float16 on the
+    CPU; LLVM turns a loop of these into F16C conversions)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+def _f32(x):
+    """A K/V element as float32: float32 as is, uint16 as the bits of a half float."""
+
+
+@overload(_f32, jit_options={"fastmath": True})
+def _f32_impl(x):
+    if isinstance(x, types.Integer):
+        return lambda x: _half_to_float(x)
+    return lambda x: np.float32(x)
+
+
+def _decode_attention(q, k, v, tables, lens, scale, out, scores):
+    """Attention of one query token per sequence: q [B, H, hd] over the first lens[b] tokens
+    of sequence b's K/V, read through its block table tables[b] from the pool layers k, v
+    [blocks, block_size, kv_heads, hd] (float32, or uint16 holding half floats); out [B, H, hd].
+    scores [B * kv_heads, H / kv_heads, >= max(lens)] is scratch. Over (sequence, kv head), in
+    parallel or not (two builds below): each key and value row is read once for the kv head's
+    group of query heads."""
+    B, H, hd = q.shape
+    bs, kvh = k.shape[1], k.shape[2]
+    g = H // kvh
+    for job in prange(B * kvh):
+        b, h = job // kvh, job % kvh
+        n = lens[b]
+        s = scores[job]
+        for t in range(n):
+            blk, off = tables[b, t // bs], t % bs
+            for j in range(g):
+                acc = np.float32(0)
+                for d in range(hd):
+                    acc += q[b, h * g + j, d] * _f32(k[blk, off, h, d])
+                s[j, t] = acc * scale
+        for j in range(g):
+            m = s[j, 0]
+            for t in range(1, n):
+                m = max(m, s[j, t])
+            total = np.float32(0)
+            for t in range(n):
+                e = np.exp(s[j, t] - m)
+                s[j, t] = e
+                total += e
+            inv = np.float32(1) / total
+            for t in range(n):
+                s[j, t] *= inv
+            for d in range(hd):
+                out[b, h * g + j, d] = 0
+        for t in range(n):
+            blk, off = tables[b, t // bs], t % bs
+            for j in range(g):
+                p = s[j, t]
+                for d in range(hd):
+                    out[b, h * g + j, d] += p * _f32(v[blk, off, h, d])
+
+
+# A parallel region costs more than a short context's attention: both builds, chosen by size.
+decode_attention = njit(**_OPTS)(_decode_attention)
+decode_attention_serial = njit(**_SERIAL)(_decode_attention)

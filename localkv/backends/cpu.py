@@ -1,18 +1,22 @@
-"""The CPU backend: numpy and OpenBLAS, with numba kernels (cpu_kernels) for the few-row
-matmuls of decode steps and a few fused one-pass element-wise ops.
+"""The CPU backend: numpy and OpenBLAS, the quantized-weight kernels (backends/quant) for every
+matmul, and numba kernels (cpu_kernels) for the forks' prefix scores and a few fused one-pass
+element-wise ops.
 
 The ops are module functions (tests call them directly); CpuBackend bundles them with the state
 one engine owns: its thread count and the BLAS thread controllers.
 """
 
 import functools
+import threading
 
 import numpy as np
 
-from localkv.backends import cpu_kernels
+import localkv.backends.cpu_kernels as cpu_kernels
+import localkv.backends.quant as quant
+from localkv.backends.cpu_threads import CoreShare
 
 act_dtype = np.float32  # activations
-kv_dtype = np.float32  # the KV pool
+kv_dtype = np.float16  # the KV pool's default: f16 (measured within 5% of f32 on decode and pp512, half the bytes)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -24,52 +28,64 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + eps))[:, None].astype(x.dtype) * w
 
 
-def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(head_dim: int, max_pos: int, theta: float, factors=None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_pos, head_dim/2]; factors divide the frequencies (Llama 3's rope_freqs)."""
     inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors is not None:
+        inv = inv / np.asarray(factors, np.float64)
     ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate halves ("NEOX" order) of x [T, heads, hd] in place; cos/sin [T, hd/2]."""
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str = "neox") -> np.ndarray:
+    """RoPE in place on x [T, heads, hd]; cos/sin [T, hd/2]. style "neox" rotates the halves
+    (value i with i + hd/2), "normal" adjacent pairs (2i with 2i+1): ModelConfig.rope_style."""
     if cpu_kernels.active():  # one pass instead of seven
-        cpu_kernels.rope(x, cos, sin)
+        cpu_kernels.rope(x, cos, sin, style)
         return x
-    h = x.shape[-1] // 2
     c, s = cos[:, None, :], sin[:, None, :]
-    x1, x2 = x[..., :h].copy(), x[..., h:]
-    x[..., :h] = x1 * c - x2 * s
-    x[..., h:] = x2 * c + x1 * s
+    if style == "neox":
+        h = x.shape[-1] // 2
+        x1, x2 = x[..., :h].copy(), x[..., h:]
+    else:
+        x1, x2 = x[..., 0::2].copy(), x[..., 1::2]
+    first = x1 * c - x2 * s
+    x2 *= c
+    x2 += x1 * s
+    if style == "neox":
+        x[..., :h] = first
+    else:
+        x[..., 0::2] = first
     return x
 
 
-# Without the compiled kernels (cpu_kernels), few rows go one gemv per row: that beats OpenBLAS's
-# gemm, which first copies (packs) the whole weight matrix, while a gemv streams it and later rows
-# re-read it from the last-level cache. Up to how many rows, per weight (measured: BENCHMARKS.md).
-GEMV_ROWS = {"wqkv": 8, "wo": 3, "w_gate_up": 6, "w_down": 6}
+def linear(x: np.ndarray, w, kind: str) -> np.ndarray:
+    """x [T, in] @ W.T for a weight stored [out, in] as a QTensor (or a QStack: the outputs of
+    its weights side by side); kind names it (wqkv, wo, w_gate_up, w_down, output).
+    Up to KERNEL_ROWS rows the kernels read the blocks (quant.matmul_few, quant.MAX_FEW rows a
+    call; its numpy path when they are off); more rows go to quant.matmul_many: tiles
+    dequantized into a scratch of this thread's, then BLAS. Its result is the transpose of a
+    C-ordered [out, T] array: gate and up are then each one contiguous block for SwiGLU, and
+    the down projection reads its transpose as a plain matrix."""
+    rows = len(x)
+    if rows <= quant.MAX_FEW:
+        return quant.matmul_few(x, w)
+    if rows <= KERNEL_ROWS and cpu_kernels.active():
+        out = np.empty((rows, w.rows), np.float32)
+        for r in range(0, rows, quant.MAX_FEW):
+            out[r : r + quant.MAX_FEW] = quant.matmul_few(x[r : r + quant.MAX_FEW], w)
+        return out
+    scratch = getattr(_local, "scratch", None)
+    if scratch is None:
+        scratch = _local.scratch = quant.scratch()
+    return quant.matmul_many(x, w, scratch)
 
 
-def linear(x: np.ndarray, w: np.ndarray, kind: str) -> np.ndarray:
-    """x [T, in] @ w.T for a weight stored [out, in] (GGUF's layout); kind names it (wqkv, wo,
-    w_gate_up, w_down, output). Few rows go through the compiled kernels (cpu_kernels.rowdot)
-    when they are on. Many rows: one BLAS gemm, in the order that suits what reads the result
-    (see C_ORDER)."""
-    if len(x) <= KERNEL_ROWS and cpu_kernels.active():
-        return cpu_kernels.rowdot(x, w)
-    if len(x) <= GEMV_ROWS.get(kind, 0):
-        return (w @ x[:, :, None])[..., 0]  # numpy's matmul loops a gemv per row
-    if kind in C_ORDER:
-        return x @ w.T
-    return (w @ x.T).T
-
-
-# Many rows: x @ w.T gives a C-ordered result; (w @ x.T).T a transposed (F-ordered) view, which
-# OpenBLAS computes faster and in which gate and up are each one contiguous block, so SwiGLU
-# runs on contiguous memory and the down projection reads its transpose as a plain matrix.
-# RoPE, the K/V writes and attention need qkv in C order (on the view they ran slower, and a copy
-# back cost more than it saved).
-C_ORDER = {"wqkv", "wo", "w_down"}
-KERNEL_ROWS = cpu_kernels.MAX_ROWS  # up to this many rows a forward pass runs on the kernels
+_local = threading.local()  # per thread: the scratch of matmul_many's dequantized tiles
+# Passes of up to this many rows run their matmuls on the kernels, MAX_FEW rows at a time: below
+# it, dequantizing every weight for BLAS costs more than reading the blocks again per 8 rows
+# (the crossover measured between 24 and 48 rows on SmolLM2-135M and llama-3.2-1b).
+KERNEL_ROWS = 32
 
 
 def uses_kernels(rows: int) -> bool:
@@ -109,8 +125,14 @@ def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndar
     b0 = _table_run(block_table)
     if b0 >= 0:
         n = len(block_table)
-        return layer[b0 : b0 + n].reshape(n * bs, kvh, hd)[:n_ctx].transpose(1, 0, 2)
-    return layer.transpose(2, 0, 1, 3)[:, block_table].reshape(kvh, -1, hd)[:, :n_ctx]
+        return _f32(layer[b0 : b0 + n].reshape(n * bs, kvh, hd)[:n_ctx].transpose(1, 0, 2))
+    return _f32(layer.transpose(2, 0, 1, 3)[:, block_table].reshape(kvh, -1, hd)[:, :n_ctx])
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    """K/V as float32: an f16 pool's are converted once per call (numpy has no f16 matmul that
+    is not a slow loop), an f32 pool's are read in place."""
+    return a if a.dtype == np.float32 else a.astype(np.float32)
 
 
 def _table_run(block_table) -> int:
@@ -250,18 +272,18 @@ def shared_prefix_decode(
     kvh = k_layer.shape[2]
     g = H // kvh
     n_prefix = len(prefix_table) * k_layer.shape[1]
-    kp = gather_kv(k_layer, prefix_table, n_prefix)
-    vp = gather_kv(v_layer, prefix_table, n_prefix)
     qg = (q * scale).reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
-    scores, b0 = None, _table_run(prefix_table)
+    scores, kp, b0 = None, None, _table_run(prefix_table)
     if b0 >= 0 and uses_kernels(B):  # the prefix's keys as rows [n, kvh*hd], straight from the pool
-        scores = cpu_kernels.scores(qg, k_layer[b0 : b0 + len(prefix_table)].reshape(n_prefix, kvh * hd))
-    op, mp, lp = _partial(qg, kp, vp, scores)  # rows ordered (sequence, group)
+        scores = cpu_kernels.scores(qg, _f32(k_layer[b0 : b0 + len(prefix_table)].reshape(n_prefix, kvh * hd)))
+    else:
+        kp = gather_kv(k_layer, prefix_table, n_prefix)
+    op, mp, lp = _partial(qg, kp, gather_kv(v_layer, prefix_table, n_prefix), scores)  # rows: (sequence, group)
     tables = tails.stacked if isinstance(tails, Tails) else _stack_tails(tails)
     if tables is not None:
         n = tails[0][1]
-        kt = k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]  # [kvh, B, n, hd]
-        vt = v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n]
+        kt = _f32(k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])  # [kvh, B, n, hd]
+        vt = _f32(v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])
         tail = _partial(qg.reshape(kvh, B, g, hd), kt, vt)  # [kvh, B, g, .]
         out = _merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
         return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
@@ -300,42 +322,56 @@ def _merge(first, second):
     return (o1 * a + o2 * c) / (l1 * a + l2 * c)
 
 
-LOGIT_CHUNK = 1024  # vocabulary rows per BLAS call when few logits rows are wanted
-LOGIT_CHUNK_MAX_ROWS = 64
+def logits(h: np.ndarray, w_out) -> np.ndarray:
+    """h [R, D] @ w_out.T as a C-ordered float32 [R, V], for the output matrix stored [V, D]."""
+    return np.ascontiguousarray(linear(h, w_out, "output"))
 
 
-def logits(h: np.ndarray, w_out: np.ndarray) -> np.ndarray:
-    """h [R, D] @ w_out.T for the output matrix stored [V, D]. Up to LOGIT_CHUNK_MAX_ROWS rows the
-    vocabulary goes in slices, so the part of w_out that OpenBLAS packs stays in cache."""
-    R = len(h)
-    if uses_kernels(R):
-        return linear(h, w_out, "output")
-    if R > LOGIT_CHUNK_MAX_ROWS:
-        return np.ascontiguousarray((w_out @ h.T).T, dtype=np.float32)
-    hT = np.ascontiguousarray(h.T)
-    out = np.empty((len(w_out), R), np.float32)
-    for i in range(0, len(w_out), LOGIT_CHUNK):
-        np.matmul(w_out[i : i + LOGIT_CHUNK], hT, out=out[i : i + LOGIT_CHUNK])
-    return np.ascontiguousarray(out.T)
+class DecodeBatch:
+    """Block tables and context lengths of B single-token sequences as the decode kernel reads
+    them, made once per forward pass and read by every layer's decode()."""
+
+    def __init__(self, tables: list, n_ctx: list[int]):
+        self.tables = np.zeros((len(tables), max(len(t) for t in tables)), np.int32)
+        for b, t in enumerate(tables):
+            self.tables[b, : len(t)] = t
+        self.lens = np.asarray(n_ctx, np.int32)
+        self.scores = None  # the kernel's scratch, sized at the first layer
+        self.work = 0  # its multiply-adds per layer
+
+
+def decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, batch: DecodeBatch, scale: float) -> np.ndarray:
+    """Attention of B sequences of one query token each (q [B, H, hd]), in one kernel call for
+    all of them; paged_attention per sequence when the kernels are off."""
+    if not cpu_kernels.active():
+        rows = zip(q, batch.tables, batch.lens)
+        return np.stack([paged_attention(qb[None], k_layer, v_layer, t, int(n), scale)[0] for qb, t, n in rows])
+    if batch.scores is None:
+        kvh = k_layer.shape[2]
+        batch.scores = np.empty((len(batch.lens) * kvh, q.shape[1] // kvh, int(batch.lens.max())), np.float32)
+        batch.work = 2 * int(batch.lens.sum()) * q.shape[1] * q.shape[2]
+    return cpu_kernels.decode_attention(q, k_layer, v_layer, batch.tables, batch.lens, scale, batch.scores, batch.work)
 
 
 class CpuBackend:
     """The CPU op set with one engine's thread settings. Thread rule: while the few-row kernels
     run, BLAS (attention's small matmuls) stays on one thread. OpenBLAS's workers and the
     kernels' OpenMP workers both spin between calls, and on a small machine each then waits for
-    the other's time slice; passes of many rows give BLAS the engine's threads back."""
+    the other's time slice; passes of many rows give BLAS the threads back. Either runs on the
+    engine's threads less the cores other processes keep busy (cpu_threads.CoreShare)."""
 
     name = "CPU"
     xp = np
     act_dtype = act_dtype
     kv_dtype = kv_dtype
+    kv_dtypes = ("float32", "float16")  # what EngineConfig.kv_dtype may choose here
     shared_prefix = True
-    batched_decode = False
+    batched_decode = True  # decode(): one kernel call per layer for all single-token sequences
+    quant_weights = True  # computes on QTensor/QStack weights (others get model.weights.dense_weights)
 
     rmsnorm = staticmethod(rmsnorm)
     rope_tables = staticmethod(rope_tables)
     rope = staticmethod(rope)
-    linear = staticmethod(linear)
     silu_mul = staticmethod(silu_mul)
     write_kv = staticmethod(write_kv)
     frozen_table = staticmethod(frozen_table)
@@ -343,30 +379,40 @@ class CpuBackend:
     paged_attention = staticmethod(paged_attention)
     shared_prefix_decode = staticmethod(shared_prefix_decode)
     uses_kernels = staticmethod(uses_kernels)
+    linear = staticmethod(linear)
     logits = staticmethod(logits)
+    decode = staticmethod(decode)
+    decode_batch = DecodeBatch
 
     def __init__(self, threads: int):
         if threads < 1:
             raise ValueError(f"CpuBackend needs at least one thread, got {threads}")
         self.threads = threads
+        self._cores = CoreShare(threads)
         self._blas = None  # threadpoolctl controllers of the BLAS libraries, found on first use
+        self._progress = False
 
     def start(self, progress: bool) -> None:
+        self._progress = progress
         cpu_kernels.load(progress)
 
     def prepare_weights(self, weights: dict) -> dict:
+        """The weights as they are (views of the file); loads the kernels of their types only."""
+        quant.load(quant.weight_types(weights.values()), progress=self._progress)
         return weights
 
-    def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return table[ids].astype(act_dtype, copy=False)  # indexing already copied
+    @staticmethod
+    def embed(table, ids: np.ndarray) -> np.ndarray:
+        return quant.get_rows(table, ids)
 
     def begin_forward(self, rows: int) -> None:
         if not cpu_kernels.active():
             return  # BLAS keeps the engine's threads throughout
+        threads = self._cores.threads()  # the engine's, less the cores other processes keep busy
         if rows > KERNEL_ROWS:
-            want = self.threads
+            want = threads
         else:
-            cpu_kernels.set_threads(self.threads)
+            cpu_kernels.set_threads(threads)
             want = 1
         if self._blas is None:
             from threadpoolctl import ThreadpoolController

@@ -1,11 +1,11 @@
-"""Compiled CPU kernels (numba): the matmuls of a few rows (decode steps), the forks' shared
-prefix scores, and fused one-pass versions of prefill's memory-bound steps.
+"""Compiled CPU kernels (numba): the forks' shared prefix scores and fused one-pass versions of
+prefill's memory-bound steps. The weight matmuls' kernels are in backends/quant, loaded after
+these (quant.load needs this module's switch and threading layer).
 
-Why: with few activation rows (one token per sequence) a weight matmul reads the whole weight
-matrix for very little arithmetic. OpenBLAS's gemm first copies ("packs") the weights, so a few
-rows cost nearly as much as many; its gemv streams them, but once per row. `rowdot` reads each
-weight row once for up to 8 activation rows, straight from the [out, in] layout the weights are
-stored in (GGUF's own), on all threads.
+Why: with few activation rows (one token per sequence) a matmul reads a whole weight matrix for
+very little arithmetic. OpenBLAS's gemm first copies ("packs") the weights, so a few rows cost
+nearly as much as many; the kernels read each weight row once for several activation rows, on
+all threads.
 
 Threads: numba's OpenMP layer starts a kernel in microseconds (its workers spin between kernels);
 the sleeping "workqueue" layer takes a hundred times longer, which over ~200 kernels a step costs
@@ -18,6 +18,7 @@ LOCALKV_CPU_KERNELS=0 turns the kernels off (numpy/BLAS only); so does a missing
 missing OpenMP runtime (libgomp). Compiled code is cached beside this file (numba's cache).
 """
 
+import contextlib
 import os
 import sys
 import threading
@@ -26,8 +27,6 @@ import time
 import numpy as np
 
 from localkv.errors import first_line
-
-MAX_ROWS = 8  # forward passes of up to this many rows run their matmuls here (more: BLAS is as fast)
 
 _state: dict = {}
 _lock = threading.Lock()
@@ -76,10 +75,11 @@ def _load() -> tuple[bool, str | None]:
     if not os.environ.get("NUMBA_THREADING_LAYER"):
         numba.config.THREADING_LAYER = "omp"
     try:
-        from localkv.backends import _cpu_kernels_impl as impl
+        with _without_scipy():
+            import localkv.backends._cpu_kernels_impl as impl
 
-        if not (_check_matmuls(impl) and _check_elementwise(impl)):
-            return False, "kernel self-check failed"
+            if not (_check_matmuls(impl) and _check_elementwise(impl) and _check_decode(impl)):
+                return False, "kernel self-check failed"
         if numba.threading_layer() != "omp":
             return False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
     except Exception as e:  # no OpenMP runtime, a numba/numpy mismatch, an unwritable cache...
@@ -88,21 +88,31 @@ def _load() -> tuple[bool, str | None]:
     return True, None
 
 
+@contextlib.contextmanager
+def _without_scipy():
+    """The first kernel numba loads makes it import its numpy registries, and with them
+    scipy.linalg, to find a BLAS for np.dot and np.linalg in jitted code: no kernel here uses
+    either, and the import costs a start about 0.2 s and 50 MB (scipy.linalg and its own
+    OpenBLAS). While the kernels load, scipy.linalg reads as absent (numba then marks its BLAS
+    support off for this process); afterwards it imports normally. Nothing changes when it is
+    already imported."""
+    name = "scipy.linalg"
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = None  # importing it (or a submodule) raises ImportError
+    try:
+        yield
+    finally:
+        if name in sys.modules and sys.modules[name] is None:
+            del sys.modules[name]
+
+
 def _check_matmuls(impl) -> bool:
-    """Compile (or load) the matmul kernels now, not inside a timed step, for writable and
-    read-only weights (the safetensors cache maps them read-only), and check their results."""
-    x, w = np.ones((8, 4), np.float32), np.ones((3, 4), np.float32)
-    w_ro = w.copy()
-    w_ro.flags.writeable = False
-    ok = True
-    for rows, kernel in ((1, impl.rowdot_1), (4, impl.rowdot_4n), (8, impl.rowdot_4n)):
-        for weights in (w, w_ro):
-            out = np.empty((rows, 3), np.float32)
-            kernel(x[:rows], weights, out)
-            ok = ok and bool((out == 4.0).all())
+    """Compile (or load) the prefix-scores kernel now, not inside a timed step, and check it."""
     sc = np.empty((2, 8, 3), np.float32)
     impl.scores_8(np.ones((2, 8, 4), np.float32), np.ones((3, 8), np.float32), sc)
-    return ok and bool((sc == 4.0).all())
+    return bool((sc == 4.0).all())
 
 
 def _check_elementwise(impl) -> bool:
@@ -117,10 +127,34 @@ def _check_elementwise(impl) -> bool:
     qkv = rng.standard_normal((2, 3, 4), dtype=np.float32)
     cos, sin = np.ones((2, 2), np.float32), np.zeros((2, 2), np.float32)
     want = qkv.copy()
-    impl.rope(qkv[:, :2], cos, sin)  # angle 0: unchanged
+    for x in (qkv[:, :2], qkv[:1, :2]):  # many rows: a strided view; one (a decode step): contiguous
+        impl.rope(x, cos[: len(x)], sin[: len(x)])  # angle 0: unchanged
+        impl.rope_pairs(x, cos[: len(x)], sin[: len(x)])
     s = np.zeros((1, 4, 3), np.float32)
     impl.causal_max(s, 2, 1)  # query 0 sees keys 0-1, query 1 keys 0-2
     return ok and np.array_equal(qkv, want) and bool(np.isneginf(s[0, [0, 2], 2]).all()) and not s[0, 1].any()
+
+
+def _check_decode(impl) -> bool:
+    """Compile (or load) decode attention for both pool dtypes and check it against numpy."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 6, 8), dtype=np.float32)[:, :4]  # a strided view, as the model's q
+    kv = rng.standard_normal((2, 3, 2, 2, 8), dtype=np.float32)  # K/V, 3 blocks of 2 tokens, 2 kv heads
+    tables, lens = np.array([[2, 0], [1, 2]], np.int32), np.array([3, 4], np.int32)
+    want = np.empty(q.shape, np.float32)
+    for b in range(2):
+        k, v = (a[tables[b]].reshape(4, 2, 8)[: lens[b]] for a in kv)
+        s = np.einsum("hgd,nhd->hgn", q[b].reshape(2, 2, 8), k) * 0.5
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want[b] = np.einsum("hgn,nhd->hgd", p / p.sum(-1, keepdims=True), v).reshape(4, 8)
+    ok = True
+    for kernel in (impl.decode_attention, impl.decode_attention_serial):
+        for pool in (kv, kv.astype(np.float16).view(np.uint16)):
+            for queries in (q, np.ascontiguousarray(q)):  # one sequence's q is contiguous
+                out = np.empty(q.shape, np.float32)
+                kernel(queries, pool[0], pool[1], tables, lens, np.float32(0.5), out, np.empty((4, 2, 4), np.float32))
+                ok = ok and np.allclose(out, want, rtol=1e-2, atol=1e-2)
+    return ok
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -130,31 +164,30 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
-    """RoPE in place on x [T, heads, hd] (NEOX halves). Call only when active()."""
-    _state["impl"].rope(x, cos, sin)
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str = "neox"):
+    """RoPE in place on x [T, heads, hd]: "neox" halves or "normal" pairs. Call only when active()."""
+    impl = _state["impl"]
+    (impl.rope if style == "neox" else impl.rope_pairs)(x, cos, sin)
+
+
+PARALLEL_ATTENTION = 1 << 20  # multiply-adds from which decode attention runs on all threads
+
+
+def decode_attention(q, k_layer, v_layer, tables, lens, scale: float, scores, work: int) -> np.ndarray:
+    """See _cpu_kernels_impl.decode_attention (an f16 pool is passed as its bits); work: its
+    multiply-adds, which choose the parallel or the serial build. Call only when active()."""
+    out = np.empty(q.shape, np.float32)
+    if k_layer.dtype == np.float16:
+        k_layer, v_layer = k_layer.view(np.uint16), v_layer.view(np.uint16)
+    impl = _state["impl"]
+    kernel = impl.decode_attention if work >= PARALLEL_ATTENTION else impl.decode_attention_serial
+    kernel(q, k_layer, v_layer, tables, lens, np.float32(scale), out, scores)
+    return out
 
 
 def causal_max(s: np.ndarray, tq: int, first: int):
     """See _cpu_kernels_impl.causal_max. Call only when active()."""
     _state["impl"].causal_max(s, tq, first)
-
-
-def rowdot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [R, in] @ w.T for w [out, in] C-contiguous float32: [R, out], reading w once. Two to
-    three rows are padded with zero rows to 4 (and so on to a multiple of 4): 4 rows cost what 1
-    does, the weights' memory traffic bounds them. Call only when active()."""
-    impl = _state["impl"]
-    R = len(x)
-    if R == 1:
-        out = np.empty((1, w.shape[0]), np.float32)
-        impl.rowdot_1(np.ascontiguousarray(x, dtype=np.float32), w, out)
-        return out
-    xp = np.zeros((-(-R // 4) * 4, x.shape[1]), np.float32)
-    xp[:R] = x
-    out = np.empty((len(xp), w.shape[0]), np.float32)
-    impl.rowdot_4n(xp, w, out)
-    return out[:R]
 
 
 def scores(q: np.ndarray, kf: np.ndarray) -> np.ndarray:

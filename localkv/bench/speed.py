@@ -10,10 +10,12 @@ import re
 import statistics
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from time import perf_counter
 
 import numpy as np
 
+from localkv.bench import rss
 from localkv.bench.options import Options
 from localkv.bench.peer import PeerRunner, check_vs
 from localkv.bench.report import LoadMeter, Report, cpu_info
@@ -24,6 +26,12 @@ from localkv.sequence import Sequence
 NOTE = (
     "prefix caching off, as llama-bench has none: each rep reuses the blocks the last one freed "
     "(pages already mapped, as llama.cpp reuses its KV buffer)"
+)
+
+
+RSS_NOTE = (
+    "peak RSS: ru_maxrss of a fresh `localkv run -n 16 --json` child (and of a llama-cpp-python child doing the "
+    "same chat turn), as /usr/bin/time reports it; mapped model pages count once touched"
 )
 
 
@@ -185,6 +193,10 @@ def run(o: Options) -> Report:
     )
     rep.summary = {f"{t} localkv / llama.cpp": f"{x:.2f}x" for t, x in r.items()}
     rep.notes = [NOTE]
+    if not o.quick and Path(eng.path).is_file():  # peak memory of a whole `localkv run` (and llama.cpp's)
+        o.say("peak RSS of `localkv run -n 16` in a child process" + (" and of llama.cpp" if o.vs else ""))
+        rep.summary |= rss.summary(Path(eng.path), eng.kv_bytes_per_token, eng.threads, o.vs)
+        rep.notes.append(RSS_NOTE)
     return meter.finish(rep, eng.threads)
 
 

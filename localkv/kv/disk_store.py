@@ -31,6 +31,7 @@ import numpy as np
 
 from localkv.home import STALE_AGE, NotRegularFile, home, open_regular, private_dir
 from localkv.kv.disk_entry import MAX_HEAD, Damaged, all_finite, decode, encode, holds_entry, read_file, read_header
+from localkv.kv.evict.protocol import to_host
 
 SUFFIX = ".kvb"
 TMP_PREFIX = ".lkv-"  # our temp files: distinct enough that foreign dotfiles are never swept
@@ -106,11 +107,12 @@ class DiskStore:
         return kv[0], kv[1]
 
     def load_into(self, fingerprint: str, h: int, tokens, k_out: np.ndarray, v_out: np.ndarray) -> bool:
-        """get() straight into two (pool) arrays [layers, block_size, kv_heads, head_dim],
-        converting as it copies; False (outputs untouched) on a miss. Thread-safe: the
-        engine loads a prompt's blocks two at a time."""
+        """get() straight into two (pool) arrays [layers, block_size, kv_heads, head_dim] of
+        the entry's own dtype; False (outputs untouched) on a miss, and an entry in another
+        dtype is one (K/V are never converted on the way in). Thread-safe: the engine loads a
+        prompt's blocks two at a time."""
         got = self.read(fingerprint, h, tokens)
-        if got is None or got.shape[1:] != k_out.shape:
+        if got is None or got.shape[1:] != k_out.shape or got.dtype != k_out.dtype:
             return False
         np.copyto(k_out, got[0], casting="unsafe")
         np.copyto(v_out, got[1], casting="unsafe")
@@ -158,7 +160,7 @@ class DiskStore:
         """Store one block (k, v: [layers, block_size, kv_heads, head_dim]) unless present; a
         block holding NaN or Inf is not stored. Never raises for I/O: a failure disables
         writes for this process and sets warning."""
-        k, v = np.asarray(k), np.asarray(v)
+        k, v = to_host(k), to_host(v)  # a GPU pool's block: copied to the host (CuPy has no implicit copy)
         if k.shape != v.shape or k.ndim != 4 or k.shape[1] != len(tokens):
             raise ValueError(f"k {k.shape} and v {v.shape} must both be [layers, {len(tokens)}, heads, dim]")
         path = self.path(fingerprint, h)

@@ -22,21 +22,30 @@ class Span:
     extras: AttendExtras | None = None  # the KV policy's extra keys and attention-mass array, if any
 
 
+ROPE_POSITIONS = 4096  # RoPE table rows made at start; more as positions are used
+
+
 class Llama:
     """The forward pass, written once in the backend's op set (localkv/backends/base.py)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, ops):
         self.cfg, self.w, self.ops = cfg, weights, ops
-        self.cos, self.sin = ops.rope_tables(cfg.head_dim, cfg.ctx_len, cfg.rope_theta)
+        self.cos = self.sin = ops.xp.empty((0, cfg.head_dim // 2), np.float32)
+        self.ensure_positions(min(cfg.ctx_len, ROPE_POSITIONS))
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))
         # the output matrix [vocab, dim], stored [out, in] like every other: the embedding when tied
-        out = weights["tok_embd"] if cfg.tied_embeddings else weights["output"].T
-        self.w_out = ops.xp.ascontiguousarray(out)
+        self.w_out = weights.get("output", weights["tok_embd"])
+        # the backend's rope takes a style only where it differs from its default (NEOX)
+        self.rope_style = () if cfg.rope_style == "neox" else (cfg.rope_style,)
 
     def ensure_positions(self, n: int):
-        """RoPE tables for positions up to n (past the context: eviction lets a sequence run on)."""
+        """RoPE tables for positions up to n: grown as positions are used (a model's context may
+        be millions of tokens), and past the context too (eviction lets a sequence run on)."""
         if n > len(self.cos):
-            self.cos, self.sin = self.ops.rope_tables(self.cfg.head_dim, max(n, 2 * len(self.cos)), self.cfg.rope_theta)
+            cfg, extra = self.cfg, {}
+            if cfg.rope_freq_factors is not None:
+                extra["factors"] = cfg.rope_freq_factors
+            self.cos, self.sin = self.ops.rope_tables(cfg.head_dim, max(n, 2 * len(self.cos)), cfg.rope_theta, **extra)
 
     def _shared_prefix(self, spans: list[Span], block_size: int):
         """(prefix table, [(tail table, tail tokens)]) when every span is one decode token of a
@@ -82,7 +91,7 @@ class Llama:
         for i in range(cfg.n_layers):
             h = ops.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
             qkv = ops.linear(h, w[f"{i}.wqkv"], "wqkv").reshape(T, H + 2 * K, hd)
-            ops.rope(qkv[:, : H + K], cos, sin)
+            ops.rope(qkv[:, : H + K], cos, sin, *self.rope_style)
             q, k, v = qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
             kl, vl = pool.k[i], pool.v[i]
             ops.write_kv(kl, vl, slots, k, v)

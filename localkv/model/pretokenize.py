@@ -87,9 +87,23 @@ def byte_decoder() -> dict[str, int]:
     return table
 
 
+def _latin1_of_bytes() -> dict[int, str]:
+    """A str.translate table: each byte char -> the latin-1 char of its byte value; a char below
+    256 outside the table whose UTF-8 is not its latin-1 byte -> U+FFFF, which latin-1 cannot
+    encode (so bytelevel_bytes takes its exact path)."""
+    trans = {ord(c): chr(b) for c, b in byte_decoder().items()}
+    return trans | {i: "\uffff" for i in range(128, 256) if i not in trans}
+
+
+_LATIN1 = _latin1_of_bytes()
+
+
 def bytelevel_bytes(piece: str, table: dict[str, int]) -> bytes:
-    # A char outside the table cannot come from byte-level BPE; keep it as UTF-8 rather than drop it.
-    return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
+    try:  # one C pass for a whole piece (a vocabulary's worth at every start)
+        return piece.translate(_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
+        # A char outside the table cannot come from byte-level BPE; keep it as UTF-8 rather than drop it.
+        return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
 
 
 def _with_byte_placeholders(tokens: list[str]) -> dict[str, int]:

@@ -51,6 +51,7 @@ async def test_panel_shows_every_number_of_the_snapshot():
             "cached": "5",
             "free": "49",
             "kv bytes": "40.0 KiB",
+            "kv/token": "256 B",
             "cow copies": "2",
             "reuse last": "32/40 tok",
             "reuse total": "50/200 (25%)",

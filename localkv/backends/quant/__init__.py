@@ -34,8 +34,8 @@ from localkv.backends.quant._tensor import SUPPORTED, KernelRun, QStack, QTensor
 from localkv.backends.quant._types import BLOCK_TYPES
 from localkv.errors import first_line
 
-__all__ = ["SUPPORTED", "QStack", "QTensor", "active", "dequantize_rows", "from_gguf", "get_rows", "load",
-           "matmul_few", "matmul_many", "why_not"]  # fmt: skip
+__all__ = ["SUPPORTED", "QStack", "QTensor", "active", "dequantize", "dequantize_rows", "from_gguf", "get_rows",
+           "load", "matmul_few", "matmul_many", "scratch", "weight_types", "why_not"]  # fmt: skip
 MAX_FEW = 8  # matmul_few's activation rows per kernel call; more go to matmul_many
 
 
@@ -49,7 +49,7 @@ _entry = None  # the module of kernel entry points (_compiled), once a type has 
 def load(types: Iterable[str] = SUPPORTED, progress: bool = False) -> bool:
     """Compile (or load from numba's cache) and self-check the kernels of these types only.
     True when all of them can run; otherwise those that can still do. Safe to call again."""
-    from localkv.backends import cpu_kernels
+    import localkv.backends.cpu_kernels as cpu_kernels
 
     types = sorted(set(types))
     for t in types:
@@ -124,7 +124,7 @@ def matmul_few(x: np.ndarray, w: "QTensor | QStack | Sequence[QTensor]") -> np.n
     if x.ndim != 2 or x.shape[1] != w.cols:
         raise ValueError(f"activations {x.shape} do not match weights of {w.cols} columns")
     if not 0 < x.shape[0] <= MAX_FEW:
-        return np.concatenate([matmul_many(x, t) for run in w.runs for t in run.tensors], axis=1)
+        return matmul_many(x, w)
     out = np.empty((x.shape[0], w.rows), np.float32)
     for run in w.runs:
         if active(run.qtype) and (run.qtype in BLOCK_TYPES or w.cols % 8 == 0):
@@ -140,15 +140,51 @@ def _few_numpy(run: KernelRun, x: np.ndarray, out: np.ndarray):
         out[:, col : col + t.rows] = _numpy.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, None, _dequant(t)).T
 
 
-def matmul_many(x: np.ndarray, w: QTensor, scratch: np.ndarray | None = None) -> np.ndarray:
+def matmul_many(x: np.ndarray, w: "QTensor | QStack", scratch: np.ndarray | None = None) -> np.ndarray:
     """x [R, cols] @ W.T for many rows (prefill): float32 [R, rows], the transpose of a
-    C-contiguous [rows, R] result (BLAS runs W @ x.T, the faster order). W is dequantized a
-    tile of rows at a time into scratch (float32, reused when large enough: pass the same one
-    each call) and each tile multiplied by BLAS on its own threads."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    C-contiguous [rows, R] result (BLAS runs W @ x.T, the faster order; a QStack's weights fill
+    consecutive rows of it). W is dequantized a tile of rows at a time into scratch (float32,
+    reused when large enough: pass the same one each call, e.g. scratch()) and each tile
+    multiplied by BLAS on its own threads. For block types x is first rounded to int8 steps per
+    32 values, as matmul_few does: a row gets the same result (up to float summation order)
+    whichever path, batch or chunk computes it, as in llama.cpp."""
+    x = np.asarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != w.cols:
         raise ValueError(f"activations {x.shape} do not match a weight of {w.cols} columns")
-    return _numpy.matmul_t(x, w.data, w.qtype, w.rows, w.cols, scratch, _dequant(w)).T
+    if not (x.flags.c_contiguous or x.flags.f_contiguous):  # BLAS takes either order as it is
+        x = np.ascontiguousarray(x)
+    out_t = np.empty((w.rows, len(x)), np.float32)
+    r, xq = 0, None
+    for t in w.tensors if isinstance(w, QStack) else (w,):
+        xa = x
+        if t.qtype in BLOCK_TYPES:  # the activations matmul_few multiplies: both paths, one function
+            xq = _rounded(x, t.qtype) if xq is None else xq
+            xa = xq
+        _numpy.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, scratch, _dequant(t), out_t[r : r + t.rows])
+        r += t.rows
+    return out_t.T
+
+
+def _rounded(x: np.ndarray, qtype: str) -> np.ndarray:
+    """x with each 32 values rounded to int8 steps, as the few-row kernels quantize them."""
+    return _entry.quantize(x) if active(qtype) else _numpy.quantize_activations(x)
+
+
+def scratch() -> np.ndarray:
+    """A float32 buffer that holds any tile matmul_many dequantizes (weights of up to
+    _numpy.TILE_VALUES / 64 columns): one per caller, passed to every call."""
+    return np.empty(_numpy.TILE_VALUES, np.float32)
+
+
+def weight_types(weights: Iterable) -> set[str]:
+    """The types of the QTensors (and of the QStacks' tensors) among weights: what load() needs."""
+    types: set[str] = set()
+    for w in weights:
+        if isinstance(w, QTensor):
+            types.add(w.qtype)
+        elif isinstance(w, QStack):
+            types.update(t.qtype for t in w.tensors)
+    return types
 
 
 def dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -160,6 +196,26 @@ def dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray | None = None)
     elif out.shape != (r1 - r0, w.cols) or out.dtype != np.float32:
         raise ValueError(f"out must be float32 {(r1 - r0, w.cols)}, got {out.dtype.name} {out.shape}")
     return _dequant(w)(r0, r1, out)
+
+
+def dequantize(w: "QTensor | QStack", dtype=np.float32) -> np.ndarray:
+    """The whole weight as a [rows, cols] array of dtype (a QStack's weights one under the
+    other): for a backend that computes on plain arrays. Converted a tile of rows at a time,
+    so no float32 copy of the whole weight is made on the way to another dtype."""
+    out = np.empty(w.shape, dtype)
+    tensors = w.tensors if isinstance(w, QStack) else (w,)
+    r = 0
+    for t in tensors:
+        step = _numpy.tile_rows(t.cols)
+        tile = None if out.dtype == np.float32 else np.empty((min(step, t.rows), t.cols), np.float32)
+        for r0 in range(0, t.rows, step):
+            r1 = min(t.rows, r0 + step)
+            if tile is None:
+                dequantize_rows(t, r0, r1, out[r + r0 : r + r1])
+            else:
+                out[r + r0 : r + r1] = dequantize_rows(t, r0, r1, tile[: r1 - r0])
+        r += t.rows
+    return out
 
 
 def get_rows(w: QTensor, ids) -> np.ndarray:

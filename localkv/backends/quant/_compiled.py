@@ -9,6 +9,8 @@ from localkv.backends.quant._formats import MARKERS
 from localkv.backends.quant._kernels import CHUNK
 from localkv.backends.quant._kernels import dequantize as _dequantize
 from localkv.backends.quant._kernels import matmul_few as _matmul_few
+from localkv.backends.quant._kernels import quantize_cols as _quantize_cols
+from localkv.backends.quant._kernels import quantize_rows as _quantize_rows
 from localkv.backends.quant._types import BLOCK_TYPES, block_size
 
 
@@ -21,6 +23,20 @@ def few(run, x: np.ndarray, out: np.ndarray):
 def dequantize(w, rows: np.ndarray, out: np.ndarray):
     """out[i] = row rows[i] of the block-type weight w, as float32 (out C-contiguous)."""
     _dequantize(MARKERS[w.qtype], w.data, rows, out)
+
+
+def quantize(x: np.ndarray) -> np.ndarray:
+    """x [R, K] float32, C- or F-contiguous, with each 32 values of a row rounded to int8 steps
+    (a new array in the same order)."""
+    bits = np.zeros(1, np.uint32)
+    if not x.flags.c_contiguous and x.flags.f_contiguous:
+        out = np.empty(x.shape, np.float32, order="F")
+        _quantize_cols(x.T, x.T.view(np.uint32), out.T, bits, bits.view(np.float32))
+        return out
+    x = np.ascontiguousarray(x)
+    out = np.empty(x.shape, np.float32)
+    _quantize_rows(x, x.view(np.uint32), out, bits, bits.view(np.float32))
+    return out
 
 
 def sample_weight(qtype: str, rows: int, cols: int, seed: int = 0):
@@ -53,6 +69,12 @@ def check(qtype: str) -> bool:
     if qtype in BLOCK_TYPES:
         got = np.empty(dense[0].shape, np.float32)
         dequantize(ws[0], np.arange(ws[0].rows), got)
+        x = np.random.default_rng(4).standard_normal((3, cols), dtype=np.float32)
+        x[1, 2] = np.inf  # its group: nan, as the few-row kernels give
+        want = _numpy.quantize_activations(x)
+        for xs in (x, np.asfortranarray(x)):  # both orders matmul_many is given
+            if not np.array_equal(quantize(xs), want, equal_nan=True):
+                return False
         if not np.array_equal(got, dense[0]):
             return False
     rng = np.random.default_rng(3)

@@ -23,6 +23,7 @@ matrices of one type (`ws`, sharing the activations: q, k and v; gate and up), s
 step makes fewer kernel calls, each of which costs numba's dispatch and OpenMP's start.
 
 Dequantization is serial: it runs between BLAS calls in prefill, where BLAS owns the threads.
+So is quantize_rows, which gives prefill's BLAS tiles the same int8-rounded activations.
 """
 
 import numpy as np
@@ -237,3 +238,54 @@ def dequantize(qt, w, rows, out):
         for g in range(K // 32):
             u, sa, sb, ma, mb = group(qt, w, base + (g // groups) * nbytes, g % groups)
             expand(out, i * K + 32 * g, u, sa, sb, ma, mb)
+
+
+@njit(_nrt=True, boundscheck=False, cache=True, nogil=True)
+def quantize_rows(x, xbits, out, scale_bits, scale):
+    """out = x [R, K] with each 32 values rounded to int8 steps of amax/127, as float32: the
+    activations matmul_few multiplies, for the tiles of matmul_many to multiply the same.
+    xbits is x viewed as uint32: a group's amax is the largest of its bits without the sign
+    (an integer max, which vectorizes where a float max without fastmath does not), and bits
+    past +inf's mean inf or nan, whose group is nan as in _quantize. scale_bits/scale: one
+    uint32 and its float32 view, to read those bits as a float."""
+    R, K = x.shape
+    for r in range(R):
+        for g in range(K // 32):
+            m = np.uint32(0)
+            for i in range(32):
+                m = max(m, xbits[r, 32 * g + i] & np.uint32(0x7FFFFFFF))
+            if m >= np.uint32(0x7F800000):
+                for i in range(32):
+                    out[r, 32 * g + i] = np.float32(np.nan)
+                continue
+            scale_bits[0] = m
+            d = scale[0] / np.float32(127)
+            inv = np.float32(1) / d if m > 0 else np.float32(0)
+            for i in range(32):
+                out[r, 32 * g + i] = np.float32(np.rint(x[r, 32 * g + i] * inv)) * d
+
+
+@njit(_nrt=True, boundscheck=False, cache=True, nogil=True)
+def quantize_cols(xt, xtbits, out_t, scale_bits, scale):
+    """quantize_rows for x given as its transpose xt [K, R] (C-contiguous: x is F-ordered, as
+    matmul_many's results are), into out_t [K, R]: the groups run down the columns, and the
+    work runs along the rows, R tokens side by side."""
+    K, R = xt.shape
+    m = np.empty(R, np.uint32)
+    d = np.empty(R, np.float32)
+    inv = np.empty(R, np.float32)
+    for g in range(K // 32):
+        m[:] = 0
+        for i in range(32):
+            for r in range(R):
+                m[r] = max(m[r], xtbits[32 * g + i, r] & np.uint32(0x7FFFFFFF))
+        for r in range(R):
+            if m[r] >= np.uint32(0x7F800000):
+                d[r], inv[r] = np.float32(np.nan), np.float32(0)
+                continue
+            scale_bits[0] = m[r]
+            d[r] = scale[0] / np.float32(127)
+            inv[r] = np.float32(1) / d[r] if m[r] > 0 else np.float32(0)
+        for i in range(32):
+            for r in range(R):
+                out_t[32 * g + i, r] = np.float32(np.rint(xt[32 * g + i, r] * inv[r])) * d[r]

@@ -10,7 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 # Weights per dequantized tile (16 MiB of float32). BLAS runs each tile as one gemm, and many
 # small gemms cost it far more than the dequantizing does: tiles of a few hundred rows or more.
-TILE_VALUES = 1 << 22
+TILE_VALUES = 1 << 20
 
 
 def tile_rows(cols: int) -> int:
@@ -41,16 +41,16 @@ def dequantize_rows(data: np.ndarray, qtype: str, r0: int, r1: int, out: np.ndar
 
 
 def get_rows(data: np.ndarray, qtype: str, ids: np.ndarray, cols: int) -> np.ndarray:
-    out = np.empty((len(ids), cols), np.float32)
-    for i, r in enumerate(ids):
-        dequantize_rows(data, qtype, int(r), int(r) + 1, out[i : i + 1])
-    return out
+    """Rows ids as float32 [len(ids), cols]: the picked rows copied out, then decoded at once."""
+    return dequantize_rows(data[ids], qtype, 0, len(ids), np.empty((len(ids), cols), np.float32))
 
 
-def matmul_t(x: np.ndarray, data: np.ndarray, qtype: str, rows: int, cols: int, scratch, dequant) -> np.ndarray:
-    """(x @ W.T).T as a C-contiguous [rows, R] array: W dequantized tile by tile into scratch
-    by dequant(r0, r1, tile), each tile multiplied by BLAS (W @ x.T, the faster order)."""
-    out_t = np.empty((rows, len(x)), np.float32)
+def matmul_t(x: np.ndarray, data: np.ndarray, qtype: str, rows: int, cols: int, scratch, dequant, out_t=None):
+    """(x @ W.T).T as a C-contiguous [rows, R] array (into out_t when given): W dequantized tile
+    by tile into scratch by dequant(r0, r1, tile), each tile multiplied by BLAS (W @ x.T, the
+    faster order)."""
+    if out_t is None:
+        out_t = np.empty((rows, len(x)), np.float32)
     if qtype == "F32":
         return np.matmul(data, x.T, out=out_t)
     step = tile_rows(cols)

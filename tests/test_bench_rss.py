@@ -1,0 +1,34 @@
+"""bench's peak-RSS measurement: a child's ru_maxrss, localkv run's and the bound it is held to."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from localkv.bench import rss
+from tiny_model import write_gguf
+
+
+def _alloc(mb: int) -> list[str]:
+    return [sys.executable, "-c", f"import numpy as np; a = np.ones({mb} << 20, np.uint8); print(int(a.sum()))"]
+
+
+def test_child_peak_sees_what_the_child_touched():
+    ballast = np.ones(400 << 20, np.uint8)  # a parent larger than the child: never counted in it
+    small, out = rss.child_peak(_alloc(8))
+    big, _ = rss.child_peak(_alloc(200))
+    assert out.strip() == str(8 << 20)
+    assert small < 150 << 20 < big - small  # this child alone: not its parent, not the largest so far
+    del ballast
+
+
+def test_child_failure_is_reported_with_its_last_words():
+    with pytest.raises(RuntimeError, match="exited 3: boom"):
+        rss.child_peak([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"])
+
+
+def test_localkv_run_peak_and_its_bound(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", quant="Q8_0")
+    peak = rss.localkv_peak(str(path), threads=1)
+    assert peak.engine == "localkv" and peak.tokens > rss.N_GEN and peak.rss > 20 << 20
+    assert rss.bound(100_000_000, 2_000_000) == 130_000_000 + 2_000_000 + rss.SLACK
