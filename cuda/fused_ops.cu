@@ -54,9 +54,10 @@ extern "C" __global__ void rmsnorm_f32(float* out, const float* x, const float* 
 }
 
 // In place on x [n_tok, heads, hd] with element strides (tok_stride, head_stride, 1):
-// x1, x2 = halves; x1' = x1 c - x2 s; x2' = x2 c + x1 s. cos/sin [n_tok, hd/2] contiguous.
-// Grid-stride over n_tok * heads * hd/2.
-template <typename T>
+// x1, x2 = halves (rope_*: "neox" order, values i and i + hd/2) or adjacent pairs (rope_pairs_*:
+// llama.cpp's "normal" order, values 2i and 2i + 1); x1' = x1 c - x2 s; x2' = x2 c + x1 s with
+// c, s of frequency i. cos/sin [n_tok, hd/2] contiguous. Grid-stride over n_tok * heads * hd/2.
+template <typename T, bool PAIRS>
 __device__ __forceinline__ void lkv_rope(T* x, const float* __restrict__ cosv, const float* __restrict__ sinv,
                                          int n_tok, int heads, int half, long long tok_stride,
                                          long long head_stride) {
@@ -69,19 +70,30 @@ __device__ __forceinline__ void lkv_rope(T* x, const float* __restrict__ cosv, c
     const long long t = rh / heads;
     T* p = x + t * tok_stride + h * head_stride;
     const float c = cosv[t * half + i], s = sinv[t * half + i];
-    const float x1 = lkv_f(p[i]), x2 = lkv_f(p[i + half]);
-    p[i] = lkv_from_f<T>(x1 * c - x2 * s);
-    p[i + half] = lkv_from_f<T>(x2 * c + x1 * s);
+    const long long a = PAIRS ? 2 * i : i, b = PAIRS ? 2 * i + 1 : i + half;
+    const float x1 = lkv_f(p[a]), x2 = lkv_f(p[b]);
+    p[a] = lkv_from_f<T>(x1 * c - x2 * s);
+    p[b] = lkv_from_f<T>(x2 * c + x1 * s);
   }
 }
 
 extern "C" __global__ void rope_f16(__half* x, const float* __restrict__ cosv, const float* __restrict__ sinv,
                                     int n_tok, int heads, int half, long long tok_stride, long long head_stride) {
-  lkv_rope<__half>(x, cosv, sinv, n_tok, heads, half, tok_stride, head_stride);
+  lkv_rope<__half, false>(x, cosv, sinv, n_tok, heads, half, tok_stride, head_stride);
 }
 extern "C" __global__ void rope_f32(float* x, const float* __restrict__ cosv, const float* __restrict__ sinv,
                                     int n_tok, int heads, int half, long long tok_stride, long long head_stride) {
-  lkv_rope<float>(x, cosv, sinv, n_tok, heads, half, tok_stride, head_stride);
+  lkv_rope<float, false>(x, cosv, sinv, n_tok, heads, half, tok_stride, head_stride);
+}
+extern "C" __global__ void rope_pairs_f16(__half* x, const float* __restrict__ cosv, const float* __restrict__ sinv,
+                                          int n_tok, int heads, int half, long long tok_stride,
+                                          long long head_stride) {
+  lkv_rope<__half, true>(x, cosv, sinv, n_tok, heads, half, tok_stride, head_stride);
+}
+extern "C" __global__ void rope_pairs_f32(float* x, const float* __restrict__ cosv, const float* __restrict__ sinv,
+                                          int n_tok, int heads, int half, long long tok_stride,
+                                          long long head_stride) {
+  lkv_rope<float, true>(x, cosv, sinv, n_tok, heads, half, tok_stride, head_stride);
 }
 
 // out [n_tok, F] = silu(gu[:, :F]) * gu[:, F:], gu [n_tok, 2F] contiguous. Grid-stride.

@@ -1,8 +1,8 @@
 """The GPU backend's kernels (cuda/*.cu) compile for sm_80 and sm_90, no GPU needed:
 - with nvcc when it is on PATH (skipped otherwise);
 - with NVRTC, the compiler CuPy's RawModule uses at run time, when libnvrtc can be found (skipped
-  otherwise), with the options ops_cupy passes; and every kernel name ops_cupy launches is in the
-  compiled code, unmangled (extern "C")."""
+  otherwise), with the options the backend passes; and every kernel name the backend launches
+  (localkv/backends/cuda_kernels.py: KERNELS) is in the compiled code, unmangled (extern "C")."""
 
 import ast
 import ctypes
@@ -23,16 +23,19 @@ ARCHS = ("sm_80", "sm_90")
 NVCC = shutil.which("nvcc")
 
 
-def _ops_cupy_constant(name: str):
-    """A literal module constant of localkv/backends/cuda.py, read without importing it (no CuPy here)."""
-    tree = ast.parse((ROOT / "localkv" / "backends" / "cuda.py").read_text(encoding="utf-8"))
+BACKEND = ROOT / "localkv" / "backends" / "cuda_kernels.py"
+
+
+def _backend_constant(name: str):
+    """A literal module constant of cuda_kernels.py, read without importing it (no CuPy here)."""
+    tree = ast.parse(BACKEND.read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
             return ast.literal_eval(node.value)
-    raise AssertionError(f"ops_cupy.{name} not found")
+    raise AssertionError(f"cuda_kernels.{name} not found")
 
 
-KERNELS = _ops_cupy_constant("KERNELS")
+KERNELS = _backend_constant("KERNELS")
 
 
 def _cuda_roots() -> list[Path]:
@@ -54,7 +57,7 @@ def _include_dir() -> Path | None:
 
 
 def test_every_source_is_listed():
-    assert {p.name for p in SOURCES} == set(KERNELS), "cuda/*.cu and ops_cupy.KERNELS disagree"
+    assert {p.name for p in SOURCES} == set(KERNELS), "cuda/*.cu and cuda_kernels.KERNELS disagree"
 
 
 # ---------------------------------------------------------------- nvcc
@@ -94,7 +97,7 @@ def test_nvcc_ptx_has_every_kernel(src, tmp_path):
         line.split()[2].split("(")[0] for line in ptx.read_text().splitlines() if line.startswith(".visible .entry")
     }
     missing = set(KERNELS[src.name]) - entries
-    assert not missing, f"{src.name}: kernels ops_cupy launches are not in the PTX: {sorted(missing)}"
+    assert not missing, f"{src.name}: kernels the backend launches are not in the PTX: {sorted(missing)}"
 
 
 # ---------------------------------------------------------------- NVRTC (what CuPy runs)
@@ -137,7 +140,7 @@ def _nvrtc_compile(src: Path, arch: str) -> bytes:
             "--std=c++17",
             f"-arch={arch}",
             "--device-as-default-execution-space",
-            *_ops_cupy_constant_defines(),
+            *_backend_defines(),
             *([f"-I{inc}"] if inc else []),
         ]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
@@ -156,23 +159,26 @@ def _nvrtc_compile(src: Path, arch: str) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def _ops_cupy_constant_defines() -> list[str]:
-    """ops_cupy's -D options, rebuilt from its constants."""
-    tree = ast.parse((ROOT / "localkv" / "backends" / "cuda.py").read_text(encoding="utf-8"))
+def _backend_defines() -> list[str]:
+    """cuda_kernels.DEFINES, rebuilt from its literal constants (-DLKV_<NAME>=<value>)."""
+    tree = ast.parse(BACKEND.read_text(encoding="utf-8"))
     vals = {}
     for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple):
-            names = [t.id for t in node.targets[0].elts]
-            if "DECODE_WARPS" in names:
-                vals = dict(zip(names, ast.literal_eval(node.value)))
-    assert vals, "ops_cupy's warp/tile constants not found"
+        if not isinstance(node, ast.Assign):
+            continue
+        target = node.targets[0]
+        names = [t.id for t in target.elts] if isinstance(target, ast.Tuple) else [getattr(target, "id", "")]
+        if any(n.endswith(("_WARPS", "_TILE", "_LANES")) for n in names):
+            values = ast.literal_eval(node.value)
+            vals.update(zip(names, values) if len(names) > 1 else [(names[0], values)])
+    assert {"DECODE_WARPS", "QMV_WARPS", "QMV_LANES"} <= set(vals), "cuda_kernels' warp/tile constants not found"
     return [f"-DLKV_{k}={v}" for k, v in vals.items()]
 
 
 @pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (CUDA toolkit or the nvidia-cuda-nvrtc wheel)")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
-def test_nvrtc_compiles_with_ops_cupy_options(src, arch):
+def test_nvrtc_compiles_with_the_backend_options(src, arch):
     cubin = _nvrtc_compile(src, arch)
     missing = [k for k in KERNELS[src.name] if k.encode() + b"\0" not in cubin]
     assert not missing, f"{src.name}: kernels not in the NVRTC cubin: {missing}"

@@ -2,8 +2,8 @@
 
 tests/cuda_emu compiles the unchanged .cu files with the system C++ compiler against a shim of the
 CUDA device API (each CUDA thread a fiber; barriers, warp shuffles, fp16, guard pages around every
-buffer) and launches the kernels as localkv/backends/cuda.py does (cuda_emu/host.py: same grids,
-blocks, argument lists and dtypes; cuda.py's constants read from its source). The pools are fp16
+buffer) and launches the kernels as the CUDA backend does (cuda_emu/host.py: same grids, blocks,
+argument lists and dtypes; the constants read from cuda_kernels.py's source). The pools are fp16
 as on the GPU, other blocks of the pool hold garbage, block tables are shuffled; outputs start as
 NaN so an element a kernel fails to write shows. The emulator's own semantics: cuda_emu/test_emulator.py.
 
@@ -55,7 +55,7 @@ def _lse_ref(q, k, table, n_ctx, scale):
 
 
 def _check_attention(q, k, v, table, n_ctx, scale, **launch):
-    """Runs cuda.py's paged_attention path (with mass) and compares out, lse and mass with numpy."""
+    """Runs the backend's paged_attention path (with mass) and compares out, lse and mass with numpy."""
     mass_ref = np.zeros(n_ctx, np.float32)
     ref = ops_numpy.paged_attention(
         np.ascontiguousarray(q, np.float32), k.astype(np.float32), v.astype(np.float32), table, n_ctx, scale, mass_ref
@@ -77,7 +77,7 @@ def _check_attention(q, k, v, table, n_ctx, scale, **launch):
 @pytest.mark.parametrize("hd", [64, 128])
 def test_decode_matches_numpy(bs, H, kvh, hd):
     """One query token: one block, a short last block, and 300 tokens (two split-K partitions of
-    256, as cuda.py partitions for an H200's 132 SMs)."""
+    256, as the backend partitions for an H200's 132 SMs)."""
     rng = np.random.default_rng(bs * 1000 + H * 10 + hd)
     for n_ctx, parts in ((1, 1), (3 * bs + 5, 1), (300, 2)):
         k, v, table = _pool(rng, n_ctx, kvh, hd, bs)
@@ -98,7 +98,7 @@ def test_decode_split_k_partitions(part, hd, H, kvh):
 @pytest.mark.parametrize("part", [None, 64, 1 << 20])
 @pytest.mark.parametrize("hd,H,kvh", [(64, 9, 3), (128, 16, 2)])
 def test_batched_decode_with_different_context_lengths(part, hd, H, kvh):
-    """cuda.py's paged_decode (as DecodeBatch calls it): one launch for sequences of different
+    """The backend's paged_decode (as DecodeBatch calls it): one launch for sequences of different
     lengths in one pool, block tables zero-padded to a common width (here wider than the longest:
     bt_stride is the row width), partitions sized for the longest context; partitions past a short
     sequence's context are skipped, and the reduce merges only its own."""
@@ -248,17 +248,19 @@ def test_rmsnorm(dtype, D):
     np.testing.assert_allclose(got.astype(np.float32), ref, **tol)
 
 
+@pytest.mark.parametrize("style", ["neox", "normal"])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("hd", [64, 128])
-def test_rope_in_place_on_a_strided_view(dtype, hd):
+def test_rope_in_place_on_a_strided_view(dtype, hd, style):
+    """Both orders: halves (rope_*) and adjacent pairs (rope_pairs_*, llama GGUFs' Q/K rows)."""
     rng = np.random.default_rng(hd)
     T, H, K = 9, 6, 2
     cos, sin = ops_numpy.rope_tables(hd, 64, 10000.0)
     pos = rng.integers(0, 64, T)
     qkv = rng.standard_normal((T, H + 2 * K, hd)).astype(dtype)
     ref = qkv.astype(np.float32)
-    ops_numpy.rope(ref[:, : H + K], cos[pos], sin[pos])
-    host.rope(qkv[:, : H + K], cos[pos], sin[pos])
+    ops_numpy.rope(ref[:, : H + K], cos[pos], sin[pos], style)
+    host.rope(qkv[:, : H + K], cos[pos], sin[pos], style)
     tol = F16 if dtype == np.float16 else dict(rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(qkv[:, : H + K].astype(np.float32), ref[:, : H + K], **tol)
     np.testing.assert_array_equal(qkv[:, H + K :], ref[:, H + K :].astype(dtype))  # v untouched
@@ -278,9 +280,9 @@ def test_silu_mul(dtype):
 # ---------------------------------------------------------------- coverage
 
 
-def test_every_kernel_cuda_py_launches_is_tested_here():
-    """cuda.py's KERNELS against the kernels the tests above launch: a kernel added there fails
-    here until a test launches it."""
+def test_every_kernel_the_backend_launches_is_tested_here():
+    """cuda_kernels.KERNELS against the kernels the tests above launch: a kernel added there fails
+    here until a test launches it (quant_matvec.cu's: test_cuda_quant.py)."""
     c = host.constants()
     tested = {
         f"{kind}_hd{hd}"
@@ -288,6 +290,6 @@ def test_every_kernel_cuda_py_launches_is_tested_here():
         for hd in (64, 128, *OTHER_HEAD_DIMS)
     }
     tested |= {"paged_decode_reduce", "copy_blocks_f16"}
-    tested |= {f"{op}_{t}" for op in ("write_kv", "rmsnorm", "rope", "silu_mul") for t in ("f16", "f32")}
-    assert tested == {k for names in c.kernels.values() for k in names}
+    tested |= {f"{op}_{t}" for op in ("write_kv", "rmsnorm", "rope", "rope_pairs", "silu_mul") for t in ("f16", "f32")}
+    assert tested == {k for f, names in c.kernels.items() if f != "quant_matvec.cu" for k in names}
     assert set(c.head_dims) == {64, 128, *OTHER_HEAD_DIMS}

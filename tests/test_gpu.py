@@ -1,10 +1,10 @@
-"""The CuPy backend (localkv.ops_cupy, kernels in cuda/*.cu) against the numpy backend, kernel by
-kernel on random inputs and for a whole model; and backend selection.
+"""The CUDA backend (localkv/backends/cuda*.py, kernels in cuda/*.cu) against the CPU backend,
+kernel by kernel on random inputs and for a whole model; and backend selection.
 
-The gpu-marked tests need CuPy and a CUDA GPU and skip cleanly otherwise (`pytest -m gpu` runs
-just them). The backend.select checks at the top are not marked: they run everywhere, no GPU
-needed. (The gpu mark sits on the GPU tests rather than in a module-level pytestmark so that
-those CPU checks stay unmarked.)
+Where to run: TestDecode and TestPrefill (the full grid of context lengths up to 4096) need a CUDA
+GPU (gpu mark; skipped otherwise). Everything else runs on a GPU when CuPy sees one, else on the
+CPU: the backend's host code through the CuPy stand-in (tests/cupy_standin), its kernels on the
+CUDA emulator (tests/cuda_emu). The backend.select checks at the top need neither.
 """
 
 import sys
@@ -12,6 +12,7 @@ import types
 
 import numpy as np
 import pytest
+from cupy_standin import swap
 
 from localkv import backends as backend
 from localkv.backends import cpu as ops_numpy
@@ -65,41 +66,29 @@ def test_select_cuda_when_the_driver_is_missing(monkeypatch):
     assert isinstance(backend.select("auto"), CpuBackend)
 
 
-# ---------------------------------------------------------------- GPU tests
+# ---------------------------------------------------------------- on a GPU, or emulated
 
-
-def _gpu_skip_reason() -> str:
-    try:
-        import cupy
-    except ImportError as e:
-        if e.name == "cupy":
-            return "CuPy not installed: pip install -e '.[gpu]' (CUDA 12) or '.[gpu13]' (CUDA 13)"
-        return f"CuPy failed to import ({type(e).__name__}: {e})"
-    except Exception as e:
-        return f"CuPy failed to import ({type(e).__name__}: {e})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        return f"no CUDA GPU visible ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-    return "" if n > 0 else "no CUDA GPU visible (0 devices)"
-
-
-_SKIP = _gpu_skip_reason()
+_SKIP = swap.real_gpu_reason()
 GPU = [pytest.mark.gpu, pytest.mark.skipif(bool(_SKIP), reason=_SKIP or "GPU present")]
 
 
 @pytest.fixture(scope="module")
-def oc():
-    from localkv.backends import cuda as ops_cupy
-
-    return ops_cupy
+def device():
+    """(cupy, emulated): the real CuPy on a GPU, else the stand-in and the emulator."""
+    with swap.device() as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
-def cp():
-    import cupy
+def cp(device):
+    return device[0]
 
-    return cupy
+
+@pytest.fixture(scope="module")
+def oc(cp):
+    from localkv.backends import cuda
+
+    return cuda
 
 
 BLOCK_SIZES = [8, 16, 32]
@@ -179,8 +168,6 @@ class TestPrefill:
 
 
 class TestKernels:
-    pytestmark = GPU
-
     @pytest.mark.parametrize("hd", [32, 96, 256])
     @pytest.mark.parametrize("n_ctx,T", [(1, 1), (600, 1), (300, 40)])
     def test_other_head_dims(self, cp, oc, hd, n_ctx, T):
@@ -221,7 +208,9 @@ class TestKernels:
 
     @pytest.mark.parametrize("hd", [16, 80])
     def test_head_dims_without_kernels_fall_back(self, cp, oc, hd):
-        assert hd not in oc.KERNEL_HEAD_DIMS
+        from localkv.backends.cuda_kernels import KERNEL_HEAD_DIMS
+
+        assert hd not in KERNEL_HEAD_DIMS
         rng = np.random.default_rng(hd)
         kn, vn, kg, vg, table = _pools(cp, oc, rng, 50, 2, hd, 8)
         q = rng.standard_normal((5, 4, hd)).astype(np.float16)
@@ -288,10 +277,12 @@ class TestKernels:
         np.testing.assert_array_equal(oc.to_host(vg), vn.astype(np.float16))
 
     def test_gather_kv(self, cp, oc):
+        from localkv.backends.cuda_kv import gather_kv
+
         rng = np.random.default_rng(6)
         layer = rng.standard_normal((9, 8, 2, 64)).astype(np.float16)
         table = np.array([4, 0, 7])
-        got = oc.gather_kv(cp.asarray(layer), cp.asarray(table), 19)
+        got = gather_kv(cp.asarray(layer), cp.asarray(table), 19)
         # ops_numpy returns [kvh, n, hd] (contiguous per head); the CuPy fallback keeps [n, kvh, hd]
         np.testing.assert_array_equal(oc.to_host(got), ops_numpy.gather_kv(layer, table, 19).transpose(1, 0, 2))
 
@@ -359,7 +350,7 @@ class TestKernels:
         assert g["a.attn_norm"].dtype == np.float32 and g["a.wqkv"].dtype == np.float16
         assert isinstance(g["a.wqkv"], cp.ndarray)
 
-    def test_select_cuda_on_a_gpu(self, oc):
+    def test_select_cuda(self, oc):
         assert isinstance(backend.select("cuda"), oc.CudaBackend)
         assert isinstance(backend.select("auto"), oc.CudaBackend)
         assert backend.available_devices() == ["cpu", "cuda"]
@@ -383,8 +374,8 @@ def _step(model, kv, seqs, max_tokens=None, masses=None):
         slots.append(kv.append_slots(seq, len(chunk)))
         tokens.extend(chunk)
         mass = None
-        if masses is not None:
-            mass = np.zeros(seq.num_stored, np.float32)
+        if masses is not None:  # per layer, summed over heads (the kernels' layout)
+            mass = np.zeros((model.cfg.n_layers, seq.num_stored), np.float32)
             masses.append(mass)
         extras = None if mass is None else AttendExtras(mass)
         spans.append(Span(start, len(chunk), np.asarray(seq.block_table), seq.num_stored, extras))
@@ -420,21 +411,30 @@ def _assert_logits_close(got, ref, rel=1e-2):
     assert err < rel, f"max |gpu - cpu| is {err:.2e} of max |logit|"
 
 
-@pytest.fixture(scope="module", params=[(256, 4, 2), (384, 3, 1), (64, 4, 2)], ids=["hd64", "hd128", "hd16"])
+@pytest.fixture(
+    scope="module",
+    params=[(256, 4, 2, "F32"), (384, 3, 1, "Q8_0"), (64, 4, 2, "F32"), (256, 4, 2, "Q4_K")],
+    ids=["hd64", "hd128-q8_0", "hd16", "hd64-q4_k"],
+)
 def tiny_model(request, tmp_path_factory):
+    """Tiny llama GGUFs: F32 matrices (fp16 on the GPU), or Q8_0 / Q4_K blocks (its kernels)."""
     from localkv.model.loader import load_model
     from tiny_model import write_gguf
 
-    dim, heads, kv_heads = request.param
+    dim, heads, kv_heads, quant = request.param
     path = write_gguf(
-        tmp_path_factory.mktemp("gguf") / "tiny.gguf", ctx=512, dim=dim, ffn=2 * dim, n_heads=heads, n_kv_heads=kv_heads
+        tmp_path_factory.mktemp("gguf") / "tiny.gguf",
+        quant=quant,
+        ctx=512,
+        dim=dim,
+        ffn=2 * dim,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
     )
     return load_model(path)
 
 
 class TestModel:
-    pytestmark = GPU
-
     def _models(self, cp, oc, loaded, num_blocks=64, bs=16):
         from localkv.kv.block_pool import BlockPool
         from localkv.model.llama import Llama

@@ -1,9 +1,10 @@
-"""The kernel launches of localkv/backends/cuda.py, restated for numpy arrays on the emulator.
-
-cuda.py imports CuPy, so its host code cannot run here; until a CuPy stand-in runs it as it is
-(issue 20, part 2), these functions launch each kernel with the grid, block, argument list and
-dtypes cuda.py uses (each says which function of cuda.py it follows). Its constants (warps, tile,
-query heads per block, threads, kernel list) are read from cuda.py's source, not repeated here."""
+"""The kernel launches of the CUDA backend (localkv/backends/cuda*.py), restated for numpy arrays
+on the emulator: each function launches a kernel with the grid, block, argument list and dtypes
+the backend uses (each says which function it follows), with knobs the backend does not expose
+(the SM count, the split-K partition size) and outputs that start as NaN. The backend's own host
+code runs on the emulator too, through the CuPy stand-in (tests/cupy_standin; test_cuda_backend.py,
+test_cuda_engine.py). Its constants (warps, tile, query heads per block, threads, kernel list) are
+read from cuda_kernels.py's source, not repeated here."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from . import build
 from .launch import Module
 
 ROOT = Path(__file__).resolve().parents[2]
-BACKEND = ROOT / "localkv" / "backends" / "cuda.py"
+BACKEND = ROOT / "localkv" / "backends" / "cuda_kernels.py"
 # the kernels' folder; LKV_CUDA_EMU_SOURCES points the tests at a modified copy (mutation testing)
 SOURCES = Path(os.environ.get("LKV_CUDA_EMU_SOURCES") or ROOT / "cuda")
 
@@ -33,22 +34,26 @@ class Constants:
     prefill_warps: int
     prefill_tile: int
     mass_warps: int
+    qmv_warps: int
+    qmv_lanes: int
     threads: int
 
     @property
     def defines(self) -> tuple[str, ...]:
-        """cuda.py's _DEFINES."""
+        """cuda_kernels.DEFINES."""
         return (
             f"-DLKV_DECODE_WARPS={self.decode_warps}",
             f"-DLKV_PREFILL_WARPS={self.prefill_warps}",
             f"-DLKV_PREFILL_TILE={self.prefill_tile}",
             f"-DLKV_MASS_WARPS={self.mass_warps}",
+            f"-DLKV_QMV_WARPS={self.qmv_warps}",
+            f"-DLKV_QMV_LANES={self.qmv_lanes}",
         )
 
 
 @cache
 def constants() -> Constants:
-    """cuda.py's literal module constants, read from its source (importing it needs CuPy)."""
+    """cuda_kernels.py's literal module constants, read from its source (importing it needs CuPy)."""
     vals = {}
     for node in ast.parse(BACKEND.read_text(encoding="utf-8")).body:
         if not isinstance(node, ast.Assign):
@@ -63,25 +68,27 @@ def constants() -> Constants:
     return Constants(
         vals["KERNELS"],
         vals["KERNEL_HEAD_DIMS"],
-        vals["_GMAX"],
+        vals["GMAX"],
         vals["DECODE_WARPS"],
         vals["PREFILL_WARPS"],
         vals["PREFILL_TILE"],
         vals["MASS_WARPS"],
-        vals["_THREADS"],
+        vals["QMV_WARPS"],
+        vals["QMV_LANES"],
+        vals["THREADS"],
     )
 
 
 @cache
 def modules() -> dict[str, Module]:
-    """cuda/*.cu built with cuda.py's defines, by file name (as cuda.py's _module)."""
+    """cuda/*.cu built with the backend's defines, by file name (as cuda_kernels._module)."""
     built = build.build_files(sorted(SOURCES.glob("*.cu")), constants().defines)
     return {name: Module.from_built(b) for name, b in built.items()}
 
 
 def kernel(fname: str, kname: str):
     if kname not in constants().kernels[fname]:
-        raise KeyError(f"{kname} is not in cuda.py's KERNELS[{fname!r}]")
+        raise KeyError(f"{kname} is not in cuda_kernels.KERNELS[{fname!r}]")
     return modules()[fname].get_function(kname)
 
 
@@ -106,13 +113,15 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """In place on x [T, heads, hd] (a strided view is fine, its last stride 1)."""
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str = "neox") -> np.ndarray:
+    """In place on x [T, heads, hd] (a strided view is fine, its last stride 1); style "neox"
+    (rope_*) or "normal" (rope_pairs_*)."""
     T, heads, hd = x.shape
     st = _elem_strides(x)
     half = hd // 2
     c, s = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
-    k = kernel("fused_ops.cu", "rope_f16" if x.dtype == np.float16 else "rope_f32")
+    stem = "rope" if style == "neox" else "rope_pairs"
+    k = kernel("fused_ops.cu", f"{stem}_f16" if x.dtype == np.float16 else f"{stem}_f32")
     args = (x, c, s, np.int32(T), np.int32(heads), np.int32(half), np.int64(st[0]), np.int64(st[1]))
     k(_grid1d(T * heads * half), (constants().threads,), args)
     return x
@@ -127,7 +136,7 @@ def silu_mul(gu: np.ndarray) -> np.ndarray:
     return out
 
 
-# ---------------------------------------------------------------- the KV pool (cuda.py: write_kv, copy_blocks)
+# ---------------------------------------------------------------- the KV pool (cuda_kv.py: write_kv, copy_blocks)
 
 
 def _token_rows(a: np.ndarray, row: int) -> tuple[np.ndarray, int]:
@@ -173,11 +182,11 @@ def copy_blocks(k_pool, v_pool, src, dst, n_tokens: int | None = None) -> None:
     kernel("kv_cache.cu", "copy_blocks_f16")((len(src), L), (constants().threads,), args)
 
 
-# ---------------------------------------------------------------- attention (cuda.py: _launch_decode, paged_attention)
+# ------------------------------------------------------- attention (cuda_attention.py: _launch_decode, paged_attention)
 
 
 def q_rows(q: np.ndarray) -> tuple[np.ndarray, int]:
-    """cuda.py's _q_rows: q itself when half2 loads can read it in place, else a contiguous copy."""
+    """cuda_attention._q_rows: q itself when half2 loads can read it in place, else a contiguous copy."""
     T, H, hd = q.shape
     st = _elem_strides(q)
     if q.dtype == np.float16 and st[2] == 1 and st[1] == hd and st[0] % 2 == 0 and q.ctypes.data % 4 == 0:
@@ -186,7 +195,7 @@ def q_rows(q: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def decode_partition(work_blocks: int, max_ctx: int, sm_count: int) -> tuple[int, int]:
-    """cuda.py's _decode_partition for a GPU of sm_count SMs."""
+    """cuda_attention._decode_partition for a GPU of sm_count SMs."""
     want = max(1, -(-4 * sm_count // max(1, work_blocks)))
     part = max(256, -(-max_ctx // want))
     part = -(-part // 64) * 64
@@ -208,8 +217,8 @@ def decode(
     sm_count: int = 132,
     part: int | None = None,
 ):
-    """cuda.py's _launch_decode: (out [B, H, hd] fp16, lse [B, H], partitions used). `part`
-    overrides the partition size cuda.py would choose."""
+    """cuda_attention._launch_decode: (out [B, H, hd] fp16, lse [B, H], partitions used). `part`
+    overrides the partition size the backend would choose."""
     B, H, hd = q16.shape
     kvh, bs = k_layer.shape[2], k_layer.shape[1]
     c = constants()
@@ -264,7 +273,7 @@ def decode(
 
 
 def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass=None, **decode_kw):
-    """cuda.py's paged_attention on its kernel path: (out [T, H, hd] fp16, lse [T, H], partitions;
+    """cuda_attention.paged_attention on its kernel path: (out [T, H, hd] fp16, lse [T, H], partitions;
     1 for prefill). mass [n_ctx] float32, if given, gets the attention each key received added."""
     T, H, hd = q.shape
     kvh, bs = k_layer.shape[2], k_layer.shape[1]

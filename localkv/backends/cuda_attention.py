@@ -1,0 +1,282 @@
+"""Paged attention on the GPU: queries attend to K/V read through block tables from the fp16
+pool, with the kernels of cuda/paged_attention.cu:
+- decode (one query token per sequence, batched over sequences): split-K "flash decoding"
+  partials over partitions of the context, merged by a reduce kernel;
+- prefill (a chunk of T tokens of one sequence): causal within the chunk, attending to every
+  cached block;
+- attention mass (H2O): the weight each key received, from the lse the other two write.
+Head dims without kernels (see KERNEL_HEAD_DIMS), arrays of other dtypes or layouts, extra keys
+(h2o's heavy hitters, offload's read-back blocks) and per-kv-head mass take plain CuPy array
+code with the CPU backend's algorithm (correct, slower).
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from localkv.backends.cuda_kernels import (
+    DECODE_WARPS,
+    F16,
+    F32,
+    GMAX,
+    KERNEL_HEAD_DIMS,
+    MASS_WARPS,
+    PREFILL_WARPS,
+    THREADS,
+    dev,
+    elem_strides,
+    kernel,
+    ptr,
+    sm_count,
+)
+from localkv.backends.cuda_kv import gather_kv, pool_layer_ok
+
+
+def _q_rows(q):
+    """q [T, H, hd] as (fp16 array, token stride in elements) that the kernels can read with
+    half2 loads: q itself when it already is one (the model's slice of qkv), else a copy."""
+    T, H, hd = q.shape
+    st = elem_strides(q)
+    if q.dtype == F16 and st is not None and st[2] == 1 and st[1] == hd and st[0] % 2 == 0 and ptr(q) % 4 == 0:
+        return q, st[0]
+    return cp.ascontiguousarray(q, dtype=cp.float16), H * hd
+
+
+def _kernels_ok(hd, k_layer, v_layer) -> bool:
+    return hd in KERNEL_HEAD_DIMS and pool_layer_ok(k_layer) and pool_layer_ok(v_layer)
+
+
+def _decode_partition(work_blocks: int, max_ctx: int) -> tuple[int, int]:
+    """(partition size, partitions) for split-K decode: about 4 thread blocks per SM in all,
+    partitions of at least 256 tokens (multiples of 64), one partition for short contexts."""
+    want = max(1, -(-4 * sm_count(cp.cuda.Device().id) // max(1, work_blocks)))
+    part = max(256, -(-max_ctx // want))
+    part = -(-part // 64) * 64
+    return part, max(1, -(-max_ctx // part))
+
+
+def _launch_decode(
+    out, lse, q16, q_stride, k_layer, v_layer, tables, bt_stride, ctx_lens, ctx_fixed, B, H, kvh, scale, max_ctx
+):
+    hd, bs = k_layer.shape[3], k_layer.shape[1]
+    hchunks = -(-(H // kvh) // GMAX[hd])
+    part, nparts = _decode_partition(B * kvh * hchunks, max_ctx)
+    if nparts == 1:
+        part_acc = part_ml = lse  # never touched by the kernel when num_parts == 1
+    else:
+        part_acc = cp.empty((B, H, nparts, hd), cp.float32)
+        part_ml = cp.empty((B, H, nparts, 2), cp.float32)
+    kernel("paged_attention.cu", f"paged_decode_hd{hd}")(
+        (kvh * hchunks, B, nparts),
+        (DECODE_WARPS * 32,),
+        (
+            out,
+            lse,
+            part_acc,
+            part_ml,
+            q16,
+            np.int64(q_stride),
+            k_layer,
+            v_layer,
+            tables,
+            np.int32(bt_stride),
+            ctx_lens,
+            np.int32(ctx_fixed),
+            np.int32(H),
+            np.int32(kvh),
+            np.int32(bs),
+            np.int32(part),
+            np.int32(nparts),
+            np.float32(scale),
+        ),
+    )
+    if nparts > 1:
+        kernel("paged_attention.cu", "paged_decode_reduce")(
+            (H, B),
+            (min(THREADS, -(-hd // 32) * 32),),
+            (
+                out,
+                lse,
+                part_acc,
+                part_ml,
+                ctx_lens,
+                np.int32(ctx_fixed),
+                np.int32(H),
+                np.int32(hd),
+                np.int32(part),
+                np.int32(nparts),
+            ),
+        )
+
+
+def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass=None, extra=None):
+    """Causal attention of q [T, H, hd] — the last T tokens of an n_ctx context — over the
+    K/V found through block_table. Returns [T, H, hd] in q's dtype. If mass is given (numpy
+    or CuPy), the attention weight each key received, summed over queries, is added to it:
+    [n_ctx] summed over heads (the kernel path), or [kv_heads, n_extra + n_ctx] per kv head
+    (the CPU backend's layout; the CuPy fallback). T == 1 runs the split-K decode kernel, T > 1 the
+    prefill kernel. extra = (K, V) [kv_heads, n, hd] (h2o's heavy hitters, offload's read-back
+    blocks; before the whole table) takes the CuPy fallback path."""
+    T, H, hd = q.shape
+    nb, bs, kvh, hd_k = k_layer.shape
+    n_ctx = int(n_ctx)
+    if hd_k != hd or H % kvh or not 1 <= T <= n_ctx:
+        raise ValueError(f"paged_attention: q {q.shape} does not fit K/V {k_layer.shape} with n_ctx {n_ctx}")
+    if len(block_table) * bs < n_ctx:
+        raise ValueError(f"paged_attention: {len(block_table)} blocks of {bs} cannot hold {n_ctx} tokens")
+    if extra is not None or (mass is not None and mass.ndim == 2) or not _kernels_ok(hd, k_layer, v_layer):
+        return _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass, extra)
+    bt = dev(block_table, np.int32)
+    q16, qs = _q_rows(q)
+    out = cp.empty((T, H, hd), cp.float16)
+    lse = cp.empty((T, H), cp.float32)
+    if T == 1:
+        _launch_decode(out, lse, q16, qs, k_layer, v_layer, bt, len(bt), bt, n_ctx, 1, H, kvh, scale, n_ctx)
+    else:
+        hchunks = -(-(H // kvh) // GMAX[hd])
+        kernel("paged_attention.cu", f"paged_prefill_hd{hd}")(
+            (-(-T // PREFILL_WARPS), kvh * hchunks),
+            (PREFILL_WARPS * 32,),
+            (
+                out,
+                lse,
+                q16,
+                np.int64(qs),
+                k_layer,
+                v_layer,
+                bt,
+                np.int32(n_ctx),
+                np.int32(T),
+                np.int32(H),
+                np.int32(kvh),
+                np.int32(bs),
+                np.float32(scale),
+            ),
+        )
+    if mass is not None:
+        _add_mass(mass, lse, q16, qs, k_layer, bt, n_ctx, T, H, kvh, scale)
+    return out if q.dtype == F16 else out.astype(q.dtype)
+
+
+def _add_mass(mass, lse, q16, qs, k_layer, bt, n_ctx, T, H, kvh, scale):
+    direct = isinstance(mass, cp.ndarray) and mass.dtype == F32 and mass.flags.c_contiguous and mass.shape == (n_ctx,)
+    target = mass if direct else cp.zeros(n_ctx, cp.float32)
+    hd, bs = k_layer.shape[3], k_layer.shape[1]
+    kernel("paged_attention.cu", f"attention_mass_hd{hd}")(
+        (-(-n_ctx // MASS_WARPS),),
+        (MASS_WARPS * 32,),
+        (
+            target,
+            lse,
+            q16,
+            np.int64(qs),
+            k_layer,
+            bt,
+            np.int32(n_ctx),
+            np.int32(T),
+            np.int32(H),
+            np.int32(kvh),
+            np.int32(bs),
+            np.float32(scale),
+        ),
+    )
+    if direct:
+        return
+    if isinstance(mass, cp.ndarray):
+        mass += target.astype(mass.dtype)
+    else:
+        mass += cp.asnumpy(target).astype(mass.dtype, copy=False)
+
+
+def paged_decode(q, k_layer, v_layer, block_tables, context_lens, scale: float, max_ctx: int | None = None, out=None):
+    """Batched decode: one query token per sequence. q [B, H, hd]; block_tables [B, max_blocks]
+    int32 and context_lens [B] int32 on the device (each >= 1); returns [B, H, hd] fp16 (into
+    `out` when given). max_ctx, a host-side bound on context_lens, sizes the split-K partitions
+    (default max_blocks * block_size). No device-to-host reads on the kernel path, so it can be
+    captured in a CUDA graph."""
+    B, H, hd = q.shape
+    kvh, bs = k_layer.shape[2], k_layer.shape[1]
+    tables = dev(block_tables, np.int32)
+    lens = dev(context_lens, np.int32)
+    if tables.ndim != 2 or tables.shape[0] != B or lens.shape != (B,) or H % kvh:
+        raise ValueError(f"paged_decode: q {q.shape}, block_tables {tables.shape}, context_lens {lens.shape}")
+    if not _kernels_ok(hd, k_layer, v_layer):  # fallback: per sequence, reads the lengths back
+        res = cp.stack(
+            [
+                _paged_attention_xp(q[b : b + 1], k_layer, v_layer, tables[b], int(n), scale)[0]
+                for b, n in enumerate(cp.asnumpy(lens))
+            ]
+        ).astype(cp.float16)
+        if out is None:
+            return res
+        out[...] = res
+        return out
+    q16, qs = _q_rows(q)
+    if out is None:
+        out = cp.empty((B, H, hd), cp.float16)
+    lse = cp.empty((B, H), cp.float32)
+    _launch_decode(
+        out,
+        lse,
+        q16,
+        qs,
+        k_layer,
+        v_layer,
+        tables,
+        tables.shape[1],
+        lens,
+        0,
+        B,
+        H,
+        kvh,
+        scale,
+        int(max_ctx or tables.shape[1] * bs),
+    )
+    return out
+
+
+def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=None, extra=None):
+    """The CPU backend's algorithm on CuPy arrays in fp32: any head dim, dtype or layout."""
+    T, H, hd = q.shape
+    bt = cp.asarray(block_table)
+    k = gather_kv(k_layer, bt, n_ctx).astype(cp.float32)
+    v = gather_kv(v_layer, bt, n_ctx).astype(cp.float32)
+    ne = 0
+    if extra is not None:  # [kvh, n, hd] -> this function's [n, kvh, hd], placed before the table's keys
+        ke, ve = (cp.asarray(a, cp.float32).transpose(1, 0, 2) for a in extra)
+        ne = ke.shape[0]
+        k, v = cp.concatenate((ke, k)), cp.concatenate((ve, v))
+        n_ctx = n_ctx + ne
+    kvh = k.shape[1]
+    g = H // kvh
+    qg = q.astype(cp.float32).reshape(T, kvh, g, hd).transpose(1, 2, 0, 3).reshape(kvh, g * T, hd)
+    s = cp.matmul(qg, k.transpose(1, 2, 0)) * scale
+    if T > 1:
+        s = s.reshape(kvh, g, T, n_ctx)
+        s += cp.triu(cp.full((T, n_ctx), -cp.inf, cp.float32), k=n_ctx - T + 1)
+        s = s.reshape(kvh, g * T, n_ctx)
+    s -= s.max(axis=-1, keepdims=True)
+    cp.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    if mass is not None:
+        m = s.reshape(kvh, g * T, n_ctx).sum(axis=1) if mass.ndim == 2 else s.sum(axis=(0, 1))[ne:]
+        if isinstance(mass, cp.ndarray):
+            mass += m.astype(mass.dtype)
+        else:
+            mass += cp.asnumpy(m).astype(mass.dtype, copy=False)
+    o = cp.matmul(s, v.transpose(1, 0, 2))
+    return o.reshape(kvh, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H, hd).astype(q.dtype)
+
+
+class DecodeBatch:
+    """Block tables and context lengths of B single-token sequences, on the device, made once
+    per forward pass and read by every layer's paged_decode."""
+
+    def __init__(self, tables: list, n_ctx: list[int]):
+        width = max(len(t) for t in tables)
+        host = np.zeros((len(tables), width), np.int32)
+        for b, t in enumerate(tables):
+            host[b, : len(t)] = cp.asnumpy(t) if isinstance(t, cp.ndarray) else np.asarray(t)
+        self.tables, self.lens = cp.asarray(host), cp.asarray(np.asarray(n_ctx, np.int32))
+        self.max_ctx = int(max(n_ctx))
