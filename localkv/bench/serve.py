@@ -1,0 +1,281 @@
+"""`localkv bench serve`: the OpenAI server under load. N clients (8) each send a shared system
+prompt (1,000 tokens of the GPL text) plus a distinct question (100 tokens) and stream 128
+sampled tokens. Measured three ways, each on a fresh server (an empty prefix cache):
+
+- localkv, all N at once (continuous batching, the system prompt computed once);
+- localkv, the same requests one at a time (the first one's TTFT is "one request alone");
+- with --vs llama.cpp, llama-cpp-python's own server (`python -m llama_cpp.server`), all N at once
+  (it answers them one after another, reusing the previous prompt's KV for the shared prefix).
+
+Reported per run: aggregate tokens/s (generated tokens over the wall time of the whole load),
+TTFT and inter-token latency p50/p99 as the clients saw them, the prefix cache's hit rate over
+requests 2..N, and the pool's peak blocks (polled from /metrics). Runs are interleaved by rep.
+"""
+
+import asyncio
+import os
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from localkv.bench.options import Options, size_flag
+from localkv.bench.report import Column, LoadMeter, Report, Target, median, ratio
+from localkv.bench.serve_load import (
+    Outcome,
+    ServerProcess,
+    decode_tps,
+    llama_cpp_server,
+    localkv_server,
+    percentile,
+    run_load,
+)
+from localkv.bench.text import TEXT
+from localkv.hub.resolve import resolve_model
+from localkv.model.tokenizer import Tokenizer
+
+FULL = dict(clients=8, system=1000, question=100, gen=128)
+QUICK = dict(clients=4, system=64, question=16, gen=8)
+SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95)
+TARGETS = dict(batching=3.0, vs_peer=2.0, hit_rate=0.95, ttft=4.0)
+
+COLUMNS = [
+    Column("engine", "engine", left=True),
+    Column("load", "load", left=True),
+    Column("decode_tps", "decode t/s", ".1f"),
+    Column("tps", "all t/s", ".1f"),
+    Column("ttft_p50", "TTFT p50 s", ".3f"),
+    Column("ttft_p99", "TTFT p99 s", ".3f"),
+    Column("itl_p50_ms", "ITL p50 ms", ".1f"),
+    Column("itl_p99_ms", "ITL p99 ms", ".1f"),
+    Column("hit_rate", "prefix hits 2..N", "%"),
+    Column("peak_blocks", "peak blocks", ","),
+    Column("wall_s", "wall s", ".2f"),
+]
+
+
+def run(o: Options) -> Report:
+    meter = LoadMeter()
+    size = QUICK if o.quick else FULL
+    path = resolve_model(o.engine.model, progress=False)
+    threads = o.engine.threads or os.cpu_count() or 1
+    tok = Tokenizer.from_gguf(path) if path.is_file() else Tokenizer.from_hf_dir(path)
+    system, questions = workload(tok, size)
+    n_sys = len(tok.encode(system))
+    reps = o.reps or (1 if o.quick else 2)
+    runs: dict[str, list[dict]] = {"burst": [], "serial": [], "peer": []}
+    for rep in range(reps):
+        o.say(f"serve rep {rep + 1}/{reps}: localkv, {size['clients']} clients at once")
+        runs["burst"].append(
+            _localkv(o, path, threads, _bodies(system, questions, size, o.seed), True) | {"system_tokens": n_sys}
+        )
+        o.say(f"serve rep {rep + 1}/{reps}: localkv, the same {size['clients']} requests one at a time")
+        runs["serial"].append(
+            _localkv(o, path, threads, _bodies(system, questions, size, o.seed), False) | {"system_tokens": n_sys}
+        )
+        if o.vs:
+            o.say(f"serve rep {rep + 1}/{reps}: llama-cpp-python's server, {size['clients']} clients at once")
+            runs["peer"].append(_peer(path, threads, _bodies(system, questions, size, o.seed, peer=True)))
+    rows = [_row("localkv", f"{size['clients']} at once", runs["burst"])]
+    rows.append(_row("localkv", "one at a time", runs["serial"]))
+    if runs["peer"]:
+        rows.append(_row("llama-cpp-python server", f"{size['clients']} at once", runs["peer"]))
+    rep = Report(
+        "serve",
+        f"OpenAI server under load: {size['clients']} streaming clients, a shared {n_sys}-token system prompt + a "
+        f"distinct {size['question']}-token question each, {size['gen']} sampled tokens (temperature 0.8, top-k 40, "
+        f"top-p 0.95, EOS ignored) per request; each run on a fresh server",
+        command=_command(o, threads),
+        rows=rows,
+        columns=list(COLUMNS),
+    )
+    rep.summary = _summary(rows, runs, reps)
+    rep.targets = _targets(rows, runs, not o.quick)
+    rep.notes = [
+        "decode t/s: tokens after each request's first, over the time any request was decoding (the union of "
+        "the spans first token -> end); all t/s: every generated token over the wall time of the whole load",
+        "TTFT of one request alone: the first request of the one-at-a-time run (cold cache, as the burst's first)",
+    ]
+    return meter.finish(rep, threads)
+
+
+def workload(tok: Tokenizer, size: dict) -> tuple[str, list[str]]:
+    """The shared system prompt and one question per client, cut from the bench text by tokens."""
+    ids = tok.encode(TEXT.read_text(), add_bos=False)
+    system = tok.decode(ids[: size["system"]]).rstrip() + "\n\n"
+    questions, at = [], size["system"]
+    for i in range(size["clients"]):
+        chunk = ids[at : at + size["question"] - 8]
+        at += size["question"]
+        questions.append(f"Question {i + 1}: what does this mean: {tok.decode(chunk).strip()}?\nAnswer:")
+    return system, questions
+
+
+def _bodies(system: str, questions: list[str], size: dict, seed: int, peer: bool = False) -> list[dict]:
+    out = []
+    for i, q in enumerate(questions):
+        body = {"prompt": system + q, "max_tokens": size["gen"], "seed": seed + i, **SAMPLING}
+        # both sides generate exactly gen tokens: localkv ignores EOS, llama.cpp holds it off to min_tokens
+        out.append(
+            body
+            | ({"min_tokens": size["gen"]} if peer else {"ignore_eos": True, "stream_options": {"include_usage": True}})
+        )
+    return out
+
+
+def _localkv(o: Options, path: Path, threads: int, bodies: list[dict], concurrent: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="localkv-bench-serve-") as home:
+        server = localkv_server(path, threads, size_flag(o.engine.kv_mem), home).wait_ready()
+        try:
+            peak = {"used": 0, "shared": 0}
+            outs, wall = asyncio.run(run_load(server.url, bodies, concurrent, watch=_watcher(server.url, peak)))
+            final = _metrics(server.url)
+        finally:
+            server.stop()
+    _check(outs, server)
+    return {"outs": outs, "wall": wall, "peak": peak, "metrics": final}
+
+
+def _peer(path: Path, threads: int, bodies: list[dict]) -> dict:
+    server = llama_cpp_server(path, threads, n_ctx=2048).wait_ready()
+    try:
+        outs, wall = asyncio.run(run_load(server.url, bodies, True))
+    finally:
+        server.stop()
+    _check(outs, server)
+    for o, b in zip(outs, bodies):  # its stream has no usage; a chunk may carry two tokens of one character
+        if o.finish == "length":
+            o.usage = {"completion_tokens": b["max_tokens"]}
+    return {"outs": outs, "wall": wall, "peak": None, "metrics": {}}
+
+
+def _check(outs: list[Outcome], server: ServerProcess):
+    bad = [o for o in outs if o.status != 200 or not o.chunks]
+    if bad:
+        from localkv.errors import LocalkvError
+
+        raise LocalkvError(f"{len(bad)} requests failed on {' '.join(server.cmd[1:4])}: {bad[0].status} {bad[0].error}")
+
+
+def _watcher(url: str, peak: dict):
+    async def watch(client: httpx.AsyncClient):
+        from localkv.serve.metrics import parse
+
+        while True:
+            m = parse((await client.get(url + "/metrics")).text)
+            peak["used"] = max(peak["used"], int(m.get('localkv_kv_blocks{state="used"}', 0)))
+            peak["shared"] = max(peak["shared"], int(m.get('localkv_kv_blocks{state="shared"}', 0)))
+            await asyncio.sleep(0.1)
+
+    return watch
+
+
+def _metrics(url: str) -> dict:
+    from localkv.serve.metrics import parse
+
+    return parse(httpx.get(url + "/metrics", timeout=30).text)
+
+
+def _row(engine: str, load: str, runs: list[dict]) -> dict:
+    """Medians over reps of each run's numbers."""
+
+    def per_run(fn):
+        vals = [fn(r) for r in runs]
+        return median([v for v in vals if v is not None])
+
+    return {
+        "engine": engine,
+        "load": load,
+        "decode_tps": per_run(lambda r: decode_tps(r["outs"])),
+        "tps": per_run(lambda r: sum(o.tokens for o in r["outs"]) / r["wall"]),
+        "ttft_p50": per_run(lambda r: percentile([o.ttft for o in r["outs"]], 50)),
+        "ttft_p99": per_run(lambda r: percentile([o.ttft for o in r["outs"]], 99)),
+        "ttft_first": per_run(lambda r: r["outs"][0].ttft),
+        "itl_p50_ms": per_run(lambda r: _ms(percentile([g for o in r["outs"] for g in o.gaps], 50))),
+        "itl_p99_ms": per_run(lambda r: _ms(percentile([g for o in r["outs"] for g in o.gaps], 99))),
+        "hit_rate": per_run(lambda r: _hit_rate(r)) if engine == "localkv" else None,
+        "peak_blocks": per_run(lambda r: r["peak"]["used"] if r["peak"] else None),
+        "peak_shared_blocks": per_run(lambda r: r["peak"]["shared"] if r["peak"] else None),
+        "wall_s": per_run(lambda r: r["wall"]),
+        "tokens": sum(o.tokens for o in runs[-1]["outs"]),
+        "preemptions": per_run(lambda r: r["metrics"].get("localkv_preemptions_total")),
+    }
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1000
+
+
+def _hit_rate(run: dict) -> float | None:
+    """Cached prompt tokens of requests 2..N over their system prompt's tokens (the request that
+    computed the prompt is the one with the fewest cached tokens)."""
+    outs = sorted(run["outs"], key=lambda o: o.cached)[1:]
+    return sum(o.cached for o in outs) / (len(outs) * run["system_tokens"]) if outs else None
+
+
+def _summary(rows: list[dict], runs: dict, reps: int) -> dict:
+    burst, serial = rows[0], rows[1]
+    s = {
+        "reps": reps,
+        "decode_speedup_at_once": ratio(burst["decode_tps"], serial["decode_tps"]),
+        "all_tps_speedup_at_once": ratio(burst["tps"], serial["tps"]),
+        "ttft_one_alone_s": serial["ttft_first"],
+        "ttft_p99_vs_alone": ratio(burst["ttft_p99"], serial["ttft_first"]),
+        "peak_shared_blocks": burst["peak_shared_blocks"],
+        "preemptions": burst["preemptions"],
+    }
+    if len(rows) > 2:
+        s["all_tps_vs_llama_cpp_server"] = ratio(burst["tps"], rows[2]["tps"])
+        s["decode_tps_vs_llama_cpp_server"] = ratio(burst["decode_tps"], rows[2]["decode_tps"])
+    return s
+
+
+def _targets(rows: list[dict], runs: dict, full: bool) -> list[Target]:
+    burst, serial = rows[0], rows[1]
+    x = ratio(burst["decode_tps"], serial["decode_tps"])
+    peer = ratio(burst["tps"], rows[2]["tps"]) if len(rows) > 2 else None
+    hit, ttft = burst["hit_rate"], ratio(burst["ttft_p99"], serial["ttft_first"])
+
+    def judged(ok):
+        return ok if full else None
+
+    t = TARGETS
+    return [
+        Target(
+            "aggregate decode t/s, clients at once vs one at a time",
+            _x(x),
+            f">= {t['batching']:g}x",
+            judged(x is not None and x >= t["batching"]),
+        ),
+        Target(
+            "aggregate t/s vs llama-cpp-python's server, same load",
+            _x(peer),
+            f">= {t['vs_peer']:g}x",
+            judged(peer >= t["vs_peer"]) if peer is not None else None,
+        ),
+        Target(
+            "prefix hit rate over requests 2..N (share of the system prompt's tokens)",
+            "n/a" if hit is None else f"{hit * 100:.1f}%",
+            f">= {t['hit_rate'] * 100:.0f}%",
+            judged(hit is not None and hit >= t["hit_rate"]),
+        ),
+        Target(
+            "p99 TTFT of the clients at once vs one request alone",
+            _x(ttft),
+            f"<= {t['ttft']:g}x",
+            judged(ttft is not None and ttft <= t["ttft"]),
+        ),
+    ]
+
+
+def _x(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def _command(o: Options, threads: int) -> str:
+    cmd = o.command("serve", threads)
+    if o.vs and "--vs" not in cmd:
+        cmd += f" --vs {o.vs}"
+    if o.reps and " -r " not in cmd:
+        cmd += f" -r {o.reps}"
+    return cmd
