@@ -97,6 +97,19 @@ class Scheduler:
         self._reap()
         return True
 
+    def abort_all(self, reason: str) -> list[Request]:
+        """Finish every request, queued or running, and free its blocks: what a server does when
+        a step failed (a bug), so that one bad step neither leaks blocks nor stops the others
+        from being answered. Returns the requests it finished."""
+        with self._lock:
+            items, self._inbox = list(self._inbox), deque()
+        reqs = list(dict.fromkeys([*self.running, *self.waiting, *(r for op, r, _ in items if op == "add")]))
+        for req in reqs:
+            if not req.done:
+                req.cancel(reason)
+        self.running, self.waiting = [], deque()
+        return reqs
+
     def _take_inbox(self):
         with self._lock:
             items, self._inbox = list(self._inbox), deque()

@@ -1,0 +1,44 @@
+"""`localkv serve`: OpenAI's HTTP API on a local port, many requests batched over one KV pool."""
+
+import os
+
+import typer
+
+from localkv.cli.app import err
+from localkv.cli.options import engine_options
+from localkv.config import EngineConfig
+from localkv.errors import LocalkvError
+
+
+@engine_options()
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8080, "--port", help="TCP port (0: any free one)."),
+    max_seqs: int = typer.Option(64, "--max-seqs", help="Most sequences decoded at once (n choices count n)."),
+    max_queue: int = typer.Option(
+        256, "--max-queue", help="Requests that may wait beyond --max-seqs; past it the server answers 429."
+    ),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        help="Require 'Authorization: Bearer KEY' (else 401). Default: $LOCALKV_API_KEY, or no key.",
+        show_default=False,
+    ),
+    log_requests: bool = typer.Option(False, "--log-requests", help="Log each HTTP request on stderr."),
+    *,
+    engine: EngineConfig,
+):
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models),
+    with /health and Prometheus /metrics. Requests share one KV block pool: they are batched step
+    by step (continuous batching), a common prompt prefix is computed once, and n choices are
+    forks of one prompt. The model loads after the port is open (/health answers 503 until then)."""
+    from localkv.serve.server import ServeOptions
+    from localkv.serve.server import serve as run_server
+
+    if max_seqs < 1:
+        raise LocalkvError(f"invalid --max-seqs {max_seqs}: must be >= 1")
+    if max_queue < 0:
+        raise LocalkvError(f"invalid --max-queue {max_queue}: must be >= 0")
+    key = api_key if api_key is not None else os.environ.get("LOCALKV_API_KEY") or None
+    opts = ServeOptions(host, port, max_seqs, max_queue, key, log_requests)
+    run_server(engine, opts, say=err)

@@ -1,0 +1,147 @@
+"""Running the app: a listening socket (bound before uvicorn starts, so a port in use is one
+clear error), uvicorn in the foreground for `localkv serve`, or in a background thread for tests
+and the bench. The model loads after the socket listens."""
+
+import contextlib
+import ipaddress
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+
+import uvicorn
+
+from localkv.config import EngineConfig
+from localkv.errors import LocalkvError
+from localkv.serve.app import create_app
+from localkv.serve.runner import Runner
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_seqs: int = 64
+    max_queue: int = 256
+    api_key: str | None = None
+    log_requests: bool = False
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: any free one); LocalkvError when it cannot be."""
+    if not 0 <= port <= 65535:
+        raise LocalkvError(f"invalid --port {port}: must be in 0..65535")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise LocalkvError(f"cannot listen on {host!r}: {e.strerror} (check --host)") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise LocalkvError(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another --port)") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _uvicorn(app, opts: ServeOptions) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app,
+        log_level="info" if opts.log_requests else "warning",
+        access_log=opts.log_requests,
+        timeout_graceful_shutdown=3,
+        lifespan="on",
+    )
+    return uvicorn.Server(config)
+
+
+def serve(engine: EngineConfig, opts: ServeOptions, say=print) -> None:
+    """Serve until Ctrl-C (or SIGTERM). A model that fails to load stops the server: LocalkvError."""
+    sock = listen(opts.host, opts.port)
+    runner = Runner(engine, opts.max_seqs, opts.max_queue)
+    server = _uvicorn(create_app(runner, opts.api_key), opts)
+    url = url_of(sock)
+
+    def on_state(state: str):
+        if state == "failed":
+            server.should_exit = True
+            return
+        e = runner.engine
+        say(
+            f"localkv serve: {e.cfg.name} ready in {runner.load_s:.1f}s; KV pool {e.pool.num_blocks} blocks of "
+            f"{e.block_size} tokens; up to {opts.max_seqs} sequences at once"
+        )
+
+    runner.on_state = on_state
+    if not is_loopback(opts.host) and not opts.api_key:
+        say(f"localkv serve: warning: listening on {opts.host} without --api-key: anyone who reaches it can use it")
+    say(f"localkv serve: listening on {url} (OpenAI API at {url}/v1; /health, /metrics); loading the model...")
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C: a normal stop
+        say("localkv serve: stopped")
+    finally:
+        sock.close()
+    if runner.state == "failed":
+        raise LocalkvError(runner.error)
+
+
+class BackgroundServer:
+    """The server in a thread on a free loopback port (tests, the bench): `with BackgroundServer(
+    config) as s:` waits for the model, then s.url and s.runner (its engine, for pool checks)."""
+
+    def __init__(
+        self, engine: EngineConfig, opts: ServeOptions | None = None, wait: bool = True, runner: type = Runner
+    ):
+        self.opts = opts or ServeOptions(port=0)
+        self.sock = listen(self.opts.host, self.opts.port)
+        self.url = url_of(self.sock)
+        self.runner = runner(engine, self.opts.max_seqs, self.opts.max_queue)
+        self._ready = threading.Event()
+        self.runner.on_state = lambda state: self._ready.set()
+        self.server = _uvicorn(create_app(self.runner, self.opts.api_key), self.opts)
+        self._thread = threading.Thread(target=self._run, name="localkv-http", daemon=True)
+        self._wait = wait
+
+    def _run(self):
+        try:
+            self.server.run(sockets=[self.sock])
+        except BaseException as e:  # shown, not lost in a thread
+            print(f"localkv serve: the HTTP thread stopped: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def __enter__(self) -> "BackgroundServer":
+        self._thread.start()
+        if self._wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 300.0):
+        if not self._ready.wait(timeout) or self.runner.state != "ready":
+            self.stop()
+            raise LocalkvError(f"the server did not start: {self.runner.error or 'timed out loading the model'}")
+
+    def stop(self):
+        self.server.should_exit = True
+        self._thread.join(30)
+        self.runner.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def __exit__(self, *exc):
+        self.stop()
