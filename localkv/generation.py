@@ -5,20 +5,29 @@ With n > 1 every branch is a fork of the prompt's sequence (same block table, re
 block): full prompt blocks stay shared to the end, and a branch's first write into the shared,
 partly filled last block copies it (copy-on-write). `advance` is the one place where a sampled
 token is appended to a branch and a branch is declared finished.
+
+Stop strings are matched on the streamed text: text that may be the start of one is held back
+until it completes one (the branch finishes "stop"; the stop string and anything after it are
+never shown) or cannot any more. The tokens that spelled the stop string were computed, so
+their K/V was written; it is freed with the branch's sequence when the branch finishes.
+A constrained reply (params.constraint) has one grammar matcher per branch, in its sampler.
 """
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
+from localkv.grammar import Grammar
 from localkv.model.tokenizer import TokenStreamer
-from localkv.sampling import Sampler, SamplingParams
+from localkv.progress import PrefillProgress
+from localkv.sampling import Sampler, SamplingParams, TokenLogprob
 from localkv.sequence import Sequence
+from localkv.stops import StopScanner
 
 
 @dataclass(slots=True)
@@ -35,6 +44,8 @@ class Branch:
     stop_detail: str = ""
     peak_active_tokens: int = 0  # most tokens of K/V the branch attended to in one layer
     stored: int = 0  # tokens of K/V it held when it finished
+    stops: StopScanner = field(default_factory=lambda: StopScanner(()))
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, with params.logprobs
 
 
 @dataclass(slots=True)
@@ -109,12 +120,18 @@ class Generation:
         params: SamplingParams | None = None,
         n: int = 1,
         queued: bool = False,
+        on_progress: Callable[[PrefillProgress], None] | None = None,
     ):
+        """on_progress: called with the prefill's progress after each step that computed part of
+        the prompt, and once when it is done (when this Generation drives its own scheduler)."""
         self._t0 = time.perf_counter()  # TTFT counts the wait, the prefix lookup and the prefill
         self.params = (params or SamplingParams()).validate()
         if n < 1:
             raise LocalkvError(f"invalid branch count {n}: must be >= 1")
         engine.check_fits(len(prompt_ids), self.params.max_tokens, n, queued)  # queued: for a shared scheduler
+        c = self.params.constraint  # a bad grammar fails here, before any work
+        self.grammar = Grammar.compile(c, engine.tokenizer) if c is not None else None
+        self.on_progress = on_progress
         self.engine, self.n, self.prompt = engine, n, list(prompt_ids)
         self.result = Result([], len(prompt_ids), load_s=engine.loaded.load_s)
         self.stop_ids = frozenset() if self.params.ignore_eos else frozenset(engine.tokenizer.stop_ids)
@@ -125,6 +142,7 @@ class Generation:
         self._t_prefilled = 0.0
         self._persisted = False
         self._admitted = False
+        self._progress_done = False
 
     # ------------------------------------------------------------ for its consumer
 
@@ -136,6 +154,7 @@ class Generation:
         try:
             while not self.done:
                 sched.step()
+                self._report_progress()
                 yield from self.pieces()
             yield from self.pieces()
         except KeyboardInterrupt:
@@ -147,6 +166,19 @@ class Generation:
         except BaseException:
             self.cancel("error")
             raise
+
+    def _report_progress(self):
+        if self.on_progress is None or self._progress_done:
+            return
+        if self._t_prefilled:  # the prompt is computed: one last report, the bar goes away
+            self._progress_done = True
+            self.on_progress(self._progress(self.result.prompt_tokens))
+        elif self.root is not None and self.root.num_computed > self.result.cached_tokens:
+            self.on_progress(self._progress(self.root.num_computed))
+
+    def _progress(self, done: int) -> PrefillProgress:
+        r = self.result
+        return PrefillProgress(done, r.prompt_tokens, r.cached_tokens, time.perf_counter() - self._t0)
 
     def pieces(self) -> Iterator[Piece]:
         """The text streamed since the last call (safe from another thread)."""
@@ -250,18 +282,21 @@ class Generation:
             return
         seqs = [root] + [eng.fork(root) for _ in range(self.n - 1)]
         for i, seq in enumerate(seqs):
-            b = Branch(i, seq, Sampler(self.params.for_branch(i)), eng.tokenizer.streamer())
+            matcher = self.grammar.matcher() if self.grammar is not None else None  # each branch its own
+            b = Branch(i, seq, Sampler(self.params.for_branch(i), matcher), eng.tokenizer.streamer())
+            b.stops = StopScanner(self.params.stop)
             b.peak_active_tokens = eng.policy.active_tokens(seq)
             r.branches.append(b)
         self.advance(list(r.branches), [logits] * self.n)
         self._after_advance()
 
     def advance(self, live: list[Branch], rows) -> None:
-        """Sample each live branch's next token from its logits row, append it, stream its text,
-        and finish the branch on a stop token, max_tokens or the context's end."""
+        """Sample each live branch's next token from its logits row (its tokens so far are the
+        penalties' history), append it, stream its text, and finish the branch on a stop token,
+        a stop string, max_tokens or the context's end."""
         eng, p, r = self.engine, self.params, self.result
         for b, row in zip(live, rows):
-            tok = b.sampler(row)
+            tok = b.sampler(row, b.seq.tokens)
             if not r.ttft_s:
                 r.ttft_s = time.perf_counter() - self._t0
             b.peak_active_tokens = max(b.peak_active_tokens, eng.policy.active_tokens(b.seq))
@@ -270,14 +305,27 @@ class Generation:
                 continue
             b.tokens.append(tok)
             b.seq.tokens.append(tok)
-            piece = b.streamer.push(tok)
-            b.text += piece
-            if piece:
-                self._out.append(Piece(b.index, piece))
+            if b.sampler.last is not None:
+                b.logprobs.append(b.sampler.last)
+            self._emit(b, b.streamer.push(tok))
+            if b.finish_reason:  # a stop string
+                continue
             if len(b.tokens) >= p.max_tokens:
                 b.finish_reason = "length"
-            elif len(b.seq.tokens) >= eng.cfg.ctx_len and eng.policy.config.policy == "none":
+            elif len(b.seq.tokens) >= eng.ctx and eng.policy.config.policy == "none":
                 b.finish_reason = "context"
+
+    def _emit(self, b: Branch, text: str, last: bool = False):
+        """Stream a branch's text past its stop strings (last: the branch ended, release what
+        was held back)."""
+        shown = b.stops.push(text)
+        if b.stops.hit and not b.finish_reason:
+            b.finish_reason, b.stop_detail = "stop", f"stop string {b.stops.hit!r}"
+        elif last:
+            shown += b.stops.flush()
+        b.text += shown
+        if shown:
+            self._out.append(Piece(b.index, shown))
 
     def _after_advance(self):
         """Free the sequences of finished branches at once (their blocks go to other requests);
@@ -300,10 +348,7 @@ class Generation:
         r.unshared_blocks = sum(-(-b.stored // bs) for b in r.branches)
         r.cow_copies = eng.stats.cow_copies - self._cow0
         for b in r.branches:
-            tail = b.streamer.flush()
-            b.text += tail
-            if tail:
-                self._out.append(Piece(b.index, tail))
+            self._emit(b, b.streamer.flush(), last=True)
         self.done = True
 
     def _persist(self, seq: Sequence):

@@ -1,11 +1,43 @@
-"""Token sampling: greedy, temperature, top-k, top-p, seeded."""
+"""Token sampling as llama.cpp and Ollama users know it: a grammar mask, repetition penalties
+over the branch's recent tokens, top-k, temperature, top-p, min-p and a seeded draw; and the
+log-probabilities of what was drawn.
+
+The order, one pass per token: mask -> penalties -> top-k -> temperature -> top-p -> min-p ->
+draw. Log-probabilities are the log-softmax of the row after the mask and the penalties, at
+temperature 1 and before any truncation: what the model, so constrained and penalized, thinks of
+every token (OpenAI's and llama-server's default reading), finite for every token the grammar
+allows and the same whatever the temperature, so a greedy run still reports them.
+"""
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 
 from localkv.errors import LocalkvError
+
+CONSTRAINT_KINDS = ("json", "json_schema", "grammar", "regex")
+MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's limit
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the reply must match: `json` (any JSON object), `json_schema` (text: a JSON Schema),
+    `grammar` (text: Lark or GBNF) or `regex`. grammar.py compiles it against a vocabulary."""
+
+    kind: str
+    text: str = ""
+    source: str = ""  # where the text came from (a file name), for error messages
+
+    def validate(self) -> "Constraint":
+        if self.kind not in CONSTRAINT_KINDS:
+            raise LocalkvError(f"unknown output format {self.kind!r}: use one of {', '.join(CONSTRAINT_KINDS)}")
+        if self.kind != "json" and not self.text.strip():
+            what = self.kind.replace("_", " ") + (f" in {self.source}" if self.source else "")
+            raise LocalkvError(f"empty {what}: nothing to constrain the reply to")
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +50,20 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 512  # most tokens per reply
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
+    repeat_penalty: float = 1.0  # recent tokens' logits: positive ones divided by it, negative ones multiplied
+    repeat_last_n: int = 64  # how many recent tokens (prompt included) the penalties look at; -1 = all, 0 = off
+    presence_penalty: float = 0.0  # subtracted once from the logit of every recent token
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the recent tokens
+    stop: tuple[str, ...] = ()  # strings that end the reply; not part of it
+    logprobs: int | None = None  # record each token's log-probability and this many top alternatives
+    constraint: Constraint | None = None  # structured output (grammar.py)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
 
     def validate(self) -> "SamplingParams":
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -26,11 +72,34 @@ class SamplingParams:
             raise LocalkvError(f"invalid top-k {self.top_k}: must be >= 0 (0 = off)")
         if not (0 < self.top_p <= 1):
             raise LocalkvError(f"invalid top-p {self.top_p}: must be in (0, 1]")
+        if not (0 <= self.min_p <= 1):
+            raise LocalkvError(f"invalid min-p {self.min_p}: must be in [0, 1] (0 = off)")
+        if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
+            raise LocalkvError(f"invalid repeat penalty {self.repeat_penalty}: must be a finite number > 0 (1 = off)")
+        if self.repeat_last_n < -1:
+            raise LocalkvError(f"invalid repeat-last-n {self.repeat_last_n}: must be >= 0, or -1 for all tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise LocalkvError(f"invalid {name.replace('_', ' ')} {getattr(self, name)}: must be a finite number")
         if self.seed is not None and self.seed < 0:
             raise LocalkvError(f"invalid seed {self.seed}: must be >= 0")
         if self.max_tokens < 1:
             raise LocalkvError(f"invalid max tokens {self.max_tokens}: must be >= 1")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise LocalkvError("invalid stop string: an empty one would stop before the first token")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise LocalkvError(f"invalid logprobs {self.logprobs}: must be in 0..{MAX_LOGPROBS} (top alternatives)")
+        if self.constraint is not None:
+            self.constraint.validate()
+            if self.ignore_eos:
+                raise LocalkvError("--ignore-eos does not go with a constrained output: the end token ends the match")
         return self
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes a logit."""
+        active = self.repeat_penalty != 1 or self.presence_penalty or self.frequency_penalty
+        return bool(active) and self.repeat_last_n != 0
 
     def for_branch(self, i: int) -> "SamplingParams":
         """Branch i of a fork samples with seed + i: reproducible, and not the same reply n times."""
@@ -38,7 +107,36 @@ class SamplingParams:
 
     def as_dict(self) -> dict:
         """What the conversation log records with a reply."""
-        return {f: getattr(self, f) for f in ("temperature", "top_k", "top_p", "seed", "max_tokens")}
+        keys = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens")
+        d = {f: getattr(self, f) for f in keys}
+        if self.penalized:
+            d |= {f: getattr(self, f) for f in _PENALTIES}
+        if self.stop:
+            d["stop"] = list(self.stop)
+        if self.constraint is not None:
+            d["format"] = self.constraint.kind
+        return d
+
+
+_PENALTIES = ("repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One sampled token's log-probability and the `top` most likely tokens with theirs (highest
+    first), read from the row the sampler drew from (see the module's docstring)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = field(default=())
+
+
+class Matcher(Protocol):
+    """A grammar's state for one branch (grammar.py builds them)."""
+
+    def allowed(self) -> np.ndarray: ...  # bool per token id of the vocabulary: may come next
+
+    def accept(self, token: int) -> None: ...  # the token drawn; advances the state
 
 
 def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
@@ -57,17 +155,92 @@ def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
     return cand[np.argpartition(row[cand], -k)[-k:]]
 
 
+def recent(history: Sequence[int], n: int) -> Sequence[int]:
+    """The tokens the penalties look at: the last n (-1: all, 0: none)."""
+    if n == 0:
+        return ()
+    return history if n < 0 or len(history) <= n else history[-n:]
+
+
+def apply_penalties(row: np.ndarray, tokens: Sequence[int], repeat=1.0, presence=0.0, frequency=0.0) -> None:
+    """llama.cpp's penalties, in place, for every distinct token t among `tokens` (c times):
+    logit / repeat if it is positive, else logit x repeat; then logit - c x frequency - presence."""
+    if len(tokens) == 0:
+        return
+    ids, counts = np.unique(np.asarray(tokens, dtype=np.int64), return_counts=True)
+    inside = (ids >= 0) & (ids < row.size)
+    ids, counts = ids[inside], counts[inside]
+    if repeat != 1:
+        v = row[ids]
+        row[ids] = np.where(v > 0, v / repeat, v * repeat)
+    if presence or frequency:
+        row[ids] -= (counts * frequency + presence).astype(row.dtype)
+
+
+def apply_mask(row: np.ndarray, allowed: np.ndarray) -> None:
+    """-inf, in place, for every token not allowed (and for ids past the mask: a model's padded rows)."""
+    n = min(row.size, allowed.size)
+    row[:n][~allowed[:n]] = -np.inf
+    row[n:] = -np.inf
+
+
+def log_softmax(row: np.ndarray) -> np.ndarray:
+    x = row.astype(np.float64)
+    top = x.max()
+    with np.errstate(divide="ignore"):
+        return x - top - np.log(np.exp(x - top).sum())
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    """Draws one token per call from a logits row. `history` is the branch's tokens so far (the
+    prompt's included, as llama.cpp's penalty window has them); a grammar `matcher` masks the row
+    and is advanced by the token drawn. With params.logprobs set, `last` holds the drawn token's
+    TokenLogprob after each call."""
+
+    def __init__(self, params: SamplingParams, matcher: Matcher | None = None):
         params.validate()
         self.p = params
         self.rng = np.random.default_rng(params.seed)
+        self.matcher = matcher
+        self.last: TokenLogprob | None = None
 
-    def __call__(self, logits: np.ndarray) -> int:
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        allowed = self.matcher.allowed() if self.matcher is not None else None
+        row = self.adjusted(logits, history, allowed)
+        cand = None if allowed is None else np.flatnonzero(allowed[: row.size])
+        if cand is not None and cand.size == 0:
+            raise LocalkvError("the grammar allows no token of this model's vocabulary next: it cannot be matched")
+        tok = self._draw(row, cand)
+        if self.matcher is not None:
+            self.matcher.accept(tok)
+        if self.p.logprobs is not None:
+            self.last = self._logprob(row, tok)
+        return tok
+
+    def adjusted(
+        self, logits: np.ndarray, history: Sequence[int] = (), allowed: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The row after the grammar mask (`allowed`) and the penalties; logits itself when
+        neither applies."""
+        p = self.p
+        window = recent(history, p.repeat_last_n) if p.penalized else ()
+        if allowed is None and len(window) == 0:
+            return logits
+        row = np.array(logits, dtype=np.float32)
+        if allowed is not None:
+            apply_mask(row, allowed)
+        apply_penalties(row, window, p.repeat_penalty, p.presence_penalty, p.frequency_penalty)
+        return row
+
+    def _draw(self, logits: np.ndarray, cand: np.ndarray | None) -> int:
+        """cand: the ids a mask allows (None: all). The rest of a masked row is -inf: drawing
+        among cand alone gives the same result without scanning the whole vocabulary."""
         p = self.p
         if p.temperature == 0:
-            return int(np.argmax(logits))
-        if 0 < p.top_k < logits.size:
+            return int(np.argmax(logits)) if cand is None else int(cand[np.argmax(logits[cand])])
+        if cand is not None:
+            idx = cand[top_k_indices(logits[cand], p.top_k)] if 0 < p.top_k < cand.size else cand
+        elif 0 < p.top_k < logits.size:
             idx = top_k_indices(logits, p.top_k)
         else:
             idx = np.arange(logits.size)
@@ -77,9 +250,22 @@ class Sampler:
         # shift before scaling: every value is <= 0, so any temperature > 0 (subnormal ones too)
         # gives exponents in [-inf, 0] and a valid distribution; tiny ones put all mass on the top
         with np.errstate(over="ignore"):
-            probs = np.exp((sub - sub[0]) / p.temperature)
+            probs = np.exp((sub - sub[0]) / p.temperature)  # masked tokens: exp(-inf) = 0
         probs /= probs.sum()
         if p.top_p < 1:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
             idx, probs = idx[:keep], probs[:keep] / probs[:keep].sum()
+        if p.min_p > 0:  # probs are sorted: the kept ones are a head
+            keep = max(1, int(np.count_nonzero(probs >= p.min_p * probs[0])))
+            idx, probs = idx[:keep], probs[:keep] / probs[:keep].sum()
         return int(idx[self.rng.choice(len(idx), p=probs)])
+
+    def _logprob(self, row: np.ndarray, tok: int) -> TokenLogprob:
+        lp = log_softmax(row)
+        n = min(self.p.logprobs or 0, lp.size)
+        top: tuple[tuple[int, float], ...] = ()
+        if n:
+            idx = top_k_indices(lp, n)
+            idx = idx[np.argsort(-lp[idx], kind="stable")]
+            top = tuple((int(i), float(lp[i])) for i in idx if np.isfinite(lp[i]))
+        return TokenLogprob(tok, float(lp[tok]), top)

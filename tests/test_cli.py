@@ -111,7 +111,7 @@ def test_bad_model_files(tmp_path):
     trunc.write_bytes(write_gguf(tmp_path / "full.gguf").read_bytes()[:3000])
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"\x00" * 100)
-    assert_one_line_error(localkv("run", "hi", "-m", str(trunc)), "corrupt or truncated")
+    assert_one_line_error(localkv("run", "hi", "-m", str(trunc)), "truncated or corrupt")
     assert_one_line_error(localkv("run", "hi", "-m", str(junk)), "not a GGUF file")
     assert_one_line_error(localkv("run", "hi", "-m", str(tmp_path / "missing.gguf")), "unknown model")
 

@@ -31,7 +31,16 @@ from localkv.tui.widgets.kv_panel import KVPanel, KVSnapshot
 from localkv.tui.widgets.message import ChatMessage, clean
 from localkv.tui.widgets.prompt import PromptInput
 from localkv.tui.widgets.transcript import Transcript
-from localkv.tui.worker import RATE_S, EngineReady, ReplyChunk, ReplyDone, ReplyStarted, build_engine, generate
+from localkv.tui.worker import (
+    RATE_S,
+    EngineReady,
+    ReplyChunk,
+    ReplyDone,
+    ReplyProgress,
+    ReplyStarted,
+    build_engine,
+    generate,
+)
 
 WIDE = 100  # below this many columns only one side panel is shown at a time
 
@@ -341,6 +350,12 @@ class ChatApp(App):
         self.panel.last_turn = (event.cached_tokens, event.prompt_tokens)
         self._snap = event.snap
         self._tick()
+
+    @on(ReplyProgress)
+    def _reply_progress(self, event: ReplyProgress) -> None:
+        """A long prefill's progress in the reply's frame (the CLI draws the same on stderr)."""
+        p = event.progress
+        self._reply.view.border_subtitle = f"{p.cached}/{p.total} cached · …" if p.finished else p.summary()
 
     @on(ReplyChunk)
     async def _reply_chunk(self, event: ReplyChunk) -> None:

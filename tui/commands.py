@@ -5,6 +5,7 @@ and returns what should happen, in order, as plain values: notices to show (`Say
 for the app to carry out (`Goto`, `UseParams`, `Rebuild`, ...). Nothing here imports Textual, so
 every command is testable without a running app."""
 
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -16,7 +17,9 @@ from localkv.sampling import SamplingParams
 
 HELP = """\
 /system TEXT    set the system prompt (a new branch from the root)
-/set KEY VALUE  temperature top_p top_k max_tokens seed evict budget
+/set KEY VALUE  temperature top_p top_k min_p repeat_penalty repeat_last_n
+                presence_penalty frequency_penalty max_tokens seed stop evict budget
+                (/set stop "###" "User:" sets stop strings; /set stop none clears them)
 /fork [ID]      branch at the message picked in the tree (or ID)
 /branches       the tree: Enter switches branch, f forks, r regenerates
 /regen [ID]     regenerate the last reply (or ID's) as a sibling
@@ -25,7 +28,23 @@ HELP = """\
 /help  /bye
 Esc stops a reply, else leaves the input for the keys: p panel, b tree, r regen, f fork, i input
 F2 KV panel · F3 tree · ↑↓ history · Tab focus · Ctrl-Q quit"""
-SETTINGS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "evict", "budget")
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "seed",
+    "stop",
+)
+SETTINGS = (*SAMPLING_KEYS, "evict", "budget")
+FLOATS = ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+_DEFAULTS = SamplingParams()
+SHOWN = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # always in /set's summary
 ALIASES = {"?": "help", "exit": "bye", "quit": "bye", "tree": "branches"}
 
 
@@ -194,10 +213,13 @@ def set_(chat: Chat, arg: str) -> list[Effect]:
     key, value = key.lower().replace("-", "_"), value.strip()
     if not key:
         p, ev = chat.params, chat.config.evict
+        # the rest of the sampling keys only when they are on (differ from SamplingParams' defaults)
+        on = [k for k in SAMPLING_KEYS if k not in SHOWN and getattr(p, k) != getattr(_DEFAULTS, k)]
+        more = "".join(f" · {k} {_shown(getattr(p, k))}" for k in on)
         return [
             Say(
                 f"temperature {p.temperature} · top_p {p.top_p} · top_k {p.top_k} · max_tokens "
-                f"{p.max_tokens} · seed {p.seed} · evict {ev.policy} · budget {ev.budget}"
+                f"{p.max_tokens} · seed {p.seed}{more} · evict {ev.policy} · budget {ev.budget}"
             )
         ]
     if key not in SETTINGS:
@@ -212,17 +234,34 @@ def set_(chat: Chat, arg: str) -> list[Effect]:
             Say(f"{key} = {value}: building a new engine (the in-memory prefix cache starts empty)"),
             Rebuild(config),
         ]
-    params = replace(chat.params, **{key: number(key, value)}).validate()
-    return [UseParams(params), Say(f"{key} = {getattr(params, key)}")]
+    parsed = stop_strings(value) if key == "stop" else number(key, value)
+    params = replace(chat.params, **{key: parsed}).validate()
+    return [UseParams(params), Say(f"{key} = {_shown(getattr(params, key))}")]
+
+
+def stop_strings(value: str) -> tuple[str, ...]:
+    """/set stop's value: shell-style words ("a b" is one string); none/off clears them."""
+    if value.strip().lower() in ("none", "off"):
+        return ()
+    try:
+        return tuple(shlex.split(value))
+    except ValueError as e:
+        raise LocalkvError(f"invalid stop strings {value!r}: {e}") from None
+
+
+def _shown(v) -> str:
+    if isinstance(v, tuple):  # stop strings, quoted as /set stop takes them
+        return " ".join(shlex.quote(s) for s in v) or "(none)"
+    return str(v)
 
 
 def number(key: str, value: str) -> float | int | None:
-    """A /set value: a float for temperature and top_p, else an int; none/off clears seed and budget."""
+    """A /set value: a float for FLOATS, else an int; none/off clears seed and budget."""
     text = value.strip().lower()
     if key in ("seed", "budget") and text in ("none", "off"):
         return None
     try:
-        return float(text) if key in ("temperature", "top_p") else int(text)
+        return float(text) if key in FLOATS else int(text)
     except ValueError:
         raise LocalkvError(f"invalid {key} {value!r}: expected a number") from None
 

@@ -14,6 +14,7 @@ from localkv.conversations.turn import Turn
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
 from localkv.generation import Generation, Result
+from localkv.progress import PrefillProgress
 from localkv.sampling import SamplingParams
 from localkv.tui.widgets.kv_panel import KVSnapshot
 
@@ -39,6 +40,13 @@ class ReplyChunk(Message):
     text: str
     tps: float | None = None
     snap: KVSnapshot | None = None
+
+
+@dataclass
+class ReplyProgress(Message):
+    """A long prefill's progress (PrefillProgress.long), and once more when it is done."""
+
+    progress: PrefillProgress
 
 
 @dataclass
@@ -91,7 +99,9 @@ def generate(
     it between pieces."""
     try:
         tok = engine.tokenizer
-        gen = Generation(engine, tok.encode(tok.render_chat(turn.messages(prompt))), params)
+        gen = Generation(
+            engine, tok.encode(tok.render_chat(turn.messages(prompt))), params, on_progress=_progress_to(post)
+        )
     except Exception as e:  # too long for the context, pool too small, ...: nothing ran
         post(ReplyDone(None, KVSnapshot.of(engine), error=error_line(e)))
         return
@@ -112,6 +122,20 @@ def generate(
         except LocalkvError as e:
             done.error = f"error: not saved: {e}"
     post(done)
+
+
+def _progress_to(post: Post) -> Callable[[PrefillProgress], None]:
+    """A Generation's on_progress: a long prefill's progress to the reply's frame; the end of
+    one that was shown, so the frame goes back to the reply's own line."""
+    shown = False
+
+    def report(p: PrefillProgress):
+        nonlocal shown
+        if p.long or (shown and p.finished):
+            shown = True
+            post(ReplyProgress(p))
+
+    return report
 
 
 def _stream(

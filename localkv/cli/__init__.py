@@ -12,7 +12,8 @@ from localkv.cli.cache import cache_app
 from localkv.cli.chat import chat
 from localkv.cli.generate import fork, run
 from localkv.cli.log import log_command
-from localkv.cli.models import models, pull
+from localkv.cli.models import models, pull, rm, show
+from localkv.cli.serve import serve
 from localkv.errors import LocalkvError
 
 try:  # typer >= 0.20 carries its own copy of click
@@ -20,7 +21,7 @@ try:  # typer >= 0.20 carries its own copy of click
 except ImportError:
     from click import exceptions as _cx
 
-for command in (pull, models, run, fork, chat):
+for command in (pull, models, show, rm, run, fork, chat, serve):
     app.command()(command)
 app.command("log", help=log_command.__doc__)(log_command)
 app.add_typer(cache_app, name="cache", help="Inspect or clear the on-disk prefix cache.")

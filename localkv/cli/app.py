@@ -16,10 +16,31 @@ app = typer.Typer(
     "Models are kept under LOCALKV_HOME (default ~/.cache/localkv); the default model, "
     "SmolLM2-135M-Instruct, is pulled on first use.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+
+def _version(value: bool):
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"localkv {version('localkv')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("localkv (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(
+    show_version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+):
+    pass
+
 
 REPLACED = "undecodable bytes were replaced with U+FFFD"
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -15,7 +15,7 @@ REPS = typer.Option(
     "-r",
     "--repetitions",
     help="Timed reps, interleaved with --vs: speed 5 (mean ± sd, as llama-bench), fork and cache 3 (medians), "
-    "--quick 1.",
+    "grammar 5 (medians), --quick 1.",
 )
 VS = typer.Option(
     None,
@@ -29,7 +29,7 @@ LONG = typer.Option(
 SUITE = typer.Argument(
     "speed",
     help="speed (pp/tg t/s), memory (paged vs contiguous KV use), fork (best-of-8 sharing), cache (TTFT cold/warm, "
-    "chat hit rate), evict (perplexity under KV budgets), or all.",
+    "chat hit rate), evict (perplexity under KV budgets), grammar (decode t/s under a JSON schema's mask), or all.",
 )
 
 
@@ -48,7 +48,7 @@ def bench_command(
     *,
     engine: EngineConfig,
 ):
-    """Measure localkv: speed (default; pp512/tg128 like llama-bench), memory, fork, cache, evict or all.
+    """Measure localkv: speed (default; pp512/tg128 like llama-bench), memory, fork, cache, evict, grammar or all.
 
     Each suite prints what it measured, the hardware and load, the command that reproduces it, and
     the targets it checks. --vs llama.cpp runs llama-cpp-python on the same work in the same run."""

@@ -6,11 +6,11 @@ import sys
 import typer
 
 from localkv.cli.app import err, read_prompt, warn_disk
-from localkv.cli.options import engine_options, sampling_options
+from localkv.cli.options import Sampling, engine_options, sampling_options
+from localkv.cli.prefill_bar import PrefillBar
 from localkv.config import EngineConfig
 from localkv.conversations.turn import Turn, plan_turn
 from localkv.errors import LocalkvError
-from localkv.sampling import SamplingParams
 
 SystemOpt = typer.Option(None, "-s", "--system", help="System prompt (new conversations).")
 SaveOpt = typer.Option(False, "--no-save", help="Do not save this exchange in the conversation log.")
@@ -32,7 +32,7 @@ def _start(engine_cfg: EngineConfig):
 
 
 @engine_options()
-@sampling_options()
+@sampling_options(output=True)
 def run(
     prompt: str | None = typer.Argument(None, help="The prompt. Text piped on stdin is put before it."),
     system: str | None = SystemOpt,
@@ -45,7 +45,7 @@ def run(
     no_save: bool = SaveOpt,
     *,
     engine: EngineConfig,
-    sampling: SamplingParams,
+    sampling: Sampling,
 ):
     """Generate a reply to PROMPT and stream it to stdout; the exchange is saved in the conversation log."""
     from localkv.generation import Generation
@@ -53,7 +53,9 @@ def run(
     text = read_prompt(prompt)
     turn = plan_turn(not no_save, cont, cid, None, system, text)
     eng = _start(engine)
-    gen = Generation(eng, _prompt_ids(eng, turn, text, raw), sampling)
+    params = sampling.resolve(eng.path)
+    bar = PrefillBar()
+    gen = Generation(eng, _prompt_ids(eng, turn, text, raw), params, on_progress=bar)
     stream = not (no_stream or as_json)
     try:
         for piece in gen:
@@ -62,10 +64,14 @@ def run(
                 sys.stdout.flush()
     except KeyboardInterrupt:
         pass  # keep what was generated; the result says "interrupted"
+    finally:
+        bar.close()
     r = gen.result
-    _, reply_ids = turn.save(eng.cfg.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens, sampling)
+    _, reply_ids = turn.save(eng.cfg.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens, params)
     if as_json:
         out = _result_json(eng, r)
+        if params.logprobs is not None:
+            out["logprobs"] = _logprobs_json(eng, r.branches[0])
         if turn.store is not None:
             out["conversation_id"] = turn.store.short_id(turn.conversation_id)
             out["message_id"] = turn.store.short_id(reply_ids[0])
@@ -88,7 +94,7 @@ def run(
 
 
 @engine_options()
-@sampling_options(defaults={"max_tokens": 256})
+@sampling_options(defaults={"max_tokens": 256}, output=True)
 def fork(
     prompt: str | None = typer.Argument(
         None,
@@ -106,7 +112,7 @@ def fork(
     no_save: bool = SaveOpt,
     *,
     engine: EngineConfig,
-    sampling: SamplingParams,
+    sampling: Sampling,
 ):
     """Sample N alternative replies that share the prompt's KV blocks (best-of-N), decoded as one batch,
     and save them as sibling branches. All branches must fit the KV pool at once; the command says so
@@ -118,9 +124,14 @@ def fork(
     text = read_prompt(prompt, required=not from_msg)
     turn = plan_turn(not no_save, cont, cid, from_msg, system, text)
     eng = _start(engine)
-    res = Generation(eng, _prompt_ids(eng, turn, text, raw=False), sampling, n=branches).run()
+    params = sampling.resolve(eng.path)
+    bar = PrefillBar()
+    try:
+        res = Generation(eng, _prompt_ids(eng, turn, text, raw=False), params, n=branches, on_progress=bar).run()
+    finally:
+        bar.close()
     _, reply_ids = turn.save(
-        eng.cfg.name, text, [(b.text, len(b.tokens)) for b in res.branches], res.prompt_tokens, sampling
+        eng.cfg.name, text, [(b.text, len(b.tokens)) for b in res.branches], res.prompt_tokens, params
     )
     short = turn.store.short_id if turn.store is not None else (lambda i: None)
     bs = eng.block_size
@@ -143,8 +154,10 @@ def fork(
                     "completion_tokens": len(b.tokens),
                     "finish_reason": b.finish_reason,
                 }
+                | ({"logprobs": _logprobs_json(eng, b)} if params.logprobs is not None else {})
                 for i, b in enumerate(res.branches)
             ],
+            "ctx": eng.ctx,
             "kv": kv,
         }
         if turn.store is not None:
@@ -167,7 +180,8 @@ def fork(
             f"prompt eval:          {res.prompt_tokens} tokens ({res.cached_tokens} from the prefix cache) "
             f"in {res.prompt_s:.3f}s\n"
             f"eval:                 {res.completion_tokens} tokens in {res.eval_s:.3f}s, {t['eval_tps']:.2f} "
-            f"tokens/s across {len(res.branches)} branches"
+            f"tokens/s across {len(res.branches)} branches\n"
+            f"context:              {eng.ctx} tokens per sequence (--ctx)"
         )
         if turn.store is not None:
             err(f"conversation:         {short(turn.conversation_id)}")
@@ -182,6 +196,7 @@ def _result_json(engine, r) -> dict:
         "cached_tokens": r.cached_tokens,
         "finish_reason": r.finish_reason,
         "timings": r.timings(),
+        "ctx": engine.ctx,
         "kv": {
             "block_size": engine.block_size,
             "blocks_used": r.peak_blocks,
@@ -194,6 +209,25 @@ def _result_json(engine, r) -> dict:
             "peak_active_tokens": r.peak_active_tokens,
         },
     }
+
+
+def _logprobs_json(engine, branch) -> list[dict]:
+    """Per token: its text, id, log-probability and the top alternatives (sampling.py says
+    which distribution they are read from)."""
+    tok = engine.tokenizer
+
+    def text(i: int) -> str:
+        return tok.token_bytes(i).decode("utf-8", "replace")
+
+    return [
+        {
+            "token": text(lp.token),
+            "id": lp.token,
+            "logprob": round(lp.logprob, 6),
+            "top": [{"token": text(i), "id": i, "logprob": round(v, 6)} for i, v in lp.top],
+        }
+        for lp in branch.logprobs
+    ]
 
 
 def _print_verbose(engine, r):
@@ -213,6 +247,7 @@ def _print_verbose(engine, r):
         f"kv cache:             {r.peak_blocks} blocks x {engine.block_size} tokens "
         f"({r.peak_blocks * engine.block_size} slots for {r.prompt_tokens + r.completion_tokens} tokens) "
         f"of {engine.pool.num_blocks} blocks",
+        f"context:              {engine.ctx} tokens per sequence (--ctx)",
         f"finish reason:        {r.finish_reason}",
     ]
     if engine.prefix_caching:

@@ -1,20 +1,25 @@
 """Options shared by the commands that build an engine or sample replies, declared once.
 
 `@engine_options()` adds the engine's flags to a command and hands it one `engine:
-EngineConfig`; `@sampling_options()` adds the sampling flags and hands it `sampling:
-SamplingParams`. Defaults come from those two dataclasses, so `--help` and the library agree.
+EngineConfig`; `@sampling_options()` adds the sampling flags and hands it `sampling: Sampling`,
+the flags given, which resolve() turns into SamplingParams once the model is known (a model's
+catalog entry may set its own defaults: `--help` says "model default" for those). Defaults come
+from those dataclasses, so `--help` and the library agree.
 """
 
 import functools
 import inspect
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from localkv.config import EngineConfig
+from localkv.errors import LocalkvError
+from localkv.hub.catalog import sampling_for
 from localkv.kv.evict import EvictConfig
-from localkv.sampling import SamplingParams
+from localkv.sampling import MAX_LOGPROBS, Constraint, SamplingParams
 
 _ENGINE, _EVICT, _SAMPLING = EngineConfig(), EvictConfig(), SamplingParams()
 _EVICT_HELP = (
@@ -29,8 +34,9 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         str | None,
         None,
         ("-m", "--model"),
-        "Catalog name (see `localkv models`), a .gguf file, or a Hugging Face style directory "
-        "(config.json + *.safetensors + tokenizer.json). Default: smollm2-135m.",
+        "Catalog name (see `localkv models`), hf:OWNER/REPO/FILE.gguf (pulled from the hub on first use), "
+        "a .gguf file, or a Hugging Face style directory (config.json + *.safetensors + tokenizer.json). "
+        "Default: smollm2-135m.",
     ),
     "device": (str, _ENGINE.device, ("--device",), "auto (CUDA when CuPy sees a GPU, else CPU), cpu or cuda."),
     "threads": (int | None, None, ("--threads",), "CPU threads for matrix math (default: all cores)."),
@@ -47,20 +53,99 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
     "evict": (str, _EVICT.policy, ("--evict",), _EVICT_HELP),
     "sinks": (int, _EVICT.sinks, ("--sinks",), "Attention-sink tokens always kept (rounded up to whole blocks)."),
     "offload_dir": (str | None, None, ("--offload-dir",), "Spill offloaded blocks to a file here instead of RAM."),
+    "ctx": (
+        int | None,
+        None,
+        ("--ctx",),
+        "Most tokens one sequence may hold, prompt and reply (default: the model's context); the KV pool must hold it.",
+    ),
+    "kv_dtype": (
+        str,
+        _ENGINE.kv_dtype,
+        ("--kv-dtype",),
+        "K/V pool dtype: f32, f16, or auto (the backend's default: f16 on the CPU and on CUDA).",
+    ),
 }
+
+
+def _model_default(text: str, name: str) -> str:
+    return f"{text} [default: model default (see `localkv show`), else {getattr(_SAMPLING, name)}]"
+
 
 SAMPLING_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
     "max_tokens": (int, _SAMPLING.max_tokens, ("-n", "--max-tokens"), "Most tokens to generate (per reply)."),
-    "temperature": (float, _SAMPLING.temperature, ("-t", "--temperature"), "Sampling temperature; 0 = greedy."),
-    "top_k": (int, _SAMPLING.top_k, ("--top-k",), "Sample from the k most likely tokens; 0 = all."),
-    "top_p": (float, _SAMPLING.top_p, ("--top-p",), "Nucleus sampling threshold, in (0, 1]."),
+    # None: not given, so the model's catalog default (MODEL_SAMPLING) or SamplingParams' applies
+    "temperature": (
+        float | None,
+        None,
+        ("-t", "--temperature"),
+        _model_default("Sampling temperature; 0 = greedy.", "temperature"),
+    ),
+    "top_k": (
+        int | None,
+        None,
+        ("--top-k",),
+        _model_default("Sample from the k most likely tokens; 0 = all.", "top_k"),
+    ),
+    "top_p": (float | None, None, ("--top-p",), _model_default("Nucleus sampling threshold, in (0, 1].", "top_p")),
+    "min_p": (
+        float | None,
+        None,
+        ("--min-p",),
+        _model_default("Drop tokens less likely than MIN_P x the most likely one; 0 = off.", "min_p"),
+    ),
+    "repeat_penalty": (
+        float | None,
+        None,
+        ("--repeat-penalty",),
+        _model_default(
+            "Penalize the last --repeat-last-n tokens (llama.cpp's): 1 = off, 1.1 is mild.", "repeat_penalty"
+        ),
+    ),
+    "repeat_last_n": (
+        int | None,
+        None,
+        ("--repeat-last-n",),
+        _model_default("Recent tokens (prompt included) the penalties look at; -1 = all, 0 = off.", "repeat_last_n"),
+    ),
+    "presence_penalty": (
+        float | None,
+        None,
+        ("--presence-penalty",),
+        _model_default("Subtracted once from the logit of each recent token.", "presence_penalty"),
+    ),
+    "frequency_penalty": (
+        float | None,
+        None,
+        ("--frequency-penalty",),
+        _model_default("Subtracted from a recent token's logit per occurrence.", "frequency_penalty"),
+    ),
     "seed": (
         int | None,
         None,
         ("--seed",),
         "Random seed: the same seed gives the same text (branch i of a fork uses seed + i).",
     ),
+    "stop": (
+        list[str] | None,
+        None,
+        ("--stop",),
+        "End the reply at this text (repeatable); the stop text is not printed, its K/V is freed.",
+    ),
     "ignore_eos": (bool, False, ("--ignore-eos",), "Keep generating past end-of-sequence tokens."),
+}
+
+# what one reply's output must match or report: for commands that print replies (run, fork)
+OUTPUT_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
+    "logprobs": (
+        int | None,
+        None,
+        ("--logprobs",),
+        f"With --json: each token's log-probability and its top N alternatives (0..{MAX_LOGPROBS}).",
+    ),
+    "format": (str | None, None, ("--format",), "json: the reply is a JSON object (constrained sampling)."),
+    "schema": (Path | None, None, ("--schema",), "The reply matches this JSON Schema file (constrained sampling)."),
+    "grammar": (Path | None, None, ("--grammar",), "The reply matches this grammar file: Lark or GBNF."),
 }
 
 
@@ -74,8 +159,56 @@ def engine_config(values: dict) -> EngineConfig:
     return EngineConfig(**kept, evict=evict, prefix_cache=not v["no_cache"]).validate()
 
 
-def sampling_params(values: dict) -> SamplingParams:
-    return SamplingParams(**values).validate()
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """The sampling flags as given (None: not given), checked; resolve() adds the model's
+    catalog defaults once the model is known."""
+
+    values: dict
+
+    def resolve(self, model: str | Path | None) -> SamplingParams:
+        return sampling_for(model, self.values)
+
+
+def sampling_choice(values: dict) -> Sampling:
+    """The sampling options' values, checked before any model loads (a bad schema too)."""
+    v = dict(values)
+    constraint = _constraint(v.pop("format", None), v.pop("schema", None), v.pop("grammar", None))
+    given = {k: x for k, x in v.items() if x is not None} | ({"constraint": constraint} if constraint else {})
+    if "stop" in given:
+        given["stop"] = tuple(given["stop"])
+    SamplingParams(**given).validate()
+    if constraint is not None:
+        from localkv.grammar import check
+
+        check(constraint)
+    return Sampling(given)
+
+
+def _constraint(fmt: str | None, schema: Path | None, grammar: Path | None) -> Constraint | None:
+    chosen = [f for f, x in (("--format", fmt), ("--schema", schema), ("--grammar", grammar)) if x is not None]
+    if len(chosen) > 1:
+        raise LocalkvError(f"{' and '.join(chosen)} do not go together: pick one way to constrain the reply")
+    if fmt is not None:
+        if fmt.strip().lower() != "json":
+            raise LocalkvError(f"unknown --format {fmt!r}: use json (or --schema FILE for a JSON Schema)")
+        return Constraint("json")
+    if schema is not None:
+        return Constraint("json_schema", _read(schema, "--schema"), str(schema))
+    if grammar is not None:
+        return Constraint("grammar", _read(grammar, "--grammar"), str(grammar))
+    return None
+
+
+def _read(path: Path, flag: str) -> str:
+    try:
+        if not path.is_file():
+            raise LocalkvError(f"cannot read {flag} {path}: not a file")
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise LocalkvError(f"cannot read {flag} {path}: not UTF-8 text") from None
+    except OSError as e:
+        raise LocalkvError(f"cannot read {flag} {path}: {e.strerror or e}") from None
 
 
 def _with_options(specs: dict, names, flags: dict, defaults: dict, target: str, build):
@@ -111,6 +244,8 @@ def engine_options(*names: str, flags: dict | None = None, defaults: dict | None
     return _with_options(ENGINE_OPTIONS, names, flags or {}, defaults or {}, "engine", engine_config)
 
 
-def sampling_options(*names: str, flags: dict | None = None, defaults: dict | None = None):
-    """Add the sampling options (all, or `names`) to a command, passed to it as `sampling`."""
-    return _with_options(SAMPLING_OPTIONS, names, flags or {}, defaults or {}, "sampling", sampling_params)
+def sampling_options(*names: str, flags: dict | None = None, defaults: dict | None = None, output: bool = False):
+    """Add the sampling options (all, or `names`; with output, also OUTPUT_OPTIONS) to a command,
+    passed to it as `sampling`: a Sampling to resolve() once the model is known."""
+    specs = SAMPLING_OPTIONS | (OUTPUT_OPTIONS if output else {})
+    return _with_options(specs, names, flags or {}, defaults or {}, "sampling", sampling_choice)

@@ -271,7 +271,8 @@ def test_set_evict_or_budget_rebuilds_the_engine_from_its_config(line, evict):
     [
         (
             "/set bogus 1",
-            "unknown setting 'bogus': use one of temperature, top_p, top_k, max_tokens, seed, evict, budget",
+            "unknown setting 'bogus': use one of temperature, top_p, top_k, min_p, repeat_penalty, repeat_last_n, "
+            "presence_penalty, frequency_penalty, max_tokens, seed, stop, evict, budget",
         ),
         ("/set temperature", "/set temperature needs a value"),
         ("/set top_k many", "invalid top_k 'many': expected a number"),

@@ -1,0 +1,150 @@
+"""Structured output: a Constraint (sampling.py) compiled by llguidance, the grammar engine
+llama.cpp uses, against the model's own vocabulary, and one matcher per branch that masks the
+tokens the grammar cannot take next (the Sampler's `Matcher`).
+
+llguidance reads JSON Schema, Lark and GBNF (converted to Lark), and regular expressions; it
+needs no torch. Special tokens (the tokenizer's control tokens) reach it prefixed with 0xff, its
+convention for tokens that text can never produce, so a grammar cannot spell `<|im_end|>` as
+text; the model's stop tokens are its end-of-sequence tokens, allowed once the grammar accepts.
+"""
+
+import json
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
+
+import llguidance as llg
+import numpy as np
+
+from localkv.errors import LocalkvError, first_line
+from localkv.model.tokenizer import Tokenizer
+from localkv.sampling import Constraint
+
+# readable JSON with no free whitespace: a small model given flexible whitespace can spend its
+# whole reply on spaces and newlines; a schema's own "x-guidance" options override these
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT = {"type": "object"}
+
+_TOKENIZERS: "WeakKeyDictionary[Tokenizer, llg.LLTokenizer]" = WeakKeyDictionary()
+
+
+def grammar_text(c: Constraint) -> str:
+    """The constraint as an llguidance grammar (not yet checked)."""
+    where = f" in {c.source}" if c.source else ""
+    try:
+        if c.kind in ("json", "json_schema"):
+            schema = ANY_OBJECT if c.kind == "json" else json.loads(c.text)
+            if not isinstance(schema, dict):
+                raise LocalkvError(f"invalid JSON schema{where}: expected a JSON object, got {type(schema).__name__}")
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llg.grammar_from("regex" if c.kind == "regex" else "grammar", c.text)
+    except json.JSONDecodeError as e:
+        raise LocalkvError(
+            f"invalid JSON schema{where}: not JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        ) from None
+    except ValueError as e:
+        raise LocalkvError(f"invalid {c.kind.replace('_', ' ')}{where}: {first_line(e)}") from None
+
+
+def check(c: Constraint, tok: Tokenizer | None = None) -> str:
+    """The compiled grammar text, or one LocalkvError line saying what is wrong with it. Without
+    a tokenizer it runs before any model loads (a bad schema fails in a fraction of a second)."""
+    text = grammar_text(c.validate())
+    bad, messages = llg.LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer(tok) if tok else None)
+    if bad:
+        where = f" in {c.source}" if c.source else ""
+        raise LocalkvError(f"invalid {c.kind.replace('_', ' ')}{where}: {first_line(ValueError(messages[0]))}")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A checked grammar for one vocabulary; matcher() starts a branch at its beginning."""
+
+    text: str
+    tokenizer: llg.LLTokenizer
+    vocab_size: int
+
+    @classmethod
+    def compile(cls, c: Constraint, tok: Tokenizer) -> "Grammar":
+        return cls(check(c, tok), ll_tokenizer(tok), tok.vocab_size)
+
+    def matcher(self) -> "GrammarMatcher":
+        return GrammarMatcher(llg.LLMatcher(self.tokenizer, self.text, log_level=0), self.vocab_size)
+
+
+class GrammarMatcher:
+    """One branch's position in the grammar: the Sampler asks allowed() before each draw and
+    hands the drawn token to accept()."""
+
+    def __init__(self, m: llg.LLMatcher, vocab_size: int):
+        self._m, self._n = m, vocab_size
+        self._bits = np.zeros((vocab_size + 31) // 32, np.int32)
+
+    def allowed(self) -> np.ndarray:
+        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        self._raise_on_error()
+        return np.unpackbits(self._bits.view(np.uint8), count=self._n, bitorder="little").view(bool)
+
+    def accept(self, token: int) -> None:
+        if not self._m.consume_token(token):
+            self._raise_on_error()
+            raise RuntimeError(f"token {token} was drawn outside the grammar's mask (a bug in the sampler)")
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the text so far is a complete match."""
+        return self._m.is_accepting()
+
+    def _raise_on_error(self):
+        if self._m.is_error():
+            raise LocalkvError(f"the grammar engine stopped: {first_line(RuntimeError(self._m.get_error()))}")
+
+
+def ll_tokenizer(tok: Tokenizer) -> llg.LLTokenizer:
+    """llguidance's view of a vocabulary: each token's bytes (specials marked), the stop tokens
+    as its end-of-sequence tokens, and the model's own encoder. Built once per tokenizer."""
+    got = _TOKENIZERS.get(tok)
+    if got is None:
+        eos = sorted(tok.stop_ids, key=lambda i: (i != tok.eos_id, i))
+        got = _TOKENIZERS[tok] = llg.LLTokenizer(llg.TokenizerWrapper(_Vocab(tok)), eos_token=eos or None)
+    return got
+
+
+class _Vocab:
+    """The fields and the encode call llguidance's TokenizerWrapper reads."""
+
+    def __init__(self, tok: Tokenizer):
+        self._tok = tok
+        self._raw = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+        # control tokens decode to nothing when specials are skipped: that is what marks them
+        self.special_token_ids = [i for i, b in enumerate(self._raw) if b and tok.decode([i], skip_special=True) == ""]
+        self.tokens = list(self._raw)
+        for i in self.special_token_ids:
+            self.tokens[i] = b"\xff" + self.tokens[i]
+        self.eos_token_id = tok.eos_id if tok.eos_id is not None else min(tok.stop_ids, default=0)
+        self.bos_token_id = tok.bos_id
+        self._greedy: llg.LLTokenizer | None = None
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        """The model's own tokens for text when they spell exactly its bytes; else (a
+        SentencePiece encoder puts a space before the text) llguidance's greedy tokens, which
+        do: llguidance cuts forced text at token boundaries and needs the bytes to match."""
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        ids = self._tok.encode(data.decode("utf-8", "replace"), special=False, add_bos=False)
+        if b"".join(self._raw[i] for i in ids) == data:
+            return ids
+        if self._greedy is None:
+            self._greedy = llg.LLTokenizer(llg.TokenizerWrapper(_GreedyOnly(self)))
+        return self._greedy.greedy_tokenize(data.decode("utf-8", "replace"))
+
+
+class _GreedyOnly:
+    """The same vocabulary for an LLTokenizer used only for its greedy_tokenize (which never
+    calls back into Python)."""
+
+    def __init__(self, v: _Vocab):
+        self.tokens, self.special_token_ids = v.tokens, v.special_token_ids
+        self.eos_token_id, self.bos_token_id = v.eos_token_id, v.bos_token_id
+
+    def __call__(self, text) -> list[int]:
+        return []
