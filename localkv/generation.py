@@ -22,7 +22,6 @@ import numpy as np
 
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
-from localkv.grammar import Grammar
 from localkv.model.tokenizer import TokenStreamer
 from localkv.progress import PrefillProgress
 from localkv.sampling import Sampler, SamplingParams, TokenLogprob
@@ -130,7 +129,7 @@ class Generation:
             raise LocalkvError(f"invalid branch count {n}: must be >= 1")
         engine.check_fits(len(prompt_ids), self.params.max_tokens, n, queued)  # queued: for a shared scheduler
         c = self.params.constraint  # a bad grammar fails here, before any work
-        self.grammar = Grammar.compile(c, engine.tokenizer) if c is not None else None
+        self.grammar = _compile(c, engine.tokenizer) if c is not None else None
         self.on_progress = on_progress
         self.engine, self.n, self.prompt = engine, n, list(prompt_ids)
         self.result = Result([], len(prompt_ids), load_s=engine.loaded.load_s)
@@ -357,3 +356,9 @@ class Generation:
         if not self._persisted:
             self._persisted = True
             self.engine.persist_prompt(seq, self.result.prompt_tokens, self.result.cached_tokens)
+
+
+def _compile(constraint, tokenizer):
+    from localkv.grammar import Grammar  # llguidance loads only for a constrained reply
+
+    return Grammar.compile(constraint, tokenizer)

@@ -17,7 +17,6 @@ from pathlib import Path
 from localkv.errors import ModelError
 from localkv.home import models_dir, private_dir, sweep_stale
 from localkv.hub import catalog as registry
-from localkv.hub import hf
 from localkv.hub.catalog import DEFAULT_MODEL, CatalogEntry
 from localkv.hub.hf_ref import HfRef, is_hf
 from localkv.hub.progress import progress_bar, say
@@ -160,10 +159,10 @@ def pull(
     """Download, verify and store a catalog model or an hf: file; a no-op when a good copy is
     already there."""
     if entry is None and is_hf(name):
-        return hf.pull(HfRef.parse(name), progress=progress, force=force)
+        return _hf_pull(HfRef.parse(name), progress=progress, force=force)
     e = entry or registry.lookup(name)
     if e.hf is not None:
-        return hf.pull(e.hf, progress=progress, force=force, sha256=e.sha256 or None, size=e.size or None)
+        return _hf_pull(e.hf, progress=progress, force=force, sha256=e.sha256 or None, size=e.size or None)
     sweep_stale(e.path.parent, TEMPORARIES)
     if not force and is_pulled(e):
         say(progress, f"{e.name} is already pulled: {e.path}")
@@ -185,12 +184,18 @@ def pull(
     return e.path
 
 
+def _hf_pull(ref: HfRef, **kw) -> Path:
+    from localkv.hub import hf  # http and ssl load only when something is downloaded
+
+    return hf.pull(ref, **kw)
+
+
 def ensure_model(name: str = DEFAULT_MODEL, progress: bool = True, entry: CatalogEntry | None = None) -> Path:
     """The local file of a catalog model or an hf: file, pulled on first use; silent (and
     offline) when it is already there."""
     if entry is None and is_hf(name):
         ref = HfRef.parse(name)
-        return ref.path if ref.path.is_file() else hf.pull(ref, progress=progress)
+        return ref.path if ref.path.is_file() else _hf_pull(ref, progress=progress)
     e = entry or registry.lookup(name)
     if e.hf is not None:
         return e.path if e.path.is_file() else pull(e.name, progress=progress, entry=e)
