@@ -1,7 +1,8 @@
 // Paged attention over localkv's block pool (fp16 K/V, fp32 accumulation).
 //
 // NVRTC-compatible: device code only, no system headers beyond cuda_fp16.h, every
-// kernel extern "C" so CuPy's RawModule finds it by name. Loaded by localkv/ops_cupy.py.
+// kernel extern "C" so CuPy's RawModule finds it by name. Loaded by
+// localkv/backends/cuda_kernels.py, launched by cuda_attention.py.
 //
 // Layouts (element strides, all row-major):
 //   K/V pool of one layer  [num_blocks, block_size, kv_heads, HD]  (__half)

@@ -25,6 +25,7 @@ from localkv.errors import LocalkvError
 from localkv.model.tokenizer import TokenStreamer
 from localkv.progress import PrefillProgress
 from localkv.sampling import Sampler, SamplingParams, TokenLogprob
+from localkv.scheduler import Scheduler
 from localkv.sequence import Sequence
 from localkv.stops import StopScanner
 
@@ -146,8 +147,6 @@ class Generation:
     # ------------------------------------------------------------ for its consumer
 
     def __iter__(self) -> Iterator[Piece]:
-        from localkv.scheduler import Scheduler
-
         sched = Scheduler(self.engine, max_seqs=self.n)
         sched.add(self)
         try:

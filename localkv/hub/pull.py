@@ -23,8 +23,8 @@ from localkv.hub.progress import progress_bar, say
 
 CHUNK = 1 << 20
 # Temporaries in the models folder: pull's download folders, is_pulled's sidecar folders, and the
-# dequantized weight cache the loader writes beside a pulled model (.tmp-*.safetensors). A writer
-# killed mid-way (kill -9, power loss) leaves them behind; the next start sweeps them by age.
+# dequantized weight caches older versions of the loader wrote beside a model (.tmp-*.safetensors).
+# A writer killed mid-way (kill -9, power loss) leaves them behind; the next start sweeps them by age.
 TEMPORARIES = re.compile(r"\.(pull|verify)-.+|\.tmp-.+\.safetensors")
 
 

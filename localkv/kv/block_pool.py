@@ -96,7 +96,8 @@ class BlockPool:
 
     def release(self, bid: int):
         block = self.blocks[bid]
-        assert block.ref_count > 0, f"double free of block {bid}"
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of block {bid}")
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_queue[bid] = None
@@ -138,14 +139,17 @@ class BlockPool:
         }
 
     def check(self, tables: list[list[int]] = ()):
-        """Assert the invariants; tables are all live block tables."""
+        """Check the invariants (RuntimeError naming the first broken one); tables are all
+        live block tables."""
         held = [0] * self.num_blocks
         for table in tables:
             for bid in table:
                 held[bid] += 1
         for b in self.blocks:
-            assert (b.ref_count == 0) == (b.id in self.free_queue), f"block {b.id}: free queue out of sync"
-            if tables:
-                assert b.ref_count == held[b.id], f"block {b.id}: ref_count {b.ref_count} != {held[b.id]} tables"
+            if (b.ref_count == 0) != (b.id in self.free_queue):
+                raise RuntimeError(f"block {b.id}: free queue out of sync")
+            if tables and b.ref_count != held[b.id]:
+                raise RuntimeError(f"block {b.id}: ref_count {b.ref_count} != {held[b.id]} tables")
         for h, bid in self.cached.items():
-            assert self.blocks[bid].hash == h, f"cached hash of block {bid} out of sync"
+            if self.blocks[bid].hash != h:
+                raise RuntimeError(f"cached hash of block {bid} out of sync")

@@ -30,7 +30,7 @@ class KVManager:
     def __init__(self, pool: BlockPool, salt: bytes = b""):
         self.pool = pool
         self.bs = pool.block_size
-        self.salt = salt  # model fingerprint + block size + dtype: other models never match
+        self.salt = salt  # model fingerprint, block size, dtype, RoPE layout, KV format: nothing else matches
 
     def blocks_needed(self, seq: Sequence, n_new: int) -> int:
         have = len(seq.block_table) * self.bs
@@ -91,7 +91,8 @@ class KVManager:
         the chain stops at the first block that fails to load. The last prompt token is
         never matched: its logits are needed. Returns (tokens hit in memory, tokens loaded
         from disk)."""
-        assert not seq.block_table, "prefix matching is for fresh sequences"
+        if seq.block_table:
+            raise RuntimeError("prefix matching is for fresh sequences")
         n_full = (len(seq.tokens) - 1) // self.bs
         hashes = self.chain(seq.tokens, n_full)
         jobs = []  # (table index, hash, tokens, block id) to load from disk

@@ -1,9 +1,10 @@
 """A content-addressed store of KV blocks on disk, shared by every localkv process.
 
 An entry is one full block's K and V, keyed by the block's chain hash. The hash already
-covers the model fingerprint, block size and dtype (the KVManager salt), so another model
-never matches; entries still live under a directory per model so stats/ls/clear can work
-per model:  root/<fingerprint[:16]>/<hash hex[:2]>/<hash hex>.kvb
+covers the model fingerprint, block size, dtype, RoPE layout and KV format version (the
+KVManager salt, made by the engine), so another model or format never matches; entries
+still live under a directory per model so stats/ls/clear can work per model:
+    root/<fingerprint[:16]>/<hash hex[:2]>/<hash hex>.kvb
 
 The file format and its checks are in disk_entry.py. Writes go to a temp file in the same
 directory and are renamed into place, so readers see whole files or none; two processes may
