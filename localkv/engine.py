@@ -15,7 +15,7 @@ from localkv.kv.block_pool import BlockPool
 from localkv.kv.block_tables import KVManager
 from localkv.kv.disk_store import DiskStore
 from localkv.kv.evict import make_policy
-from localkv.model.llama import Llama, Span
+from localkv.model.llama import Llama, Span, check_backend
 from localkv.model.loader import load_model
 from localkv.model.weights import dense_weights
 from localkv.sequence import Sequence
@@ -43,12 +43,13 @@ class Engine:
         check_fits(self.path, cfg.kv_mem, kv_on_host=self.ops.xp is np)  # before mapping anything
         self.loaded = loaded = load_model(self.path, progress=progress)
         self.cfg, self.tokenizer = loaded.config, loaded.tokenizer
+        check_backend(self.cfg, self.ops)  # an architecture the backend cannot run: one line, before the device
         self.kv_dtype = _kv_dtype(cfg.kv_dtype, self.ops)
         self.ops.start(progress)  # kernels, after the model: a bad model fails first
         weights, model_cfg = loaded.weights, self.cfg
         if not getattr(self.ops, "quant_weights", False):  # a backend without kernels on quantized weights
             weights, model_cfg = dense_weights(weights, self.cfg, np.dtype(self.ops.act_dtype))
-        self.model = Llama(model_cfg, self.ops.prepare_weights(weights), self.ops)
+        self.model = Llama(model_cfg, self.ops.prepare_weights(weights), self.ops, n_ctx=cfg.ctx)
         self.stats = Stats()
         self.pool = self._new_pool()
         # validates the policy and opens the offload tier before any generation starts
@@ -56,7 +57,8 @@ class Engine:
         self.ctx = self._context()  # tokens one sequence may hold: --ctx, checked against the model and the pool
         # K/V of another dtype, RoPE order or format must never be read as these: all in the key
         dtype = self.kv_dtype.name
-        salt = f"{self.cfg.fingerprint}:{cfg.block_size}:{dtype}:rope-{model_cfg.rope_style}:{KV_FORMAT}"
+        rope = f"rope-{model_cfg.rope_style}{self.model.rope_variant}"
+        salt = f"{self.cfg.fingerprint}:{cfg.block_size}:{dtype}:{rope}:{KV_FORMAT}"
         self.kv = KVManager(self.pool, salt=salt.encode())
         self.prefix_caching = cfg.prefix_cache
         # entries in the pool's own dtype: loading is a checked copy, no conversion
@@ -295,10 +297,10 @@ class _DiskPrefix:
         pool = self.pool
         if pool.xp is np:
             return self.disk.load_into(self.fp, h, tokens, pool.k[:, bid], pool.v[:, bid])
-        kv = self.disk.read(self.fp, h, tokens)  # stored in the pool's dtype: no conversion
-        if kv is None:
+        kv = self.disk.read(self.fp, h, tokens)
+        if kv is None or kv.dtype != pool.k.dtype:  # as load_into: an entry of another dtype is a miss
             return False
-        pool.k[:, bid], pool.v[:, bid] = (pool.xp.asarray(a, dtype=pool.k.dtype) for a in kv)
+        pool.k[:, bid], pool.v[:, bid] = (pool.xp.asarray(a) for a in kv)
         return True
 
 

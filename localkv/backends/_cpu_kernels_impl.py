@@ -11,9 +11,9 @@ _OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=
 @njit(**_OPTS)
 def scores_8(q, kf, out):
     """out[h, r, j] = q[h, r] . kf[j, h*hd : (h+1)*hd] for q [kvh, R, hd] (R a multiple of 8),
-    kf [n, kvh*hd] (a contiguous run of pool blocks, tokens as rows), out [kvh, R, n]: the
-    attention scores of R queries per kv head, parallel over the keys, each key row read once
-    for 8 queries at a time."""
+    kf [n, kvh*hd] (a contiguous run of pool blocks, tokens as rows; float32, or uint16 holding
+    half floats), out [kvh, R, n]: the attention scores of R queries per kv head, parallel over
+    the keys, each key row read once for 8 queries at a time."""
     kvh, R, hd = q.shape
     for j in prange(out.shape[2]):
         for h in range(kvh):
@@ -28,7 +28,7 @@ def scores_8(q, kf, out):
                 s6 = np.float32(0)
                 s7 = np.float32(0)
                 for d in range(hd):
-                    kv = kf[j, o + d]
+                    kv = _f32(kf[j, o + d])
                     s0 += q[h, r, d] * kv
                     s1 += q[h, r + 1, d] * kv
                     s2 += q[h, r + 2, d] * kv
@@ -45,6 +45,70 @@ def scores_8(q, kf, out):
                 out[h, r + 5, j] = s5
                 out[h, r + 6, j] = s6
                 out[h, r + 7, j] = s7
+
+
+@njit(**_OPTS)
+def paged_scores_8(q, k, table, n, out):
+    """out[h, r, j] = q[h, r] . key j of the pool layer k [blocks, bs, kvh, hd] (float32, or
+    uint16 holding half floats) read through the block table, for j < n; q [kvh, R, hd] with R
+    a multiple of 8, out [kvh, R, n]. Parallel over the keys; each key row is read (and
+    converted) once for 8 queries at a time."""
+    kvh, R, hd = q.shape
+    bs = k.shape[1]
+    for j in prange(n):
+        blk, off = table[j // bs], j % bs
+        for h in range(kvh):
+            for r in range(0, R, 8):
+                s0 = np.float32(0)
+                s1 = np.float32(0)
+                s2 = np.float32(0)
+                s3 = np.float32(0)
+                s4 = np.float32(0)
+                s5 = np.float32(0)
+                s6 = np.float32(0)
+                s7 = np.float32(0)
+                for d in range(hd):
+                    kv = _f32(k[blk, off, h, d])
+                    s0 += q[h, r, d] * kv
+                    s1 += q[h, r + 1, d] * kv
+                    s2 += q[h, r + 2, d] * kv
+                    s3 += q[h, r + 3, d] * kv
+                    s4 += q[h, r + 4, d] * kv
+                    s5 += q[h, r + 5, d] * kv
+                    s6 += q[h, r + 6, d] * kv
+                    s7 += q[h, r + 7, d] * kv
+                out[h, r, j] = s0
+                out[h, r + 1, j] = s1
+                out[h, r + 2, j] = s2
+                out[h, r + 3, j] = s3
+                out[h, r + 4, j] = s4
+                out[h, r + 5, j] = s5
+                out[h, r + 6, j] = s6
+                out[h, r + 7, j] = s7
+
+
+@njit(**_OPTS)
+def paged_weighted_8(p, v, table, out):
+    """out[h, r] = sum over j < n of p[h, r, j] * value j of the pool layer v (as
+    paged_scores_8's keys), p [kvh, R, n] with R a multiple of 8, out [kvh, R, hd]. Parallel
+    over (kv head, 8 queries); each value row is read once for 8 queries."""
+    kvh, R, n = p.shape
+    bs, hd = v.shape[1], v.shape[3]
+    for job in prange(kvh * (R // 8)):
+        h, r = job // (R // 8), 8 * (job % (R // 8))
+        acc = np.zeros((8, hd), np.float32)
+        row = np.empty(hd, np.float32)
+        for j in range(n):
+            blk, off = table[j // bs], j % bs
+            for d in range(hd):
+                row[d] = _f32(v[blk, off, h, d])
+            for i in range(8):
+                w = p[h, r + i, j]
+                for d in range(hd):
+                    acc[i, d] += w * row[d]
+        for i in range(8):
+            for d in range(hd):
+                out[h, r + i, d] = acc[i, d]
 
 
 # Single-threaded fused element-wise kernels: one pass where numpy makes several (and
@@ -94,20 +158,24 @@ def rope_pairs(x, cos, sin):
 
 
 @njit(**_SERIAL)
-def causal_max(s, tq, first):
+def causal_max(s, tq, first, window):
     """Scores s [kvh, g*tq, n] of a causal query block, rows ordered (group, query): query i sees
-    keys 0 .. first+i. Subtracts each row's maximum over the keys it sees and sets the rest to
-    -inf (exp gives 0), in one pass instead of numpy's mask add, max and subtract."""
+    keys 0 .. first+i, and with window > 0 only the last `window` of those (a sliding window).
+    Subtracts each row's maximum over the keys it sees and sets the rest to -inf (exp gives 0),
+    in one pass instead of numpy's mask add, max and subtract."""
     kvh, rows, n = s.shape
     ninf = np.float32(-np.inf)
     for h in range(kvh):
         for row in range(rows):
             end = min(n, first + row % tq + 1)
+            lo = max(0, end - window) if window > 0 else 0
             m = ninf
-            for j in range(end):
+            for j in range(lo, end):
                 m = max(m, s[h, row, j])
-            for j in range(end):
+            for j in range(lo, end):
                 s[h, row, j] -= m
+            for j in range(lo):
+                s[h, row, j] = ninf
             for j in range(end, n):
                 s[h, row, j] = ninf
 

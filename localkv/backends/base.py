@@ -17,6 +17,7 @@ class Backend(Protocol):
     kv_dtype: Any  # the KV pool
     shared_prefix: bool  # has shared_prefix_decode (forks score their common prefix once)
     batched_decode: bool  # has paged_decode (one launch for many single-token sequences)
+    attention_options: frozenset  # what paged_attention takes beyond Llama's: "softcap", "window"
 
     def start(self, progress: bool) -> None:
         """Once the model is known to load: compile or load kernels, so no step pays for it."""
@@ -49,6 +50,12 @@ class Backend(Protocol):
 
     def silu_mul(self, gu) -> Any:
         """silu(gate) * up for gu = [gate | up] along the last axis."""
+
+    def gelu_mul(self, gu) -> Any:
+        """gelu(gate) * up (tanh approximation) for gu = [gate | up]: Gemma's GeGLU."""
+
+    def head_rmsnorm(self, x, w, eps: float) -> Any:
+        """RMSNorm of every head of x [T, heads, hd] in place, times w [hd] (Qwen3's, Gemma 3's q/k norms)."""
 
     def write_kv(self, k_layer, v_layer, slots, k, v) -> None:
         """Store K/V [T, kvh, hd] at flat slots (block * block_size + offset) of one layer."""

@@ -6,13 +6,13 @@ The ops are module functions (tests call them directly); CpuBackend bundles them
 one engine owns: its thread count and the BLAS thread controllers.
 """
 
-import functools
 import threading
 
 import numpy as np
 
 import localkv.backends.cpu_kernels as cpu_kernels
 import localkv.backends.quant as quant
+from localkv.backends.cpu_attention import f32, frozen_table, gather_kv, paged_attention, row_sums
 from localkv.backends.cpu_threads import CoreShare
 
 act_dtype = np.float32  # activations
@@ -105,6 +105,34 @@ def silu_mul(gu: np.ndarray) -> np.ndarray:
     return t
 
 
+GELU_C = float(np.sqrt(2.0 / np.pi))
+
+
+def gelu_mul(gu: np.ndarray) -> np.ndarray:
+    """gelu(gate) * up for gu = [gate | up] (GeGLU), gelu in its tanh approximation (as llama.cpp
+    and Gemma's gelu_pytorch_tanh)."""
+    f = gu.shape[1] // 2
+    g, u = gu[:, :f], gu[:, f:]
+    t = g * g
+    t *= np.float32(GELU_C * 0.044715)
+    t += np.float32(GELU_C)
+    t *= g
+    np.tanh(t, out=t)
+    t += 1.0
+    t *= 0.5
+    t *= g
+    t *= u
+    return t
+
+
+def head_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of every head of x [T, heads, hd] (a view of the qkv rows) in place, times w [hd]."""
+    ms = np.einsum("thd,thd->th", x, x) / x.shape[-1]
+    x *= (1.0 / np.sqrt(ms + eps))[..., None].astype(x.dtype, copy=False)
+    x *= w
+    return x
+
+
 def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarray):
     """Store K/V [T, kvh, hd] at flat slots (block * block_size + offset) of one layer's pool."""
     nb, bs = k_layer.shape[:2]
@@ -112,146 +140,14 @@ def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.
     v_layer.reshape(nb * bs, *v_layer.shape[2:])[slots] = v
 
 
-Q_BLOCK = 64  # causal prefill runs in query blocks: each block scores only the keys it can see
-# (the scores of a block stay nearer the cache)
-
-
-def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndarray:
-    """The first n_ctx tokens of a sequence's K or V, read through its block table, as
-    [kv_heads, n_ctx, hd]. A table that is one run of consecutive blocks (a fresh pool hands
-    them out in order) is read in place: a strided view BLAS takes as it is. Otherwise one
-    copy, contiguous per head."""
-    nb, bs, kvh, hd = layer.shape
-    b0 = _table_run(block_table)
-    if b0 >= 0:
-        n = len(block_table)
-        return _f32(layer[b0 : b0 + n].reshape(n * bs, kvh, hd)[:n_ctx].transpose(1, 0, 2))
-    return _f32(layer.transpose(2, 0, 1, 3)[:, block_table].reshape(kvh, -1, hd)[:, :n_ctx])
-
-
-def _f32(a: np.ndarray) -> np.ndarray:
-    """K/V as float32: an f16 pool's are converted once per call (numpy has no f16 matmul that
-    is not a slow loop), an f32 pool's are read in place."""
-    return a if a.dtype == np.float32 else a.astype(np.float32)
-
-
-def _table_run(block_table) -> int:
-    """_run_start, taken from a frozen table when it carries it."""
-    b0 = getattr(block_table, "run_start", None)
-    return _run_start(block_table) if b0 is None else b0
-
-
-def _run_start(block_table) -> int:
-    """The first block if block_table is one run of consecutive blocks, else -1."""
-    n = len(block_table)
-    ok = n and int(block_table[-1]) - int(block_table[0]) == n - 1 and (n < 3 or (np.diff(block_table) == 1).all())
-    return int(block_table[0]) if ok else -1
-
-
-class Table(np.ndarray):
-    """A read-only block table that carries its run check (see frozen_table)."""
-
-    run_start: int | None = None  # views and results of it (numpy keeps the class) are checked when read
-
-
-def frozen_table(block_table) -> Table:
-    """A read-only copy of a block table for one forward pass, its run check done once: every
-    layer reads K and V through it (60 checks a decode step before)."""
-    t = np.array(block_table).view(Table)
-    t.run_start = _run_start(t)
-    t.flags.writeable = False
-    return t
-
-
-def paged_attention(
-    q: np.ndarray,
-    k_layer: np.ndarray,
-    v_layer: np.ndarray,
-    block_table: np.ndarray,
-    n_ctx: int,
-    scale: float,
-    mass: np.ndarray | None = None,
-    extra=None,
-) -> np.ndarray:
-    """Causal attention of q [T, H, hd] — the last T tokens of an n_ctx context — over the
-    K/V found through block_table. Returns [T, H, hd]. extra = (K, V) [kv_heads, n, hd]: more
-    keys every query sees (h2o's heavy hitters, blocks read back from an offload tier; older
-    than the whole table), attended to with the table's. If mass is given, the attention
-    weight each key received, summed over queries, is added to it: mass [kv_heads, n + n_ctx]
-    per kv head (its query heads summed; extra keys first), or mass [n_ctx] summed over all
-    heads (the table's keys only)."""
-    T, H, hd = q.shape
-    k = gather_kv(k_layer, block_table, n_ctx)
-    v = gather_kv(v_layer, block_table, n_ctx)
-    ne = 0
-    if extra is not None:
-        ne = extra[0].shape[1]
-        k, v = np.concatenate((extra[0], k), axis=1), np.concatenate((extra[1], v), axis=1)
-    kvh = k.shape[0]
-    g = H // kvh  # query heads h*g .. h*g+g-1 share kv head h
-    # scale the queries, not the scores, and (without mass) normalise the output rows, not the
-    # scores: two passes fewer over the [kvh, g * tq, kend] scores
-    qg = (q * scale).reshape(T, kvh, g, hd).transpose(1, 2, 0, 3)  # [kvh, g, T, hd]
-    out = np.empty((T, kvh, g, hd), q.dtype)
-    past = ne + n_ctx - T
-    # one scores buffer and one output buffer for all query blocks: the same memory, still in
-    # cache, instead of a fresh array per block
-    rows = kvh * g * min(T, Q_BLOCK)
-    s_buf, o_buf = np.empty(rows * (past + T), q.dtype), np.empty(rows * hd, q.dtype)
-    for q0 in range(0, T, Q_BLOCK):
-        q1 = min(T, q0 + Q_BLOCK)
-        tq, kend = q1 - q0, past + q1  # keys past kend are in every query's future
-        s = np.matmul(
-            qg[:, :, q0:q1].reshape(kvh, g * tq, hd),
-            k[:, :kend].transpose(0, 2, 1),
-            out=s_buf[: kvh * g * tq * kend].reshape(kvh, g * tq, kend),
-        )
-        if cpu_kernels.active():  # mask, row max and subtract in one pass
-            cpu_kernels.causal_max(s, tq, past + q0)
-        else:
-            if tq > 1:  # query i of the block sees keys up to past + q0 + i
-                s.reshape(kvh, g, tq, kend)[..., past + q0 :] += _causal_mask(tq)
-            s -= s.max(axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        total = _row_sums(s)
-        if mass is None:
-            o = np.matmul(s, v[:, :kend], out=o_buf[: kvh * g * tq * hd].reshape(kvh, g * tq, hd))
-            o /= total
-        else:
-            s /= total
-            if mass.ndim == 2:
-                mass[:, :kend] += s.sum(axis=1)
-            else:
-                mass[: kend - ne] += s.sum(axis=(0, 1))[ne:]
-            o = np.matmul(s, v[:, :kend])
-        out[q0:q1] = o.reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
-    return out.reshape(T, H, hd)
-
-
-@functools.lru_cache(maxsize=8)
-def _causal_mask(n: int) -> np.ndarray:
-    """[n, n]: 0 on and below the diagonal, -inf above (read-only, made once per size)."""
-    m = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
-    m.flags.writeable = False
-    return m
-
-
-def _row_sums(s: np.ndarray) -> np.ndarray:
-    """s.sum(-1, keepdims=True) as a matrix-vector product with ones: BLAS's gemv does it about
-    faster than numpy's pairwise sum on these shapes."""
-    return np.matmul(s, np.ones(s.shape[-1], s.dtype))[..., None]
-
-
-def _partial(q, k, v, s=None):
+def _partial(q, k, v):
     """Unnormalised attention of q [..., R, hd] (already scaled) over k/v [..., n, hd] (leading
-    dims batch, e.g. kv heads): (out, row max, row sum). s: the scores q @ k.T, if already
-    computed (they are overwritten)."""
-    if s is None:
-        s = np.matmul(q, np.swapaxes(k, -1, -2))
+    dims batch, e.g. kv heads): (out, row max, row sum)."""
+    s = np.matmul(q, np.swapaxes(k, -1, -2))
     m = s.max(axis=-1, keepdims=True)
     s -= m
     np.exp(s, out=s)
-    return np.matmul(s, v), m, _row_sums(s)
+    return np.matmul(s, v), m, row_sums(s)
 
 
 def shared_prefix_decode(
@@ -273,17 +169,16 @@ def shared_prefix_decode(
     g = H // kvh
     n_prefix = len(prefix_table) * k_layer.shape[1]
     qg = (q * scale).reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
-    scores, kp, b0 = None, None, _table_run(prefix_table)
-    if b0 >= 0 and uses_kernels(B):  # the prefix's keys as rows [n, kvh*hd], straight from the pool
-        scores = cpu_kernels.scores(qg, _f32(k_layer[b0 : b0 + len(prefix_table)].reshape(n_prefix, kvh * hd)))
+    if uses_kernels(B):  # the prefix's K/V read through its table, as stored (no float32 copy)
+        op, mp, lp = cpu_kernels.paged_partial(qg, k_layer, v_layer, prefix_table, n_prefix)
     else:
-        kp = gather_kv(k_layer, prefix_table, n_prefix)
-    op, mp, lp = _partial(qg, kp, gather_kv(v_layer, prefix_table, n_prefix), scores)  # rows: (sequence, group)
+        kp, vp = gather_kv(k_layer, prefix_table, n_prefix), gather_kv(v_layer, prefix_table, n_prefix)
+        op, mp, lp = _partial(qg, kp, vp)  # rows: (sequence, group)
     tables = tails.stacked if isinstance(tails, Tails) else _stack_tails(tails)
     if tables is not None:
         n = tails[0][1]
-        kt = _f32(k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])  # [kvh, B, n, hd]
-        vt = _f32(v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])
+        kt = f32(k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])  # [kvh, B, n, hd]
+        vt = f32(v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])
         tail = _partial(qg.reshape(kvh, B, g, hd), kt, vt)  # [kvh, B, g, .]
         out = _merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
         return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
@@ -368,11 +263,14 @@ class CpuBackend:
     shared_prefix = True
     batched_decode = True  # decode(): one kernel call per layer for all single-token sequences
     quant_weights = True  # computes on QTensor/QStack weights (others get model.weights.dense_weights)
+    attention_options = frozenset({"softcap", "window"})  # what paged_attention takes beyond Llama's
 
     rmsnorm = staticmethod(rmsnorm)
     rope_tables = staticmethod(rope_tables)
     rope = staticmethod(rope)
     silu_mul = staticmethod(silu_mul)
+    gelu_mul = staticmethod(gelu_mul)
+    head_rmsnorm = staticmethod(head_rmsnorm)
     write_kv = staticmethod(write_kv)
     frozen_table = staticmethod(frozen_table)
     frozen_tails = staticmethod(frozen_tails)

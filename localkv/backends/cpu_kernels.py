@@ -131,8 +131,12 @@ def _check_elementwise(impl) -> bool:
         impl.rope(x, cos[: len(x)], sin[: len(x)])  # angle 0: unchanged
         impl.rope_pairs(x, cos[: len(x)], sin[: len(x)])
     s = np.zeros((1, 4, 3), np.float32)
-    impl.causal_max(s, 2, 1)  # query 0 sees keys 0-1, query 1 keys 0-2
-    return ok and np.array_equal(qkv, want) and bool(np.isneginf(s[0, [0, 2], 2]).all()) and not s[0, 1].any()
+    impl.causal_max(s, 2, 1, 0)  # query 0 sees keys 0-1, query 1 keys 0-2
+    w = np.zeros((1, 2, 3), np.float32)
+    impl.causal_max(w, 2, 1, 2)  # a window of 2: query 0 sees keys 0-1, query 1 keys 1-2
+    causal = bool(np.isneginf(s[0, [0, 2], 2]).all()) and not s[0, 1].any()
+    windowed = bool(np.isneginf(w[0, 1, 0])) and not w[0, 1, 1:].any() and not w[0, 0, :2].any()
+    return ok and np.array_equal(qkv, want) and causal and windowed
 
 
 def _check_decode(impl) -> bool:
@@ -185,9 +189,9 @@ def decode_attention(q, k_layer, v_layer, tables, lens, scale: float, scores, wo
     return out
 
 
-def causal_max(s: np.ndarray, tq: int, first: int):
+def causal_max(s: np.ndarray, tq: int, first: int, window: int = 0):
     """See _cpu_kernels_impl.causal_max. Call only when active()."""
-    _state["impl"].causal_max(s, tq, first)
+    _state["impl"].causal_max(s, tq, first, window)
 
 
 def scores(q: np.ndarray, kf: np.ndarray) -> np.ndarray:
@@ -200,5 +204,31 @@ def scores(q: np.ndarray, kf: np.ndarray) -> np.ndarray:
     qp = np.zeros((kvh, R8, hd), np.float32)
     qp[:, :R] = q
     out = np.empty((kvh, R8, len(kf)), np.float32)
-    _state["impl"].scores_8(qp, kf, out)
+    _state["impl"].scores_8(qp, _bits(kf), out)
     return out[:, :R]
+
+
+def paged_partial(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, n: int):
+    """Unnormalised attention of q [kvh, R, hd] (already scaled) over the first n tokens of the
+    pool layers k/v [blocks, bs, kvh, hd] read through a block table: (out [kvh, R, hd], row
+    max, row sum [kvh, R, 1]). An f16 pool is read as it is (no float32 copy of its K/V); the
+    exponentials are numpy's (vectorised). Call only when active()."""
+    kvh, R, hd = q.shape
+    R8 = -(-R // 8) * 8
+    qp = np.zeros((kvh, R8, hd), np.float32)
+    qp[:, :R] = q
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    s = np.empty((kvh, R8, n), np.float32)
+    impl = _state["impl"]
+    impl.paged_scores_8(qp, _bits(k_layer), table, n, s)
+    m = s.max(axis=-1, keepdims=True)
+    s -= m
+    np.exp(s, out=s)
+    out = np.empty((kvh, R8, hd), np.float32)
+    impl.paged_weighted_8(s, _bits(v_layer), table, out)
+    return out[:, :R], m[:, :R], s[:, :R].sum(axis=-1, keepdims=True)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """An f16 array as its uint16 bits (the kernels convert them as they read), else itself."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a

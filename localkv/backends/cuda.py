@@ -130,6 +130,24 @@ def silu_mul(gu):
     return out
 
 
+GELU_C = float(np.sqrt(2.0 / np.pi))
+
+
+def gelu_mul(gu):
+    """gelu(gate) * up for gu = [gate | up] (GeGLU, tanh approximation), computed in fp32."""
+    f = gu.shape[-1] // 2
+    g, u = gu[..., :f].astype(cp.float32), gu[..., f:].astype(cp.float32)
+    return (0.5 * g * (1.0 + cp.tanh(GELU_C * (g + 0.044715 * g * g * g))) * u).astype(gu.dtype)
+
+
+def head_rmsnorm(x, w, eps: float):
+    """RMSNorm of every head of x [T, heads, hd] (a view of the qkv rows) in place, times w [hd]."""
+    xf = x.astype(cp.float32)
+    ms = (xf * xf).mean(axis=-1, keepdims=True)
+    x[...] = (xf / cp.sqrt(ms + eps) * dev(w, np.float32)).astype(x.dtype)
+    return x
+
+
 def linear(x, w, kind: str):
     """x [T, in] @ w.T for a weight stored [out, in]: one cuBLAS gemm at any T for an fp16 matrix
     (it takes the transpose as a flag), cuda_quant's kernels for GGUF blocks; kind is for the CPU
@@ -184,12 +202,15 @@ class CudaBackend:
     shared_prefix = False
     batched_decode = True
     quant_weights = True  # computes on QTensor/QStack weights (cuda_quant)
+    attention_options = frozenset()  # no soft-cap, no sliding window: Gemma is refused (model.llama.check_backend)
 
     rmsnorm = staticmethod(rmsnorm)
     rope_tables = staticmethod(rope_tables)
     rope = staticmethod(rope)
     linear = staticmethod(linear)
     silu_mul = staticmethod(silu_mul)
+    gelu_mul = staticmethod(gelu_mul)
+    head_rmsnorm = staticmethod(head_rmsnorm)
     write_kv = staticmethod(write_kv)
     frozen_table = staticmethod(frozen_table)
     paged_attention = staticmethod(paged_attention)

@@ -3,14 +3,13 @@ one memory map (model/gguf.py), and nothing is written beside it.
 
 Before anything is allocated the metadata is read as typed, ranged numbers and checked against
 the tensors present (model/validate.py), and every tensor's type against the types the kernels
-compute on. Per-architecture differences are data (ARCHITECTURES).
+compute on. Per-architecture differences are data (model/arch.py).
 """
 
 import glob
 import hashlib
 import os
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ import numpy as np
 from localkv.backends.quant import SUPPORTED, QTensor
 from localkv.errors import ModelError
 from localkv.home import home
+from localkv.model.arch import ARCHITECTURES, Arch, describe
 from localkv.model.config import ModelConfig
 from localkv.model.gguf import GGUFFile, open_gguf
 from localkv.model.validate import MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, Meta, check_heads, check_tensors
@@ -25,18 +25,6 @@ from localkv.model.weights import layout, vector
 
 FLOATS = ("F32", "F16", "BF16")  # what a norm vector may be stored as
 SAMPLE = 4096  # bytes of each tensor hashed into the fingerprint, at its start, middle and end
-
-
-@dataclass(frozen=True, slots=True)
-class Arch:
-    """What an architecture's GGUFs differ in, as far as this loader is concerned."""
-
-    rope_style: str  # the Q/K row order the converter wrote (ModelConfig.rope_style)
-
-
-ARCHITECTURES = {
-    "llama": Arch(rope_style="normal"),  # convert_hf_to_gguf permutes llama's Q/K rows for pairwise RoPE
-}
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict, object]:
@@ -56,8 +44,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict, object]:
     tok = Tokenizer.from_gguf_metadata(_plain(g.meta))
     cfg.bos_id, cfg.eos_id = tok.bos_id, tok.eos_id
     cfg.fingerprint = fingerprint(path, g)
-    if "rope_freqs.weight" in g.tensors:
-        cfg.rope_freq_factors = _freq_factors(vector(g.data("rope_freqs.weight")), path.name)
+    for name, field in ROPE_FACTORS.items():
+        if name in g.tensors:
+            setattr(cfg, field, _freq_factors(vector(g.data(name)), name, path.name))
     weights = layout(lambda name: _tensor(g, name), cfg, lambda name: name in g.tensors)
     cfg.tied_embeddings = "output" not in weights
     drop_stale_caches(path)
@@ -102,9 +91,9 @@ def config_from_meta(g: GGUFFile, path: Path, arch: str, spec: Arch) -> ModelCon
         n_params=sum(int(np.prod(t.shape)) for t in g.tensors.values()),
         file_size=g.file_size,
         arch=arch,
-        rope_style=spec.rope_style,
     )
     check_heads(cfg, src)
+    describe(cfg, spec, m)
     return cfg
 
 
@@ -136,9 +125,18 @@ def _tensor(g: GGUFFile, name: str):
     return QTensor(data, info.qtype, info.shape)
 
 
-def _freq_factors(f: np.ndarray, src: str) -> tuple[float, ...]:
+# RoPE frequency divisors: Llama 3's rope_freqs, or Phi-3 LongRoPE's short (the same field: up to
+# the original context) and long factors (ModelConfig.rope_factors_long)
+ROPE_FACTORS = {
+    "rope_freqs.weight": "rope_freq_factors",
+    "rope_factors_short.weight": "rope_freq_factors",
+    "rope_factors_long.weight": "rope_factors_long",
+}
+
+
+def _freq_factors(f: np.ndarray, name: str, src: str) -> tuple[float, ...]:
     if not (np.isfinite(f).all() and (f > 0).all()):
-        raise ModelError(f"{src}: tensor 'rope_freqs.weight' holds values that are not finite and positive")
+        raise ModelError(f"{src}: tensor {name!r} holds values that are not finite and positive")
     return tuple(float(x) for x in f)
 
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from localkv.errors import ModelError
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.evict import AttendExtras
 from localkv.model.config import ModelConfig
@@ -25,27 +26,66 @@ class Span:
 ROPE_POSITIONS = 4096  # RoPE table rows made at start; more as positions are used
 
 
-class Llama:
-    """The forward pass, written once in the backend's op set (localkv/backends/base.py)."""
+def check_backend(cfg: ModelConfig, ops):
+    """Refuse, in one line and before any weight reaches the device, a model whose attention
+    needs what the backend's paged_attention does not take (ops.attention_options)."""
+    needs = {"softcap": cfg.attn_softcap > 0, "window": bool(cfg.local_layers)}
+    missing = sorted(k for k, need in needs.items() if need and k not in getattr(ops, "attention_options", ()))
+    if missing:
+        what = {"softcap": "attention soft-capping", "window": "sliding-window attention"}
+        raise ModelError(
+            f"{cfg.name}: the {ops.name} backend cannot run {cfg.arch} models yet "
+            f"({', '.join(what[k] for k in missing)}); use --device cpu"
+        )
 
-    def __init__(self, cfg: ModelConfig, weights: dict, ops):
+
+class Rope:
+    """cos/sin tables of one RoPE variant (base, frequency divisors, attention factor), grown as
+    positions are used (a model's context may be millions of tokens; eviction runs past it)."""
+
+    def __init__(self, ops, head_dim: int, theta: float, factors, attn_factor: float):
+        self.ops, self.head_dim, self.theta, self.factors, self.attn_factor = ops, head_dim, theta, factors, attn_factor
+        self.cos = self.sin = ops.xp.empty((0, head_dim // 2), np.float32)
+
+    def ensure(self, n: int):
+        if n > len(self.cos):
+            extra = {} if self.factors is None else {"factors": self.factors}
+            cos, sin = self.ops.rope_tables(self.head_dim, max(n, 2 * len(self.cos)), self.theta, **extra)
+            if self.attn_factor != 1.0:  # llama.cpp's rope attn_factor scales both (Phi-3 LongRoPE)
+                cos, sin = cos * np.float32(self.attn_factor), sin * np.float32(self.attn_factor)
+            self.cos, self.sin = cos, sin
+
+
+class Llama:
+    """The forward pass, written once in the backend's op set (localkv/backends/base.py); what an
+    architecture adds (model/arch.py) are optional steps switched on by ModelConfig's fields."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, ops, n_ctx: int | None = None):
+        """n_ctx: the context the engine serves (default the model's): LongRoPE picks its factors by it."""
         self.cfg, self.w, self.ops = cfg, weights, ops
-        self.cos = self.sin = ops.xp.empty((0, cfg.head_dim // 2), np.float32)
+        factors, self.rope_variant = cfg.rope_freq_factors, ""
+        if cfg.rope_factors_long is not None and (n_ctx or cfg.ctx_len) > cfg.rope_orig_ctx:
+            factors, self.rope_variant = cfg.rope_factors_long, "-long"  # K rows differ: part of the cache key
+        if cfg.rope_scale != 1.0:  # linear scaling: every frequency divided by the factor
+            factors = tuple(f * cfg.rope_scale for f in (factors or (1.0,) * (cfg.head_dim // 2)))
+        self.rope = Rope(ops, cfg.head_dim, cfg.rope_theta, factors, cfg.rope_attn_factor)
+        self.local = frozenset(cfg.local_layers)
+        self.rope_local = self.rope
+        if cfg.rope_theta_local:  # Gemma 3's local layers: their own base, unscaled
+            self.rope_local = Rope(ops, cfg.head_dim, cfg.rope_theta_local, None, 1.0)
         self.ensure_positions(min(cfg.ctx_len, ROPE_POSITIONS))
-        self.scale = float(1.0 / np.sqrt(cfg.head_dim))
+        self.scale = cfg.attn_scale or float(1.0 / np.sqrt(cfg.head_dim))
         # the output matrix [vocab, dim], stored [out, in] like every other: the embedding when tied
         self.w_out = weights.get("output", weights["tok_embd"])
         # the backend's rope takes a style only where it differs from its default (NEOX)
         self.rope_style = () if cfg.rope_style == "neox" else (cfg.rope_style,)
+        # soft-capped or windowed attention runs per sequence through paged_attention, which takes them
+        self.plain_attention = not (cfg.attn_softcap or self.local)
 
     def ensure_positions(self, n: int):
-        """RoPE tables for positions up to n: grown as positions are used (a model's context may
-        be millions of tokens), and past the context too (eviction lets a sequence run on)."""
-        if n > len(self.cos):
-            cfg, extra = self.cfg, {}
-            if cfg.rope_freq_factors is not None:
-                extra["factors"] = cfg.rope_freq_factors
-            self.cos, self.sin = self.ops.rope_tables(cfg.head_dim, max(n, 2 * len(self.cos)), cfg.rope_theta, **extra)
+        """RoPE tables for positions up to n."""
+        self.rope.ensure(n)
+        self.rope_local.ensure(n)
 
     def _shared_prefix(self, spans: list[Span], block_size: int):
         """(prefix table, [(tail table, tail tokens)]) when every span is one decode token of a
@@ -77,22 +117,25 @@ class Llama:
     ) -> np.ndarray:
         """Runs T tokens; writes their K/V at slots; returns logits [len(logit_rows), vocab]."""
         cfg, w, ops = self.cfg, self.w, self.ops
-        H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         xp = ops.xp
         T = len(tokens)
         tokens, positions, slots = xp.asarray(tokens), xp.asarray(positions), xp.asarray(slots)
         ops.begin_forward(T)
         x = ops.embed(w["tok_embd"], tokens)
-        cos, sin = self.cos[positions], self.sin[positions]
-        shared = self._shared_prefix(spans, pool.block_size)
-        batch = self._decode_batch(spans) if shared is None else None
+        if cfg.embed_scale != 1.0:
+            x *= x.dtype.type(cfg.embed_scale)
+        rope = self.rope.cos[positions], self.rope.sin[positions]
+        rope_local = (
+            rope if self.rope_local is self.rope else (self.rope_local.cos[positions], self.rope_local.sin[positions])
+        )
+        plain = self.plain_attention
+        shared = self._shared_prefix(spans, pool.block_size) if plain else None
+        batch = self._decode_batch(spans) if shared is None and plain else None
         # one table per span as the backend reads it, made once for every layer
         tables = [ops.frozen_table(sp.block_table) for sp in spans] if shared is None and batch is None else None
         for i in range(cfg.n_layers):
             h = ops.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
-            qkv = ops.linear(h, w[f"{i}.wqkv"], "wqkv").reshape(T, H + 2 * K, hd)
-            ops.rope(qkv[:, : H + K], cos, sin, *self.rope_style)
-            q, k, v = qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
+            q, k, v = self._qkv(h, i, *(rope_local if i in self.local else rope))
             kl, vl = pool.k[i], pool.v[i]
             ops.write_kv(kl, vl, slots, k, v)
             if shared is not None:  # forks of one prompt: the common prefix is scored once for all
@@ -100,20 +143,57 @@ class Llama:
             elif batch is not None:  # single-token sequences: one launch for all of them
                 attn = ops.decode(q, kl, vl, batch, self.scale)
             else:
-                attn = xp.empty((T, H, hd), dtype=x.dtype)
-                for sp, table in zip(spans, tables):
-                    rows = slice(sp.start, sp.start + sp.length)
-                    ex = sp.extras
-                    extra = None if ex is None or ex.kv is None else ex.kv(i, q[rows])
-                    if extra is not None:
-                        extra = tuple(xp.asarray(a, dtype=kl.dtype) for a in extra)
-                    mass = None if ex is None or ex.mass is None else ex.mass[i]
-                    attn[rows] = ops.paged_attention(q[rows], kl, vl, table, sp.n_ctx, self.scale, mass, extra)
-            x += ops.linear(attn.reshape(T, H * hd), w[f"{i}.wo"], "wo")
+                attn = self._attend(i, q, kl, vl, spans, tables)
+            x += self._post_norm(ops.linear(attn.reshape(T, -1), w[f"{i}.wo"], "wo"), i, "attn")
             h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
-            x += ops.linear(ops.silu_mul(ops.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")), w[f"{i}.w_down"], "w_down")
+            gu = ops.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")
+            act = ops.gelu_mul(gu) if cfg.mlp == "gelu" else ops.silu_mul(gu)
+            x += self._post_norm(ops.linear(act, w[f"{i}.w_down"], "w_down"), i, "ffn")
         h = ops.rmsnorm(x[xp.asarray(logit_rows)], w["out_norm"], cfg.rms_eps)
-        return ops.logits(h, self.w_out)
+        logits = ops.logits(h, self.w_out)
+        if cfg.final_softcap:  # Gemma 2: on the host's float32 logits
+            logits = np.tanh(logits / np.float32(cfg.final_softcap)) * np.float32(cfg.final_softcap)
+        return logits
+
+    def _qkv(self, h, i: int, cos, sin):
+        """q [T, H, hd], k and v [T, kvh, hd] of layer i: projected (plus biases), q/k heads
+        normalised where the architecture does, RoPE applied."""
+        cfg, w, ops = self.cfg, self.w, self.ops
+        H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv = ops.linear(h, w[f"{i}.wqkv"], "wqkv")
+        if cfg.qkv_bias:
+            qkv += w[f"{i}.bqkv"]
+        qkv = qkv.reshape(len(h), H + 2 * K, hd)
+        if cfg.qk_norm:
+            ops.head_rmsnorm(qkv[:, :H], w[f"{i}.q_norm"], cfg.rms_eps)
+            ops.head_rmsnorm(qkv[:, H : H + K], w[f"{i}.k_norm"], cfg.rms_eps)
+        ops.rope(qkv[:, : H + K], cos, sin, *self.rope_style)
+        return qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
+
+    def _post_norm(self, out, i: int, which: str):
+        """A block's output as the residual stream receives it: RMSNorm'd where the architecture
+        has post-norms (Gemma)."""
+        if not self.cfg.post_norms:
+            return out
+        return self.ops.rmsnorm(out, self.w[f"{i}.post_{which}_norm"], self.cfg.rms_eps)
+
+    def _attend(self, i: int, q, kl, vl, spans: list[Span], tables):
+        """Attention of every span's rows through its own table (with the KV policy's extra keys
+        and attention mass, a soft-cap, a sliding window where they apply)."""
+        xp, cfg = self.ops.xp, self.cfg
+        opts = {"softcap": cfg.attn_softcap} if cfg.attn_softcap else {}
+        if i in self.local:
+            opts["window"] = cfg.sliding_window
+        attn = xp.empty(q.shape, dtype=q.dtype)
+        for sp, table in zip(spans, tables):
+            rows = slice(sp.start, sp.start + sp.length)
+            ex = sp.extras
+            extra = None if ex is None or ex.kv is None else ex.kv(i, q[rows])
+            if extra is not None:
+                extra = tuple(xp.asarray(a, dtype=kl.dtype) for a in extra)
+            mass = None if ex is None or ex.mass is None else ex.mass[i]
+            attn[rows] = self.ops.paged_attention(q[rows], kl, vl, table, sp.n_ctx, self.scale, mass, extra, **opts)
+        return attn
 
     def _decode_batch(self, spans: list[Span]):
         """The backend's batch of single-token sequences for its one-launch decode, when it has

@@ -62,24 +62,32 @@ def check_heads(cfg: ModelConfig, source: str):
 
 
 def expected_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """(required, optional) tensor shapes, numpy order, by GGUF name, as cfg implies them."""
+    """(required, optional) tensor shapes, numpy order, by GGUF name, as cfg implies them (the
+    architecture's extra tensors included: ModelConfig's qkv_bias, qk_norm, post_norms, fused)."""
     D, F, V, hd = cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
     req = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
-    opt = {"output.weight": (V, D), "rope_freqs.weight": (hd // 2,)}
+    opt = {"output.weight": (V, D)}
+    opt |= {f"{name}.weight": (hd // 2,) for name in ("rope_freqs", "rope_factors_short", "rope_factors_long")}
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        req |= {
-            p + "attn_norm.weight": (D,),
-            p + "attn_q.weight": (q, D),
-            p + "attn_k.weight": (kv, D),
-            p + "attn_v.weight": (kv, D),
-            p + "attn_output.weight": (D, q),
-            p + "ffn_norm.weight": (D,),
-            p + "ffn_gate.weight": (F, D),
-            p + "ffn_up.weight": (F, D),
-            p + "ffn_down.weight": (D, F),
-        }
+        req[p + "attn_norm.weight"] = (D,)
+        if cfg.fused:
+            req[p + "attn_qkv.weight"] = (q + 2 * kv, D)
+        else:
+            req |= {p + "attn_q.weight": (q, D), p + "attn_k.weight": (kv, D), p + "attn_v.weight": (kv, D)}
+        if cfg.qkv_bias:
+            req |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+        if cfg.qk_norm:
+            req |= {p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)}
+        req |= {p + "attn_output.weight": (D, q), p + "ffn_norm.weight": (D,)}
+        if cfg.fused:
+            req[p + "ffn_up.weight"] = (2 * F, D)
+        else:
+            req |= {p + "ffn_gate.weight": (F, D), p + "ffn_up.weight": (F, D)}
+        req[p + "ffn_down.weight"] = (D, F)
+        if cfg.post_norms:
+            req |= {p + "post_attention_norm.weight": (D,), p + "post_ffw_norm.weight": (D,)}
     return req, opt
 
 

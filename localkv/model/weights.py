@@ -1,8 +1,11 @@
 """The weights of a model as the forward pass reads them, whatever the source.
 
-    tok_embd [V, D]; per layer i: "{i}.attn_norm", "{i}.wqkv" (q, k, v rows: a QStack),
-    "{i}.wo" [D, H*hd], "{i}.ffn_norm", "{i}.w_gate_up" (gate rows, then up rows: a QStack),
-    "{i}.w_down" [D, F]; out_norm [D]; "output" [V, D] only when not tied to tok_embd.
+    tok_embd [V, D]; per layer i: "{i}.attn_norm", "{i}.wqkv" (q, k, v rows: a QStack, or
+    one matrix where the file fuses them), "{i}.wo" [D, H*hd], "{i}.ffn_norm", "{i}.w_gate_up"
+    (gate rows, then up rows: a QStack or one matrix), "{i}.w_down" [D, F]; out_norm [D];
+    "output" [V, D] only when not tied to tok_embd. Where the architecture has them
+    (ModelConfig): "{i}.bqkv" (q, k, v biases), "{i}.q_norm" / "{i}.k_norm" [hd],
+    "{i}.post_attn_norm" / "{i}.post_ffn_norm" [D].
 
 Matrices are QTensors [out, in] in the source's own encoding (GGUF blocks, or F32/F16/BF16),
 read-only views of the mapped file; norms are float32 vectors. Q/K rows stay in the source's
@@ -29,10 +32,20 @@ def layout(get: Callable[[str], object], cfg: ModelConfig, has: Callable[[str], 
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         w[f"{i}.attn_norm"] = get(p + "attn_norm.weight")
-        w[f"{i}.wqkv"] = QStack((get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")))
+        if cfg.fused:  # Phi-3: the file's own [q; k; v] and [gate; up] matrices
+            w[f"{i}.wqkv"], w[f"{i}.w_gate_up"] = get(p + "attn_qkv.weight"), get(p + "ffn_up.weight")
+        else:
+            w[f"{i}.wqkv"] = QStack(tuple(get(p + f"attn_{x}.weight") for x in "qkv"))
+            w[f"{i}.w_gate_up"] = QStack((get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")))
+        if cfg.qkv_bias:
+            w[f"{i}.bqkv"] = np.concatenate([get(p + f"attn_{x}.bias") for x in "qkv"])
+        if cfg.qk_norm:
+            w[f"{i}.q_norm"], w[f"{i}.k_norm"] = get(p + "attn_q_norm.weight"), get(p + "attn_k_norm.weight")
+        if cfg.post_norms:
+            w[f"{i}.post_attn_norm"] = get(p + "post_attention_norm.weight")
+            w[f"{i}.post_ffn_norm"] = get(p + "post_ffw_norm.weight")
         w[f"{i}.wo"] = get(p + "attn_output.weight")
         w[f"{i}.ffn_norm"] = get(p + "ffn_norm.weight")
-        w[f"{i}.w_gate_up"] = QStack((get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")))
         w[f"{i}.w_down"] = get(p + "ffn_down.weight")
     return w
 

@@ -1,0 +1,177 @@
+"""The CPU backend's attention over the paged pool: K/V read through a block table, causal
+prefill in query blocks, and what some architectures add (a sliding window, soft-capped scores).
+The forks' shared-prefix decode and the one-launch decode are in backends/cpu.py."""
+
+import functools
+
+import numpy as np
+
+import localkv.backends.cpu_kernels as cpu_kernels
+
+Q_BLOCK = 64  # causal prefill runs in query blocks: each block scores only the keys it can see
+# (the scores of a block stay nearer the cache)
+
+
+def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndarray:
+    """The first n_ctx tokens of a sequence's K or V, read through its block table, as
+    [kv_heads, n_ctx, hd]. A table that is one run of consecutive blocks (a fresh pool hands
+    them out in order) is read in place: a strided view BLAS takes as it is. Otherwise one
+    copy, contiguous per head."""
+    nb, bs, kvh, hd = layer.shape
+    b0 = table_run(block_table)
+    if b0 >= 0:
+        n = len(block_table)
+        return f32(layer[b0 : b0 + n].reshape(n * bs, kvh, hd)[:n_ctx].transpose(1, 0, 2))
+    return f32(layer.transpose(2, 0, 1, 3)[:, block_table].reshape(kvh, -1, hd)[:, :n_ctx])
+
+
+def f32(a: np.ndarray) -> np.ndarray:
+    """K/V as float32: an f16 pool's are converted once per call (numpy has no f16 matmul that
+    is not a slow loop), an f32 pool's are read in place."""
+    return a if a.dtype == np.float32 else a.astype(np.float32)
+
+
+def table_run(block_table) -> int:
+    """_run_start, taken from a frozen table when it carries it."""
+    b0 = getattr(block_table, "run_start", None)
+    return _run_start(block_table) if b0 is None else b0
+
+
+def _run_start(block_table) -> int:
+    """The first block if block_table is one run of consecutive blocks, else -1."""
+    n = len(block_table)
+    ok = n and int(block_table[-1]) - int(block_table[0]) == n - 1 and (n < 3 or (np.diff(block_table) == 1).all())
+    return int(block_table[0]) if ok else -1
+
+
+class Table(np.ndarray):
+    """A read-only block table that carries its run check (see frozen_table)."""
+
+    run_start: int | None = None  # views and results of it (numpy keeps the class) are checked when read
+
+
+def frozen_table(block_table) -> Table:
+    """A read-only copy of a block table for one forward pass, its run check done once: every
+    layer reads K and V through it (60 checks a decode step before)."""
+    t = np.array(block_table).view(Table)
+    t.run_start = _run_start(t)
+    t.flags.writeable = False
+    return t
+
+
+def paged_attention(
+    q: np.ndarray,
+    k_layer: np.ndarray,
+    v_layer: np.ndarray,
+    block_table: np.ndarray,
+    n_ctx: int,
+    scale: float,
+    mass: np.ndarray | None = None,
+    extra=None,
+    softcap: float = 0.0,
+    window: int = 0,
+) -> np.ndarray:
+    """Causal attention of q [T, H, hd] — the last T tokens of an n_ctx context — over the
+    K/V found through block_table. Returns [T, H, hd]. extra = (K, V) [kv_heads, n, hd]: more
+    keys every query sees (h2o's heavy hitters, blocks read back from an offload tier; older
+    than the whole table), attended to with the table's. If mass is given, the attention
+    weight each key received, summed over queries, is added to it: mass [kv_heads, n + n_ctx]
+    per kv head (its query heads summed; extra keys first), or mass [n_ctx] summed over all
+    heads (the table's keys only). softcap > 0: scores become softcap * tanh(score / softcap)
+    (Gemma 2). window > 0: a query sees only the `window` newest keys up to itself (its own
+    included: llama.cpp's sliding window); blocks wholly before every query's window are not read."""
+    if window:
+        block_table, n_ctx, mass, extra = _window_skip(
+            k_layer.shape[1], block_table, n_ctx, len(q), window, mass, extra
+        )
+    T, H, hd = q.shape
+    k = gather_kv(k_layer, block_table, n_ctx)
+    v = gather_kv(v_layer, block_table, n_ctx)
+    ne = 0
+    if extra is not None:
+        ne = extra[0].shape[1]
+        k, v = np.concatenate((extra[0], k), axis=1), np.concatenate((extra[1], v), axis=1)
+    kvh = k.shape[0]
+    g = H // kvh  # query heads h*g .. h*g+g-1 share kv head h
+    # scale the queries, not the scores, and (without mass) normalise the output rows, not the
+    # scores: two passes fewer over the [kvh, g * tq, kend] scores
+    qg = (q * scale).reshape(T, kvh, g, hd).transpose(1, 2, 0, 3)  # [kvh, g, T, hd]
+    out = np.empty((T, kvh, g, hd), q.dtype)
+    past = ne + n_ctx - T
+    # one scores buffer and one output buffer for all query blocks: the same memory, still in
+    # cache, instead of a fresh array per block
+    rows = kvh * g * min(T, Q_BLOCK)
+    s_buf, o_buf = np.empty(rows * (past + T), q.dtype), np.empty(rows * hd, q.dtype)
+    for q0 in range(0, T, Q_BLOCK):
+        q1 = min(T, q0 + Q_BLOCK)
+        tq, kend = q1 - q0, past + q1  # keys past kend are in every query's future
+        k0 = max(0, past + q0 - window + 1) if window else 0  # keys before k0 are outside every window
+        n = kend - k0
+        s = np.matmul(
+            qg[:, :, q0:q1].reshape(kvh, g * tq, hd),
+            k[:, k0:kend].transpose(0, 2, 1),
+            out=s_buf[: kvh * g * tq * n].reshape(kvh, g * tq, n),
+        )
+        if softcap:
+            s *= 1.0 / softcap
+            np.tanh(s, out=s)
+            s *= softcap
+        _mask_max(s, tq, past + q0 - k0, window)
+        np.exp(s, out=s)
+        total = row_sums(s)
+        if mass is None:
+            o = np.matmul(s, v[:, k0:kend], out=o_buf[: kvh * g * tq * hd].reshape(kvh, g * tq, hd))
+            o /= total
+        else:
+            s /= total
+            if mass.ndim == 2:
+                mass[:, k0:kend] += s.sum(axis=1)
+            else:
+                a = max(k0, ne)
+                mass[a - ne : kend - ne] += s.sum(axis=(0, 1))[a - k0 :]
+            o = np.matmul(s, v[:, k0:kend])
+        out[q0:q1] = o.reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
+    return out.reshape(T, H, hd)
+
+
+def _window_skip(bs: int, block_table, n_ctx: int, T: int, window: int, mass, extra):
+    """(table, n_ctx, mass, extra) without the leading blocks that lie wholly before the first
+    query's window: not read at all. The extra keys, older than the whole table, go with them."""
+    skip = max(0, n_ctx - T - window + 1) // bs
+    if skip == 0:
+        return block_table, n_ctx, mass, extra
+    ne = 0 if extra is None else extra[0].shape[1]
+    if mass is not None:
+        mass = mass[:, ne + skip * bs :] if mass.ndim == 2 else mass[skip * bs :]
+    return block_table[skip:], n_ctx - skip * bs, mass, None
+
+
+def _mask_max(s: np.ndarray, tq: int, first: int, window: int):
+    """Scores s [kvh, g*tq, n] of a query block, rows ordered (group, query): query i sees keys
+    up to first + i, and with a window only the `window` newest of those. Sets the others to
+    -inf and subtracts each row's maximum."""
+    if cpu_kernels.active():  # mask, row max and subtract in one pass
+        cpu_kernels.causal_max(s, tq, first, window)
+        return
+    kvh, n = s.shape[0], s.shape[2]
+    if window:
+        seen = np.arange(n)[None, :]
+        last = first + np.arange(tq)[:, None]
+        s.reshape(kvh, -1, tq, n)[...] += np.where((seen > last) | (seen <= last - window), -np.inf, 0).astype(s.dtype)
+    elif tq > 1:  # query i of the block sees keys up to first + i
+        s.reshape(kvh, -1, tq, n)[..., first:] += _causal_mask(tq)
+    s -= s.max(axis=-1, keepdims=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_mask(n: int) -> np.ndarray:
+    """[n, n]: 0 on and below the diagonal, -inf above (read-only, made once per size)."""
+    m = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
+    m.flags.writeable = False
+    return m
+
+
+def row_sums(s: np.ndarray) -> np.ndarray:
+    """s.sum(-1, keepdims=True) as a matrix-vector product with ones: BLAS's gemv does it about
+    faster than numpy's pairwise sum on these shapes."""
+    return np.matmul(s, np.ones(s.shape[-1], s.dtype))[..., None]
