@@ -97,12 +97,14 @@ def test_block_size_and_chunking_do_not_change_logits(gguf_path, block_size, chu
 TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
-def _follows(got, want):
-    """Within the rounding of int8 activations: block types quantize them per 32 values, as
-    llama.cpp does, for their matmuls of up to 8 rows (the logits row, decode steps); about 1%
-    of a logit on these random weights, whose logits are too flat for argmax to be stable."""
+def _follows(got, want, qtype=""):
+    """Within the rounding of int8 activations: block types quantize them per 32 values, the
+    K-quants per 256 (llama.cpp's Q8_0 and Q8_K), for every matmul; about 1% of a logit on
+    these random weights (a coarser step for the K-quants), whose logits are too flat for argmax
+    to be stable."""
     err = np.abs(got - want)
-    assert err.mean() <= 0.03 * np.abs(want).mean() and err.max() <= 0.05 * np.abs(want).max()
+    mean = 0.04 if qtype.endswith("_K") else 0.03
+    assert err.mean() <= mean * np.abs(want).mean() and err.max() <= 0.05 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -113,12 +115,12 @@ def test_every_weight_type_computes_in_place(tmp_path, qtype):
     path = write_gguf(tmp_path / "m.gguf", quant=qtype, ctx=128, **shape)
     ref = dense_reference(PROMPT, weights=read_back(path, **shape), **shape)
     eng = engine(path, block_size=4)
-    _follows(eng.prefill(Sequence(PROMPT)), ref[-1])
+    _follows(eng.prefill(Sequence(PROMPT)), ref[-1], qtype)
     seq = Sequence(PROMPT[:1])
     eng.prefill(seq)
     for t in range(1, 12):
         seq.tokens.append(PROMPT[t])
-        _follows(eng.decode([seq])[0], ref[t])
+        _follows(eng.decode([seq])[0], ref[t], qtype)
 
 
 def test_prefill_and_decode_agree(tmp_path):

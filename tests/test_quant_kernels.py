@@ -2,9 +2,10 @@
 gguf's own dequantizer + float64 numpy, both few-row paths, prefill tiles, embedding rows, the
 numpy-only path, and the real SmolLM2 tensors.
 
-Tolerances: the few-row kernels quantize the activations to int8 per 32 values (as llama.cpp
-does), so they are compared with the same math in float64 (weights from gguf.quants.dequantize,
-activations rounded the same way), within float32 accumulation error: 2e-6 of the sum of
+Tolerances: the few-row kernels quantize the activations to int8 per 32 values, per 256 for
+the K-quants (as llama.cpp does: Q8_0, Q8_K), so they are compared with the same math in
+float64 (weights from gguf.quants.dequantize, activations rounded the same way), within
+float32 accumulation error: 2e-6 of the sum of
 |terms|. Against the unrounded activations the difference must stay inside the rounding
 bound itself (half a step per activation). Dequantization is bit-exact.
 """
@@ -68,10 +69,15 @@ def reference(w: QTensor) -> np.ndarray:
     return gguf.quants.dequantize(w.data, GGMLQuantizationType[w.qtype]).astype(np.float64)
 
 
-def rounded(x: np.ndarray) -> np.ndarray:
-    """The activations as the kernels see them: int8 steps of amax/127 per 32 values."""
+def group(qtype: str) -> int:
+    """The values per activation scale: 256 for the K-quants (llama.cpp's Q8_K), else 32."""
+    return 256 if qtype.endswith("_K") else 32
+
+
+def rounded(x: np.ndarray, qtype: str) -> np.ndarray:
+    """The activations as the kernels see them: int8 steps of amax/127 per group(qtype) values."""
     R, K = x.shape
-    xb = x.reshape(R, K // 32, 32)
+    xb = x.reshape(R, K // group(qtype), group(qtype))
     d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
     q = np.rint(xb * inv)
@@ -79,14 +85,17 @@ def rounded(x: np.ndarray) -> np.ndarray:
     return (q * d).reshape(R, K).astype(np.float64)
 
 
-def assert_few_matches(got, x, w_ref, quantized: bool):
-    xr = rounded(x) if quantized else x.astype(np.float64)
+def assert_few_matches(got, x, w_ref, qtype: str | None):
+    """got = x @ w_ref.T, x rounded for weights of qtype (None: not rounded)."""
+    quantized = qtype is not None
+    xr = rounded(x, qtype) if quantized else x.astype(np.float64)
     want = xr @ w_ref.T
     bound = 2e-6 * (np.abs(xr) @ np.abs(w_ref).T) + 1e-30
     assert got.dtype == np.float32 and got.shape == want.shape
     assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
     if quantized:  # the rounding itself: at most half a step per activation
-        step = np.repeat(np.abs(x.reshape(len(x), -1, 32)).max(-1) / 127, 32, axis=1)
+        n = group(qtype)
+        step = np.repeat(np.abs(x.reshape(len(x), -1, n)).max(-1) / 127, n, axis=1)
         assert (np.abs(got - x @ w_ref.T) <= 0.5 * step @ np.abs(w_ref).T * 1.001 + bound).all()
 
 
@@ -97,7 +106,7 @@ def test_matmul_few_matches_gguf_for_1_to_8_rows(kernels, qtype):
     rng = np.random.default_rng(7)
     for rows in range(1, 9):
         x = rng.standard_normal((rows, w.cols), dtype=np.float32)
-        assert_few_matches(kernels.matmul_few(x, w), x, w_ref, quantized=qtype in BLOCK)
+        assert_few_matches(kernels.matmul_few(x, w), x, w_ref, qtype if qtype in BLOCK else None)
 
 
 @pytest.mark.parametrize("qtype", BLOCK[:5])
@@ -106,7 +115,7 @@ def test_matmul_few_on_gguf_quantized_weights(kernels, qtype):
     dense = rng.standard_normal((ROWS, 256), dtype=np.float32)
     w = QTensor(gguf.quants.quantize(dense, GGMLQuantizationType[qtype]), qtype, (ROWS, 256))
     x = rng.standard_normal((3, 256), dtype=np.float32)
-    assert_few_matches(kernels.matmul_few(x, w), x, reference(w), quantized=True)
+    assert_few_matches(kernels.matmul_few(x, w), x, reference(w), qtype)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
@@ -116,7 +125,7 @@ def test_several_weights_in_one_call(kernels, rows):
     x = np.random.default_rng(rows).standard_normal((rows, 512), dtype=np.float32)
     got = kernels.matmul_few(x, ws)
     np.testing.assert_array_equal(got, np.concatenate([kernels.matmul_few(x, w) for w in ws], axis=1))
-    assert_few_matches(got, x, np.concatenate([reference(w) for w in ws]), quantized=True)
+    assert_few_matches(got, x, np.concatenate([reference(w) for w in ws]), "Q4_K")
 
 
 @pytest.mark.parametrize("qtype", BLOCK + FLOAT)
@@ -139,7 +148,7 @@ def test_matmul_many_in_tiles_matches_blas(kernels, qtype, monkeypatch):
     x = np.random.default_rng(5).standard_normal((41, w.cols), dtype=np.float32)
     scratch = np.empty(16 * w.cols, np.float32)
     # block types round the activations to int8 steps first, as the few-row kernels do
-    want = (rounded(x) if qtype not in ("F16", "BF16") else x.astype(np.float64)) @ reference(w).T
+    want = (rounded(x, qtype) if qtype not in ("F16", "BF16") else x.astype(np.float64)) @ reference(w).T
     for _ in range(2):  # the scratch reused
         got = kernels.matmul_many(x, w, scratch)
         assert got.shape == (41, ROWS) and got.dtype == np.float32
@@ -149,7 +158,7 @@ def test_matmul_many_in_tiles_matches_blas(kernels, qtype, monkeypatch):
 def test_prefill_and_decode_agree(kernels):
     w = random_weight("Q4_K", ROWS, 512, seed=9)
     x = np.random.default_rng(9).standard_normal((4, 512), dtype=np.float32)
-    np.testing.assert_allclose(kernels.matmul_few(x, w), kernels.matmul_many(rounded(x).astype(np.float32), w),
+    np.testing.assert_allclose(kernels.matmul_few(x, w), kernels.matmul_many(rounded(x, "Q4_K").astype(np.float32), w),
                                rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
@@ -172,7 +181,7 @@ def test_numpy_path_gives_the_same_results(kernels, qtype, monkeypatch):
     without = [kernels.matmul_few(x, w) for x in xs], kernels.get_rows(w, [3, 1]), kernels.matmul_many(xs[3], w)
     assert len(calls) >= 5 or qtype in FLOAT  # gguf's dequantizer did the work
     for x, a, b in zip(xs, with_kernels[0], without[0]):
-        xr = rounded(x) if qtype in BLOCK else x
+        xr = rounded(x, qtype) if qtype in BLOCK else x
         bound = 2e-6 * (np.abs(xr) @ np.abs(reference(w)).T) + 1e-30
         assert (np.abs(a - b) <= 2 * bound).all()
     np.testing.assert_array_equal(with_kernels[1], without[1])
@@ -216,25 +225,26 @@ def test_real_smollm2_layer_and_embedding(kernels):
     for rows in (1, 8):
         x = rng.standard_normal((rows, 576), dtype=np.float32)
         qkv = np.concatenate([reference(ws[n]) for n in names[:3]])
-        assert_few_matches(kernels.matmul_few(x, [ws["attn_q"], ws["attn_k"], ws["attn_v"]]), x, qkv, True)
+        assert_few_matches(kernels.matmul_few(x, [ws["attn_q"], ws["attn_k"], ws["attn_v"]]), x, qkv, "Q4_1")
         x2 = rng.standard_normal((rows, 1536), dtype=np.float32)
-        assert_few_matches(kernels.matmul_few(x2, ws["ffn_down"]), x2, reference(ws["ffn_down"]), True)
+        assert_few_matches(kernels.matmul_few(x2, ws["ffn_down"]), x2, reference(ws["ffn_down"]), "Q4_1")
     emb = quant.from_gguf(tensors["token_embd.weight"])
     assert emb.qtype == "Q8_0" and emb.shape == (49152, 576)
     ids = [0, 1, 49151, 1234]
     np.testing.assert_array_equal(kernels.get_rows(emb, ids), reference(emb)[ids].astype(np.float32))
     x = rng.standard_normal((2, 576), dtype=np.float32)
     logits = kernels.matmul_few(x, emb)  # tied output: x @ token_embd.T
-    np.testing.assert_allclose(logits, rounded(x) @ reference(emb).T, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, rounded(x, "Q8_0") @ reference(emb).T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])  # the K-quants' one- and two-row kernel too
 @pytest.mark.parametrize("numpy_path", [False, True])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_nan_and_inf_activations_give_nan_outputs(kernels, rows, numpy_path, monkeypatch):
+def test_nan_and_inf_activations_give_nan_outputs(kernels, rows, numpy_path, qtype, monkeypatch):
     if numpy_path:
         monkeypatch.setattr(quant, "active", lambda qtype: False)
-    w = random_weight("Q4_1", ROWS, 160, seed=8)
-    x = np.ones((rows, 160), np.float32)
+    w = random_weight(qtype, ROWS, cols_for(qtype), seed=8)
+    x = np.ones((rows, w.cols), np.float32)
     x[0, 3], x[-1, 100] = np.nan, np.inf
     got = kernels.matmul_few(x, w)
     assert np.isnan(got[0]).all() and np.isnan(got[-1]).all()

@@ -135,7 +135,7 @@ def matmul_few(x: np.ndarray, w: "QTensor | QStack | Sequence[QTensor]") -> np.n
 
 
 def _few_numpy(run: KernelRun, x: np.ndarray, out: np.ndarray):
-    xa = _numpy.quantize_activations(x) if run.qtype in BLOCK_TYPES else x
+    xa = _numpy.quantize_activations(x, _numpy.activation_group(run.qtype)) if run.qtype in BLOCK_TYPES else x
     for t, col in zip(run.tensors, run.offs):
         out[:, col : col + t.rows] = _numpy.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, None, _dequant(t)).T
 
@@ -146,7 +146,7 @@ def matmul_many(x: np.ndarray, w: "QTensor | QStack", scratch: np.ndarray | None
     consecutive rows of it). W is dequantized a tile of rows at a time into scratch (float32,
     reused when large enough: pass the same one each call, e.g. scratch()) and each tile
     multiplied by BLAS on its own threads. For block types x is first rounded to int8 steps per
-    32 values, as matmul_few does: a row gets the same result (up to float summation order)
+    32 values (256 for the K-quants), as matmul_few does: a row gets the same result (up to float summation order)
     whichever path, batch or chunk computes it, as in llama.cpp."""
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != w.cols:
@@ -154,20 +154,22 @@ def matmul_many(x: np.ndarray, w: "QTensor | QStack", scratch: np.ndarray | None
     if not (x.flags.c_contiguous or x.flags.f_contiguous):  # BLAS takes either order as it is
         x = np.ascontiguousarray(x)
     out_t = np.empty((w.rows, len(x)), np.float32)
-    r, xq = 0, None
+    r, rounded = 0, {}
     for t in w.tensors if isinstance(w, QStack) else (w,):
         xa = x
         if t.qtype in BLOCK_TYPES:  # the activations matmul_few multiplies: both paths, one function
-            xq = _rounded(x, t.qtype) if xq is None else xq
-            xa = xq
+            group = _numpy.activation_group(t.qtype)
+            xa = rounded[group] = rounded[group] if group in rounded else _rounded(x, t.qtype)
         _numpy.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, scratch, _dequant(t), out_t[r : r + t.rows])
         r += t.rows
     return out_t.T
 
 
 def _rounded(x: np.ndarray, qtype: str) -> np.ndarray:
-    """x with each 32 values rounded to int8 steps, as the few-row kernels quantize them."""
-    return _entry.quantize(x) if active(qtype) else _numpy.quantize_activations(x)
+    """x rounded to int8 steps per group (_numpy.activation_group), as the few-row kernels
+    quantize them for weights of qtype."""
+    group = _numpy.activation_group(qtype)
+    return _entry.quantize(x, group) if active(qtype) else _numpy.quantize_activations(x, group)
 
 
 def scratch() -> np.ndarray:

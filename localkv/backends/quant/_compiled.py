@@ -11,12 +11,18 @@ from localkv.backends.quant._kernels import dequantize as _dequantize
 from localkv.backends.quant._kernels import matmul_few as _matmul_few
 from localkv.backends.quant._kernels import quantize_cols as _quantize_cols
 from localkv.backends.quant._kernels import quantize_rows as _quantize_rows
+from localkv.backends.quant._superblock import ROWS as SUPER_ROWS
+from localkv.backends.quant._superblock import TYPES as SUPER_TYPES
+from localkv.backends.quant._superblock import matmul_super as _matmul_super
 from localkv.backends.quant._types import BLOCK_TYPES, block_size
 
 
 def few(run, x: np.ndarray, out: np.ndarray):
     """out[:, run.col:] = x @ W.T for the weights of a KernelRun, side by side."""
-    kernel = _matmul_few if run.qtype in BLOCK_TYPES else matmul_few_float
+    if run.qtype in SUPER_TYPES and len(x) <= SUPER_ROWS:
+        kernel = _matmul_super
+    else:
+        kernel = _matmul_few if run.qtype in BLOCK_TYPES else matmul_few_float
     kernel(MARKERS[run.qtype], x, run.datas, run.offs, out)
 
 
@@ -25,17 +31,17 @@ def dequantize(w, rows: np.ndarray, out: np.ndarray):
     _dequantize(MARKERS[w.qtype], w.data, rows, out)
 
 
-def quantize(x: np.ndarray) -> np.ndarray:
-    """x [R, K] float32, C- or F-contiguous, with each 32 values of a row rounded to int8 steps
-    (a new array in the same order)."""
+def quantize(x: np.ndarray, group: int) -> np.ndarray:
+    """x [R, K] float32, C- or F-contiguous, with each `group` values of a row rounded to int8
+    steps (a new array in the same order)."""
     bits = np.zeros(1, np.uint32)
     if not x.flags.c_contiguous and x.flags.f_contiguous:
         out = np.empty(x.shape, np.float32, order="F")
-        _quantize_cols(x.T, x.T.view(np.uint32), out.T, bits, bits.view(np.float32))
+        _quantize_cols(x.T, x.T.view(np.uint32), out.T, bits, bits.view(np.float32), group)
         return out
     x = np.ascontiguousarray(x)
     out = np.empty(x.shape, np.float32)
-    _quantize_rows(x, x.view(np.uint32), out, bits, bits.view(np.float32))
+    _quantize_rows(x, x.view(np.uint32), out, bits, bits.view(np.float32), group)
     return out
 
 
@@ -71,9 +77,9 @@ def check(qtype: str) -> bool:
         dequantize(ws[0], np.arange(ws[0].rows), got)
         x = np.random.default_rng(4).standard_normal((3, cols), dtype=np.float32)
         x[1, 2] = np.inf  # its group: nan, as the few-row kernels give
-        want = _numpy.quantize_activations(x)
+        want = _numpy.quantize_activations(x, _numpy.activation_group(qtype))
         for xs in (x, np.asfortranarray(x)):  # both orders matmul_many is given
-            if not np.array_equal(quantize(xs), want, equal_nan=True):
+            if not np.array_equal(quantize(xs, _numpy.activation_group(qtype)), want, equal_nan=True):
                 return False
         if not np.array_equal(got, dense[0]):
             return False
@@ -83,7 +89,7 @@ def check(qtype: str) -> bool:
         out = np.empty((rows, ws[0].rows + ws[1].rows), np.float32)
         (run,) = QStack(ws).runs
         few(run, x, out)
-        xa = _numpy.quantize_activations(x) if qtype in BLOCK_TYPES else x
+        xa = _numpy.quantize_activations(x, _numpy.activation_group(qtype)) if qtype in BLOCK_TYPES else x
         want = xa.astype(np.float64) @ np.concatenate(dense).T.astype(np.float64)
         if not np.allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
             return False

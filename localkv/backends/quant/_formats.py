@@ -30,6 +30,7 @@ import numpy as np
 from numba import types
 from numba.extending import NativeValue, models, overload, register_jitable, register_model, typeof_impl, unbox
 
+from localkv.backends.quant._numpy import activation_group
 from localkv.backends.quant._simd import (
     at,
     band,
@@ -93,6 +94,16 @@ def _geometry(qt):
     values, nbytes = block_size(qt.qname)
     groups = values // 32
     return lambda qt: (groups, nbytes)
+
+
+def act_group(qt):
+    """The activations' quantization group of this type (_numpy.activation_group), a constant."""
+
+
+@overload(act_group, inline="always")
+def _act_group(qt):
+    n = activation_group(qt.qname)
+    return lambda qt: n
 
 
 def product(qt, acc, u, s):

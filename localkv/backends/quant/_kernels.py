@@ -3,8 +3,9 @@ dequantization of weight rows to float32 (prefill tiles, embedding lookups).
 
 Decode: integer products on int8 activations, not float FMAs on unpacked weights. The
 activations are quantized once per call like llama.cpp's Q8_0 (per 32 values, scale
-amax/127); a group of 32 weights then costs one packed unsigned x signed byte multiply-add
-(`_simd.dot`: vpdpbusd with VNNI, vpmaddubsw + vpmaddwd on AVX2) and one float FMA for its
+amax/127; per 256 for the K-quants, as Q8_K); a group of 32 weights then costs one packed
+unsigned x signed byte multiply-add (`_simd.dot`: vpdpbusd with VNNI, vpmaddubsw + vpmaddwd
+on AVX2) and one float FMA for its
 scale, where a float path needs the 32 weights widened to float (four conversions) and four
 FMAs per activation row. Both were measured on Q4_1, Q8_0 and Q4_K; the integer path was
 faster for every type and row count, more so the more rows. Results differ from float math
@@ -22,6 +23,9 @@ prange (numba's OpenMP layer; see cpu_kernels for the thread rules). A call take
 matrices of one type (`ws`, sharing the activations: q, k and v; gate and up), so a decode
 step makes fewer kernel calls, each of which costs numba's dispatch and OpenMP's start.
 
+Q4_K and Q6_K with one or two rows have their own kernel (`_superblock`, a super-block of 256
+at a time in integers); the loops here serve them for 3-8 rows.
+
 Dequantization is serial: it runs between BLAS calls in prefill, where BLAS owns the threads.
 So is quantize_rows, which gives prefill's BLAS tiles the same int8-rounded activations.
 """
@@ -30,7 +34,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
-from localkv.backends.quant._formats import geometry, group, lanes_product, product
+from localkv.backends.quant._formats import act_group, geometry, group, lanes_product, product
 from localkv.backends.quant._simd import at, izero, load32, prefetch
 from localkv.backends.quant._simd_f32 import expand, fadd, fload, fma, fmul, fpair, fsplat, fzero, hsum, lane, tofloat
 
@@ -44,35 +48,33 @@ PREFETCH = 4096  # bytes ahead in the weights: the hardware prefetcher alone lef
 
 
 @register_jitable(fastmath=False)
-def _quantize(x, xq, dx, xs16):
-    """x [R, K] float32 -> xq int8 [R, K], per 32 values q = rint(x / d) with d = amax / 127
-    (dx [R, K/32]); xs16 [R, K/16] = d * the sum of each 16 q (what the offsets multiply).
-    A group holding inf or nan gets q = 0 and d = nan, so its outputs are nan as in float
-    math (without fastmath here: it would assume there are none)."""
+def _quantize(x, xq, dx, xs16, gs):
+    """x [R, K] float32 -> xq int8 [R, K], per gs values (32, or 256 for the K-quants)
+    q = rint(x / d) with d = amax / 127, d stored once per 32 values (dx [R, K/32]);
+    xs16 [R, K/16] = d * the sum of each 16 q (what the offsets multiply). A group holding
+    inf or nan gets q = 0 and d = nan, so its outputs are nan as in float math (without
+    fastmath here: it would assume there are none)."""
     R, K = x.shape
     for r in range(R):
-        for g in range(K // 32):
+        for g in range(K // gs):
             amax = np.float32(0)
-            for i in range(32):
-                amax = max(amax, abs(x[r, 32 * g + i]))
-                if x[r, 32 * g + i] != x[r, 32 * g + i]:
+            for i in range(gs):
+                amax = max(amax, abs(x[r, gs * g + i]))
+                if x[r, gs * g + i] != x[r, gs * g + i]:
                     amax = np.float32(np.inf)
             d = amax / np.float32(127)
             inv = np.float32(1) / d if amax > 0 else np.float32(0)
             if amax == np.inf:
                 d, inv = np.float32(np.nan), np.float32(0)
-            sa = 0
-            sb = 0
-            for i in range(32):
-                q = np.int32(np.rint(x[r, 32 * g + i] * inv)) if inv > 0 else 0
-                xq[r, 32 * g + i] = q
-                if i < 16:
-                    sa += q
-                else:
-                    sb += q
-            dx[r, g] = d
-            xs16[r, 2 * g] = d * np.float32(sa)
-            xs16[r, 2 * g + 1] = d * np.float32(sb)
+            for i in range(gs):
+                xq[r, gs * g + i] = np.int32(np.rint(x[r, gs * g + i] * inv)) if inv > 0 else 0
+            for k in range(gs // 16):
+                s = 0
+                for i in range(16):
+                    s += xq[r, gs * g + 16 * k + i]
+                xs16[r, gs // 16 * g + k] = d * np.float32(s)
+            for k in range(gs // 32):
+                dx[r, gs // 32 * g + k] = d
 
 
 @register_jitable(_nrt=False)
@@ -207,7 +209,7 @@ def matmul_few(qt, x, ws, offs, out):
     xq = np.empty((R, K), np.int8)
     dx = np.empty((R, ng), np.float32)
     xs16 = np.empty((R, 2 * ng), np.float32)
-    _quantize(x, xq, dx, xs16)
+    _quantize(x, xq, dx, xs16, act_group(qt))
     counts = _chunks(ws)
     if R <= ROW_MAX:
         xsv = _spread(xs16)
@@ -241,8 +243,8 @@ def dequantize(qt, w, rows, out):
 
 
 @njit(_nrt=True, boundscheck=False, cache=True, nogil=True)
-def quantize_rows(x, xbits, out, scale_bits, scale):
-    """out = x [R, K] with each 32 values rounded to int8 steps of amax/127, as float32: the
+def quantize_rows(x, xbits, out, scale_bits, scale, gs):
+    """out = x [R, K] with each gs values rounded to int8 steps of amax/127, as float32: the
     activations matmul_few multiplies, for the tiles of matmul_many to multiply the same.
     xbits is x viewed as uint32: a group's amax is the largest of its bits without the sign
     (an integer max, which vectorizes where a float max without fastmath does not), and bits
@@ -250,23 +252,23 @@ def quantize_rows(x, xbits, out, scale_bits, scale):
     uint32 and its float32 view, to read those bits as a float."""
     R, K = x.shape
     for r in range(R):
-        for g in range(K // 32):
+        for g in range(K // gs):
             m = np.uint32(0)
-            for i in range(32):
-                m = max(m, xbits[r, 32 * g + i] & np.uint32(0x7FFFFFFF))
+            for i in range(gs):
+                m = max(m, xbits[r, gs * g + i] & np.uint32(0x7FFFFFFF))
             if m >= np.uint32(0x7F800000):
-                for i in range(32):
-                    out[r, 32 * g + i] = np.float32(np.nan)
+                for i in range(gs):
+                    out[r, gs * g + i] = np.float32(np.nan)
                 continue
             scale_bits[0] = m
             d = scale[0] / np.float32(127)
             inv = np.float32(1) / d if m > 0 else np.float32(0)
-            for i in range(32):
-                out[r, 32 * g + i] = np.float32(np.rint(x[r, 32 * g + i] * inv)) * d
+            for i in range(gs):
+                out[r, gs * g + i] = np.float32(np.rint(x[r, gs * g + i] * inv)) * d
 
 
 @njit(_nrt=True, boundscheck=False, cache=True, nogil=True)
-def quantize_cols(xt, xtbits, out_t, scale_bits, scale):
+def quantize_cols(xt, xtbits, out_t, scale_bits, scale, gs):
     """quantize_rows for x given as its transpose xt [K, R] (C-contiguous: x is F-ordered, as
     matmul_many's results are), into out_t [K, R]: the groups run down the columns, and the
     work runs along the rows, R tokens side by side."""
@@ -274,11 +276,11 @@ def quantize_cols(xt, xtbits, out_t, scale_bits, scale):
     m = np.empty(R, np.uint32)
     d = np.empty(R, np.float32)
     inv = np.empty(R, np.float32)
-    for g in range(K // 32):
+    for g in range(K // gs):
         m[:] = 0
-        for i in range(32):
+        for i in range(gs):
             for r in range(R):
-                m[r] = max(m[r], xtbits[32 * g + i, r] & np.uint32(0x7FFFFFFF))
+                m[r] = max(m[r], xtbits[gs * g + i, r] & np.uint32(0x7FFFFFFF))
         for r in range(R):
             if m[r] >= np.uint32(0x7F800000):
                 d[r], inv[r] = np.float32(np.nan), np.float32(0)
@@ -286,6 +288,6 @@ def quantize_cols(xt, xtbits, out_t, scale_bits, scale):
             scale_bits[0] = m[r]
             d[r] = scale[0] / np.float32(127)
             inv[r] = np.float32(1) / d[r] if m[r] > 0 else np.float32(0)
-        for i in range(32):
+        for i in range(gs):
             for r in range(R):
-                out_t[32 * g + i, r] = np.float32(np.rint(xt[32 * g + i, r] * inv[r])) * d[r]
+                out_t[gs * g + i, r] = np.float32(np.rint(xt[gs * g + i, r] * inv[r])) * d[r]

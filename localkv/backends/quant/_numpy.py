@@ -1,7 +1,7 @@
 """The numpy-only path (no numba, or LOCALKV_CPU_KERNELS=0): gguf's dequantizer on tiles of
 weight rows, then BLAS. Slower, same results as the kernels within float rounding: for block
 types the few-row product quantizes the activations to int8 exactly as the kernels do
-(`quantize_activations`), so both paths compute the same sums.
+(`quantize_activations`, per `activation_group` values), so both paths compute the same sums.
 """
 
 import numpy as np
@@ -17,10 +17,17 @@ def tile_rows(cols: int) -> int:
     return max(64, TILE_VALUES // cols)
 
 
-def quantize_activations(x: np.ndarray) -> np.ndarray:
-    """x [R, K] float32 with each 32 values rounded to int8 steps of amax/127 (as float32)."""
+def activation_group(qtype: str) -> int:
+    """How many activations share one int8 scale when multiplied with weights of qtype: 256
+    for the K-quants (llama.cpp's Q8_K, so that their kernels multiply a 256-value super-block
+    in integers), 32 for the other block types (Q8_0)."""
+    return 256 if qtype.endswith("_K") else 32
+
+
+def quantize_activations(x: np.ndarray, group: int = 32) -> np.ndarray:
+    """x [R, K] float32 with each `group` values rounded to int8 steps of amax/127 (as float32)."""
     R, K = x.shape
-    xb = x.reshape(R, K // 32, 32)
+    xb = x.reshape(R, K // group, group)
     amax = np.abs(xb).max(axis=-1)
     d = amax / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=amax > 0)
