@@ -18,6 +18,7 @@ from localkv.model.tokenizer_gguf import read_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
+pytestmark = pytest.mark.peer  # every test here needs llama-cpp-python (the module skips without it)
 
 
 def _script(name: str):

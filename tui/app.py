@@ -375,6 +375,8 @@ class ChatApp(App):
         else:
             if event.tail:
                 await reply.view.append(clean(event.tail))
+            if reply.view.source != clean(r.text):  # a stop mid-character: show what was saved
+                await reply.view.update(clean(r.text))
             done = f"{r.completion_tokens} tok · {r.cached_tokens}/{r.prompt_tokens} cached · {event.reason}"
             reply.view.border_subtitle = done
             self.panel.last_turn = (r.cached_tokens, r.prompt_tokens)

@@ -85,7 +85,7 @@ async def test_stop_keeps_the_partial_reply(engine, key):
     async with app.run_test(size=SIZE) as pilot:
         app.prompt.value = "tell me everything"
         await app.prompt.action_submit()  # not pilot.press: it waits for the UI to go idle, i.e. the reply's end
-        for _ in range(500):  # until the first batch is on screen
+        for _ in range(3000):  # until the first batch is on screen (a busy machine takes seconds)
             await pilot.pause(0.01)
             views = app.transcript.query(ChatMessage)
             if len(views) == 2 and views.last().source:
@@ -108,7 +108,7 @@ async def test_quitting_mid_reply_stops_it_and_saves_it(engine):
     async with app.run_test(size=SIZE) as pilot:
         app.prompt.value = "tell me everything"
         await app.prompt.action_submit()
-        for _ in range(500):  # until the first batch is on screen
+        for _ in range(3000):  # until the first batch is on screen (a busy machine takes seconds)
             await pilot.pause(0.01)
             if app.transcript.query(ChatMessage).last().source:
                 break
