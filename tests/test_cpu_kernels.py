@@ -33,16 +33,24 @@ def kernels():
     return cpu_kernels
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("rows,n", [(3, 16), (8, 160), (17, 33), (24, 2000)])
-def test_scores_match_numpy(kernels, rows, n):
+def test_paged_partial_matches_numpy(kernels, rows, n, dtype):
+    """The forks' shared-prefix attention read through a shuffled block table, f16 or f32 pool."""
     rng = np.random.default_rng(rows + n)
-    kvh, hd = 3, 64
-    q = rng.standard_normal((kvh, rows, hd), dtype=np.float32)
-    kf = rng.standard_normal((n, kvh * hd), dtype=np.float32)
-    want = np.einsum("hrd,nhd->hrn", q, kf.reshape(n, kvh, hd))
-    got = kernels.scores(q, kf)
-    assert got.shape == (kvh, rows, n)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    kvh, hd, bs = 3, 64, 16
+    blocks = -(-n // bs)
+    k, v = (rng.standard_normal((blocks + 5, bs, kvh, hd)).astype(dtype) for _ in range(2))
+    table = rng.permutation(blocks + 5)[:blocks]
+    q = rng.standard_normal((kvh, rows, hd), dtype=np.float32) * 0.2
+    kk, vv = (a[table].reshape(-1, kvh, hd)[:n].astype(np.float32).transpose(1, 0, 2) for a in (k, v))
+    s = q @ kk.transpose(0, 2, 1)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    out, got_m, got_l = kernels.paged_partial(q, k, v, table, n)
+    np.testing.assert_allclose(got_m, m, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_l, e.sum(-1, keepdims=True), rtol=1e-4)
+    np.testing.assert_allclose(out, e @ vv, rtol=1e-4, atol=1e-3)
 
 
 def test_off_switch(monkeypatch):

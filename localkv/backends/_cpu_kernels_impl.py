@@ -9,45 +9,6 @@ _OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=
 
 
 @njit(**_OPTS)
-def scores_8(q, kf, out):
-    """out[h, r, j] = q[h, r] . kf[j, h*hd : (h+1)*hd] for q [kvh, R, hd] (R a multiple of 8),
-    kf [n, kvh*hd] (a contiguous run of pool blocks, tokens as rows; float32, or uint16 holding
-    half floats), out [kvh, R, n]: the attention scores of R queries per kv head, parallel over
-    the keys, each key row read once for 8 queries at a time."""
-    kvh, R, hd = q.shape
-    for j in prange(out.shape[2]):
-        for h in range(kvh):
-            o = h * hd
-            for r in range(0, R, 8):
-                s0 = np.float32(0)
-                s1 = np.float32(0)
-                s2 = np.float32(0)
-                s3 = np.float32(0)
-                s4 = np.float32(0)
-                s5 = np.float32(0)
-                s6 = np.float32(0)
-                s7 = np.float32(0)
-                for d in range(hd):
-                    kv = _f32(kf[j, o + d])
-                    s0 += q[h, r, d] * kv
-                    s1 += q[h, r + 1, d] * kv
-                    s2 += q[h, r + 2, d] * kv
-                    s3 += q[h, r + 3, d] * kv
-                    s4 += q[h, r + 4, d] * kv
-                    s5 += q[h, r + 5, d] * kv
-                    s6 += q[h, r + 6, d] * kv
-                    s7 += q[h, r + 7, d] * kv
-                out[h, r, j] = s0
-                out[h, r + 1, j] = s1
-                out[h, r + 2, j] = s2
-                out[h, r + 3, j] = s3
-                out[h, r + 4, j] = s4
-                out[h, r + 5, j] = s5
-                out[h, r + 6, j] = s6
-                out[h, r + 7, j] = s7
-
-
-@njit(**_OPTS)
 def paged_scores_8(q, k, table, n, out):
     """out[h, r, j] = q[h, r] . key j of the pool layer k [blocks, bs, kvh, hd] (float32, or
     uint16 holding half floats) read through the block table, for j < n; q [kvh, R, hd] with R

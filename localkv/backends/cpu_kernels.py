@@ -109,10 +109,13 @@ def _without_scipy():
 
 
 def _check_matmuls(impl) -> bool:
-    """Compile (or load) the prefix-scores kernel now, not inside a timed step, and check it."""
-    sc = np.empty((2, 8, 3), np.float32)
-    impl.scores_8(np.ones((2, 8, 4), np.float32), np.ones((3, 8), np.float32), sc)
-    return bool((sc == 4.0).all())
+    """Compile (or load) the shared-prefix kernels for an f16 pool now, not inside a timed step,
+    and check them."""
+    k = np.ones((1, 4, 2, 4), np.float16).view(np.uint16)  # [blocks, block size, kv heads, head dim]
+    table, s, out = np.zeros(1, np.int64), np.empty((2, 8, 3), np.float32), np.empty((2, 8, 4), np.float32)
+    impl.paged_scores_8(np.ones((2, 8, 4), np.float32), k, table, 3, s)
+    impl.paged_weighted_8(s, k, table, out)
+    return bool((s == 4.0).all() and (out == 12.0).all())
 
 
 def _check_elementwise(impl) -> bool:
@@ -192,20 +195,6 @@ def decode_attention(q, k_layer, v_layer, tables, lens, scale: float, scores, wo
 def causal_max(s: np.ndarray, tq: int, first: int, window: int = 0):
     """See _cpu_kernels_impl.causal_max. Call only when active()."""
     _state["impl"].causal_max(s, tq, first, window)
-
-
-def scores(q: np.ndarray, kf: np.ndarray) -> np.ndarray:
-    """Attention scores [kvh, R, n] of q [kvh, R, hd] against the keys kf [n, kvh*hd] (tokens
-    as rows, kv heads side by side: a contiguous run of pool blocks reshaped). Faster than
-    OpenBLAS's batched gemm over the strided per-head views, whose packing of the transposed
-    keys dominates. Call only when active()."""
-    kvh, R, hd = q.shape
-    R8 = -(-R // 8) * 8
-    qp = np.zeros((kvh, R8, hd), np.float32)
-    qp[:, :R] = q
-    out = np.empty((kvh, R8, len(kf)), np.float32)
-    _state["impl"].scores_8(qp, _bits(kf), out)
-    return out[:, :R]
 
 
 def paged_partial(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, n: int):
