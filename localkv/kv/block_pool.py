@@ -2,7 +2,10 @@
 freed blocks' prefix hashes so a later request can revive them.
 
 K/V live in two arrays [layers, blocks, block_size, kv_heads, head_dim]; a block id
-indexes the second axis in every layer at once. Invariants (checked by check()):
+indexes the second axis in every layer at once. Blocks never handed out have no bookkeeping
+yet: ids from len(blocks) up are free and untouched (a small model's 1 GiB pool holds a
+million blocks; objects for all of them cost seconds and 100+ MB before the first token).
+Invariants (checked by check()), over the blocks handed out so far:
 - a block is in the free queue iff its ref_count is 0;
 - ref_count equals the number of block tables holding the block;
 - cached maps a hash to a block whose hash is that hash (free or not).
@@ -46,19 +49,20 @@ class BlockPool:
         self.k = xp.zeros(shape, dtype)
         self.v = xp.zeros(shape, dtype)
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._num_blocks = num_blocks
+        self.blocks: list[Block] = []  # of the blocks handed out so far: ids 0 .. len - 1
+        self.free_queue: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently first
         self._warm: list[int] = []  # freed blocks without a hash, most recent last (may hold stale ids)
         self.cached: dict[int, int] = {}  # prefix hash -> block id
         self.stats = stats or Stats()
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + self._num_blocks - len(self.blocks)
 
     @property
     def bytes_per_block(self) -> int:
@@ -70,7 +74,7 @@ class BlockPool:
         4 KiB on its first write (about 1.5 ms a block here; 5% of a 512-token prefill). Then
         the free queue's order: never-used blocks, then cached ones least recently freed first
         (one loses its hash: recomputing it costs 20x its page faults, hence last)."""
-        if not self.free_queue:
+        if not self.num_free:
             raise PoolExhausted(
                 f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens are in use "
                 "(raise --kv-mem)"
@@ -81,6 +85,9 @@ class BlockPool:
                 del self.free_queue[bid]
                 self.blocks[bid].ref_count = 1
                 return bid
+        if len(self.blocks) < self._num_blocks:
+            self.blocks.append(Block(len(self.blocks), ref_count=1))
+            return len(self.blocks) - 1
         bid, _ = self.free_queue.popitem(last=False)
         block = self.blocks[bid]
         if block.hash is not None:
@@ -141,7 +148,7 @@ class BlockPool:
     def check(self, tables: list[list[int]] = ()):
         """Check the invariants (RuntimeError naming the first broken one); tables are all
         live block tables."""
-        held = [0] * self.num_blocks
+        held = [0] * len(self.blocks)
         for table in tables:
             for bid in table:
                 held[bid] += 1
