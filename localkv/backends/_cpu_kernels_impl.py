@@ -72,6 +72,45 @@ def paged_weighted_8(p, v, table, out):
                 out[h, r + i, d] = acc[i, d]
 
 
+@njit(**_OPTS)
+def paged_tails(q, k, v, tables, n, out, mx, sm):
+    """Unnormalised attention of each sequence's own few tokens (the forks' tails after their
+    shared prefix): q [kvh, B, g, hd] (scaled) of sequence b over the first n tokens of its
+    table tables[b], pool layers k/v as paged_scores_8's; out [kvh, B, g, hd], row max mx and
+    row sum sm [kvh, B, g, 1]. Parallel over (sequence, kv head); n is small."""
+    kvh, B, g, hd = q.shape
+    bs = k.shape[1]
+    for job in prange(B * kvh):
+        b, h = job // kvh, job % kvh
+        s = np.empty((g, n), np.float32)
+        for t in range(n):
+            blk, off = tables[b, t // bs], t % bs
+            for j in range(g):
+                acc = np.float32(0)
+                for d in range(hd):
+                    acc += q[h, b, j, d] * _f32(k[blk, off, h, d])
+                s[j, t] = acc
+        for j in range(g):
+            m = s[j, 0]
+            for t in range(1, n):
+                m = max(m, s[j, t])
+            total = np.float32(0)
+            for t in range(n):
+                e = np.exp(s[j, t] - m)
+                s[j, t] = e
+                total += e
+            mx[h, b, j, 0] = m
+            sm[h, b, j, 0] = total
+            for d in range(hd):
+                out[h, b, j, d] = 0
+        for t in range(n):
+            blk, off = tables[b, t // bs], t % bs
+            for j in range(g):
+                w = s[j, t]
+                for d in range(hd):
+                    out[h, b, j, d] += w * _f32(v[blk, off, h, d])
+
+
 # Single-threaded fused element-wise kernels: one pass where numpy makes several (and
 # temporaries), for prefill's memory-bound steps. No parallel workers: no interplay with BLAS.
 _SERIAL = dict(fastmath=True, boundscheck=False, cache=True, nogil=True)

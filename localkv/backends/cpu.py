@@ -176,10 +176,13 @@ def shared_prefix_decode(
         op, mp, lp = _partial(qg, kp, vp)  # rows: (sequence, group)
     tables = tails.stacked if isinstance(tails, Tails) else _stack_tails(tails)
     if tables is not None:
-        n = tails[0][1]
-        kt = f32(k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])  # [kvh, B, n, hd]
-        vt = f32(v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])
-        tail = _partial(qg.reshape(kvh, B, g, hd), kt, vt)  # [kvh, B, g, .]
+        n, q4 = tails[0][1], qg.reshape(kvh, B, g, hd)
+        if uses_kernels(B):
+            tail = cpu_kernels.paged_tails(q4, k_layer, v_layer, tables, n)
+        else:
+            kt = f32(k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])  # [kvh, B, n, hd]
+            vt = f32(v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])
+            tail = _partial(q4, kt, vt)  # [kvh, B, g, .]
         out = _merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
         return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
     out = np.empty((B, kvh, g, hd), q.dtype)
