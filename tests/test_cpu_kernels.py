@@ -222,3 +222,27 @@ def test_threads_leave_the_cores_other_processes_keep_busy():
     assert interval(0.3, 1.0) == 2  # free again
     assert CoreShare(2, machine=lambda: None).threads() == 2  # no /proc/stat: the engine's count
     assert CoreShare(1).threads() == 1
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_paged_tails_match_numpy(kernels, dtype):
+    """Each sequence's own tokens after a shared prefix, tails of different lengths (requests
+    that joined at different steps), read through padded block tables."""
+    rng = np.random.default_rng(7)
+    kvh, g, hd, bs = 3, 3, 64, 16
+    lens = np.array([1, 17, 40, 16], np.int64)
+    k, v = (rng.standard_normal((20, bs, kvh, hd)).astype(dtype) for _ in range(2))
+    perm = rng.permutation(20)
+    tables = np.zeros((len(lens), 3), np.int64)
+    for b, n in enumerate(lens):
+        nb = -(-int(n) // bs)
+        tables[b, :nb] = perm[3 * b : 3 * b + nb]
+    q = rng.standard_normal((kvh, len(lens), g, hd), dtype=np.float32) * 0.2
+    out, m, s = kernels.paged_tails(q, k, v, tables, lens)
+    for b, n in enumerate(lens):
+        kk, vv = (a[tables[b]].reshape(-1, kvh, hd)[:n].astype(np.float32).transpose(1, 0, 2) for a in (k, v))
+        sc = q[:, b] @ kk.transpose(0, 2, 1)
+        e = np.exp(sc - sc.max(-1, keepdims=True))
+        np.testing.assert_allclose(m[:, b], sc.max(-1, keepdims=True), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(s[:, b], e.sum(-1, keepdims=True), rtol=1e-4)
+        np.testing.assert_allclose(out[:, b], e @ vv, rtol=1e-4, atol=1e-3)

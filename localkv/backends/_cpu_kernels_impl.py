@@ -73,15 +73,16 @@ def paged_weighted_8(p, v, table, out):
 
 
 @njit(**_OPTS)
-def paged_tails(q, k, v, tables, n, out, mx, sm):
-    """Unnormalised attention of each sequence's own few tokens (the forks' tails after their
-    shared prefix): q [kvh, B, g, hd] (scaled) of sequence b over the first n tokens of its
-    table tables[b], pool layers k/v as paged_scores_8's; out [kvh, B, g, hd], row max mx and
-    row sum sm [kvh, B, g, 1]. Parallel over (sequence, kv head); n is small."""
+def paged_tails(q, k, v, tables, lens, out, mx, sm):
+    """Unnormalised attention of each sequence's own few tokens (after a prefix shared with the
+    others): q [kvh, B, g, hd] (scaled) of sequence b over the first lens[b] (>= 1) tokens of
+    its table tables[b], pool layers k/v as paged_scores_8's; out [kvh, B, g, hd], row max mx
+    and row sum sm [kvh, B, g, 1]. Parallel over (sequence, kv head); the tails are short."""
     kvh, B, g, hd = q.shape
     bs = k.shape[1]
     for job in prange(B * kvh):
         b, h = job // kvh, job % kvh
+        n = lens[b]
         s = np.empty((g, n), np.float32)
         for t in range(n):
             blk, off = tables[b, t // bs], t % bs

@@ -174,15 +174,18 @@ def shared_prefix_decode(
     else:
         kp, vp = gather_kv(k_layer, prefix_table, n_prefix), gather_kv(v_layer, prefix_table, n_prefix)
         op, mp, lp = _partial(qg, kp, vp)  # rows: (sequence, group)
+    q4 = qg.reshape(kvh, B, g, hd)
+    if uses_kernels(B):  # every sequence's own tokens in one kernel, whatever their lengths
+        tails = tails if isinstance(tails, Tails) else frozen_tails(tails)
+        tail = cpu_kernels.paged_tails(q4, k_layer, v_layer, tails.padded, tails.lens)
+        out = _merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
+        return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
     tables = tails.stacked if isinstance(tails, Tails) else _stack_tails(tails)
     if tables is not None:
-        n, q4 = tails[0][1], qg.reshape(kvh, B, g, hd)
-        if uses_kernels(B):
-            tail = cpu_kernels.paged_tails(q4, k_layer, v_layer, tables, n)
-        else:
-            kt = f32(k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])  # [kvh, B, n, hd]
-            vt = f32(v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])
-            tail = _partial(q4, kt, vt)  # [kvh, B, g, .]
+        n = tails[0][1]
+        kt = f32(k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])  # [kvh, B, n, hd]
+        vt = f32(v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])
+        tail = _partial(q4, kt, vt)  # [kvh, B, g, .]
         out = _merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
         return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
     out = np.empty((B, kvh, g, hd), q.dtype)
@@ -196,14 +199,22 @@ def shared_prefix_decode(
 class Tails(tuple):
     """(table, tokens) per sequence after the shared prefix, with `stacked`: the tables as one
     [B, blocks] array when all tails hold the same number of tokens (branches decoding in
-    lockstep), else None. Made once per forward (frozen_tails), read by every layer."""
+    lockstep), else None; `padded` [B, most blocks] (int64, short tables padded with block 0)
+    and `lens` [B]: what the kernel reads. Made once per forward (frozen_tails), read by every
+    layer."""
 
     stacked: np.ndarray | None
+    padded: np.ndarray
+    lens: np.ndarray
 
 
 def frozen_tails(tails) -> Tails:
     t = Tails(tails)
     t.stacked = _stack_tails(t)
+    t.padded = np.zeros((len(t), max(len(table) for table, _ in t)), np.int64)
+    for row, (table, _) in zip(t.padded, t):
+        row[: len(table)] = table
+    t.lens = np.array([n for _, n in t], np.int64)
     return t
 
 

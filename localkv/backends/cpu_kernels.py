@@ -218,15 +218,14 @@ def paged_partial(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table
     return out[:, :R], m[:, :R], s[:, :R].sum(axis=-1, keepdims=True)
 
 
-def paged_tails(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables: np.ndarray, n: int):
+def paged_tails(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables: np.ndarray, lens: np.ndarray):
     """Unnormalised attention of q [kvh, B, g, hd] (scaled), sequence b's queries over the
-    first n tokens of its block table tables[b] (all n long, as branches decoding in lockstep):
+    first lens[b] tokens of its block table tables[b] (int64 [B, blocks], padded):
     (out [kvh, B, g, hd], row max, row sum [kvh, B, g, 1]), K/V read from the pool as stored.
     Call only when active()."""
     out = np.empty(q.shape, np.float32)
     mx, sm = np.empty((*q.shape[:3], 1), np.float32), np.empty((*q.shape[:3], 1), np.float32)
-    tables = np.ascontiguousarray(tables, dtype=np.int64)
-    _state["impl"].paged_tails(np.ascontiguousarray(q), _bits(k_layer), _bits(v_layer), tables, n, out, mx, sm)
+    _state["impl"].paged_tails(np.ascontiguousarray(q), _bits(k_layer), _bits(v_layer), tables, lens, out, mx, sm)
     return out, mx, sm
 
 
