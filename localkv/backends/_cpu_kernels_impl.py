@@ -3,7 +3,7 @@
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic, overload, register_jitable
 
 _OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
 
@@ -72,44 +72,53 @@ def paged_weighted_8(p, v, table, out):
                 out[h, r + i, d] = acc[i, d]
 
 
+@register_jitable
+def _attend(q, k, v, h, table, n, scale, s, out, mx, sm):
+    """Unnormalised attention of q [g, hd] (kv head h's group of query heads, times scale) over
+    the first n >= 1 tokens of one block table, K/V read from the pool layers k/v [blocks,
+    block_size, kv_heads, hd] (float32, or uint16 holding half floats): out [g, hd], row max
+    mx and row sum sm [g]; s [g, >= n] is scratch. Each key and value row is read once for
+    the whole group."""
+    bs = k.shape[1]
+    g, hd = q.shape
+    for t in range(n):
+        blk, off = table[t // bs], t % bs
+        for j in range(g):
+            acc = np.float32(0)
+            for d in range(hd):
+                acc += q[j, d] * _f32(k[blk, off, h, d])
+            s[j, t] = acc * scale
+    for j in range(g):
+        m = s[j, 0]
+        for t in range(1, n):
+            m = max(m, s[j, t])
+        total = np.float32(0)
+        for t in range(n):
+            e = np.exp(s[j, t] - m)
+            s[j, t] = e
+            total += e
+        mx[j], sm[j] = m, total
+        for d in range(hd):
+            out[j, d] = 0
+    for t in range(n):
+        blk, off = table[t // bs], t % bs
+        for j in range(g):
+            w = s[j, t]
+            for d in range(hd):
+                out[j, d] += w * _f32(v[blk, off, h, d])
+
+
 @njit(**_OPTS)
 def paged_tails(q, k, v, tables, lens, out, mx, sm):
     """Unnormalised attention of each sequence's own few tokens (after a prefix shared with the
     others): q [kvh, B, g, hd] (scaled) of sequence b over the first lens[b] (>= 1) tokens of
-    its table tables[b], pool layers k/v as paged_scores_8's; out [kvh, B, g, hd], row max mx
-    and row sum sm [kvh, B, g, 1]. Parallel over (sequence, kv head); the tails are short."""
+    its table tables[b], pool layers k/v as _attend's; out [kvh, B, g, hd], row max mx and row
+    sum sm [kvh, B, g, 1]. Parallel over (sequence, kv head); the tails are short."""
     kvh, B, g, hd = q.shape
-    bs = k.shape[1]
     for job in prange(B * kvh):
         b, h = job // kvh, job % kvh
-        n = lens[b]
-        s = np.empty((g, n), np.float32)
-        for t in range(n):
-            blk, off = tables[b, t // bs], t % bs
-            for j in range(g):
-                acc = np.float32(0)
-                for d in range(hd):
-                    acc += q[h, b, j, d] * _f32(k[blk, off, h, d])
-                s[j, t] = acc
-        for j in range(g):
-            m = s[j, 0]
-            for t in range(1, n):
-                m = max(m, s[j, t])
-            total = np.float32(0)
-            for t in range(n):
-                e = np.exp(s[j, t] - m)
-                s[j, t] = e
-                total += e
-            mx[h, b, j, 0] = m
-            sm[h, b, j, 0] = total
-            for d in range(hd):
-                out[h, b, j, d] = 0
-        for t in range(n):
-            blk, off = tables[b, t // bs], t % bs
-            for j in range(g):
-                w = s[j, t]
-                for d in range(hd):
-                    out[h, b, j, d] += w * _f32(v[blk, off, h, d])
+        s = np.empty((g, lens[b]), np.float32)
+        _attend(q[h, b], k, v, h, tables[b], lens[b], np.float32(1), s, out[h, b], mx[h, b, :, 0], sm[h, b, :, 0])
 
 
 # Single-threaded fused element-wise kernels: one pass where numpy makes several (and
@@ -209,44 +218,20 @@ def _f32_impl(x):
 def _decode_attention(q, k, v, tables, lens, scale, out, scores):
     """Attention of one query token per sequence: q [B, H, hd] over the first lens[b] tokens
     of sequence b's K/V, read through its block table tables[b] from the pool layers k, v
-    [blocks, block_size, kv_heads, hd] (float32, or uint16 holding half floats); out [B, H, hd].
-    scores [B * kv_heads, H / kv_heads, >= max(lens)] is scratch. Over (sequence, kv head), in
-    parallel or not (two builds below): each key and value row is read once for the kv head's
-    group of query heads."""
+    (as _attend's); out [B, H, hd]. scores [B * kv_heads, H / kv_heads, >= max(lens)] is
+    scratch. Over (sequence, kv head), in parallel or not (two builds below)."""
     B, H, hd = q.shape
-    bs, kvh = k.shape[1], k.shape[2]
+    kvh = k.shape[2]
     g = H // kvh
     for job in prange(B * kvh):
         b, h = job // kvh, job % kvh
-        n = lens[b]
-        s = scores[job]
-        for t in range(n):
-            blk, off = tables[b, t // bs], t % bs
-            for j in range(g):
-                acc = np.float32(0)
-                for d in range(hd):
-                    acc += q[b, h * g + j, d] * _f32(k[blk, off, h, d])
-                s[j, t] = acc * scale
+        mx, sm = np.empty(g, np.float32), np.empty(g, np.float32)
+        rows = out[b, h * g : (h + 1) * g]
+        _attend(q[b, h * g : (h + 1) * g], k, v, h, tables[b], lens[b], scale, scores[job], rows, mx, sm)
         for j in range(g):
-            m = s[j, 0]
-            for t in range(1, n):
-                m = max(m, s[j, t])
-            total = np.float32(0)
-            for t in range(n):
-                e = np.exp(s[j, t] - m)
-                s[j, t] = e
-                total += e
-            inv = np.float32(1) / total
-            for t in range(n):
-                s[j, t] *= inv
+            inv = np.float32(1) / sm[j]
             for d in range(hd):
-                out[b, h * g + j, d] = 0
-        for t in range(n):
-            blk, off = tables[b, t // bs], t % bs
-            for j in range(g):
-                p = s[j, t]
-                for d in range(hd):
-                    out[b, h * g + j, d] += p * _f32(v[blk, off, h, d])
+                rows[j, d] *= inv
 
 
 # A parallel region costs more than a short context's attention: both builds, chosen by size.
