@@ -29,7 +29,8 @@ LONG = typer.Option(
 SUITE = typer.Argument(
     "speed",
     help="speed (pp/tg t/s), memory (paged vs contiguous KV use), fork (best-of-8 sharing), cache (TTFT cold/warm, "
-    "chat hit rate), evict (perplexity under KV budgets), grammar (decode t/s under a JSON schema's mask), or all.",
+    "chat hit rate), evict (perplexity under KV budgets), grammar (decode t/s under a JSON schema's mask), "
+    "serve (the OpenAI server under 8 concurrent clients), or all.",
 )
 
 
@@ -48,7 +49,8 @@ def bench_command(
     *,
     engine: EngineConfig,
 ):
-    """Measure localkv: speed (default; pp512/tg128 like llama-bench), memory, fork, cache, evict, grammar or all.
+    """Measure localkv: speed (default; pp512/tg128 like llama-bench), memory, fork, cache, evict, grammar, serve
+    or all.
 
     Each suite prints what it measured, the hardware and load, the command that reproduces it, and
     the targets it checks. --vs llama.cpp runs llama-cpp-python on the same work in the same run."""
