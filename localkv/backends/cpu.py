@@ -161,31 +161,23 @@ def shared_prefix_decode(
     """Decode attention for B sequences (one query each, q [B, H, hd]) whose block tables all
     begin with prefix_table (full blocks, e.g. the forks of one prompt). The prefix K/V are
     gathered and scored once for all B queries; each sequence's own tail (its table after the
-    prefix, n tokens) is scored on its own (all tails in one batched pass when they are the
-    same length, as branches decoding in lockstep are); the two softmax parts merge by their
-    row maxima (cascade attention). Same result as paged_attention per sequence."""
+    prefix, n tokens) is scored on its own (with the kernels, all tails in one call; in numpy,
+    in one batched pass when they are the same length, as branches decoding in lockstep are);
+    the two softmax parts merge by their row maxima (cascade attention). Same result as
+    paged_attention per sequence."""
     B, H, hd = q.shape
     kvh = k_layer.shape[2]
     g = H // kvh
     n_prefix = len(prefix_table) * k_layer.shape[1]
     qg = (q * scale).reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
-    if uses_kernels(B):  # the prefix's K/V read through its table, as stored (no float32 copy)
+    kernels = uses_kernels(B)
+    if kernels:  # the prefix's K/V read through its table, as stored (no float32 copy)
         op, mp, lp = cpu_kernels.paged_partial(qg, k_layer, v_layer, prefix_table, n_prefix)
     else:
         kp, vp = gather_kv(k_layer, prefix_table, n_prefix), gather_kv(v_layer, prefix_table, n_prefix)
         op, mp, lp = _partial(qg, kp, vp)  # rows: (sequence, group)
-    q4 = qg.reshape(kvh, B, g, hd)
-    if uses_kernels(B):  # every sequence's own tokens in one kernel, whatever their lengths
-        tails = tails if isinstance(tails, Tails) else frozen_tails(tails)
-        tail = cpu_kernels.paged_tails(q4, k_layer, v_layer, tails.padded, tails.lens)
-        out = _merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
-        return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
-    tables = tails.stacked if isinstance(tails, Tails) else _stack_tails(tails)
-    if tables is not None:
-        n = tails[0][1]
-        kt = f32(k_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])  # [kvh, B, n, hd]
-        vt = f32(v_layer.transpose(2, 0, 1, 3)[:, tables].reshape(kvh, B, -1, hd)[:, :, :n])
-        tail = _partial(q4, kt, vt)  # [kvh, B, g, .]
+    tail = _batched_tails(qg.reshape(kvh, B, g, hd), k_layer, v_layer, tails, kernels)
+    if tail is not None:
         out = _merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
         return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
     out = np.empty((B, kvh, g, hd), q.dtype)
@@ -194,6 +186,23 @@ def shared_prefix_decode(
         tail = _partial(qg[:, rows], gather_kv(k_layer, table, n), gather_kv(v_layer, table, n))
         out[b] = _merge((op[:, rows], mp[:, rows], lp[:, rows]), tail)
     return out.reshape(B, H, hd)
+
+
+def _batched_tails(q4: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tails, kernels: bool):
+    """The sequences' own tails, q4 [kvh, B, g, hd], as one partial attention [kvh, B, g, .]:
+    with the kernels whatever their lengths; in numpy when they all hold the same number of
+    tokens (else None: one sequence at a time)."""
+    if kernels:
+        t = tails if isinstance(tails, Tails) else frozen_tails(tails)
+        return cpu_kernels.paged_tails(q4, k_layer, v_layer, t.padded, t.lens)
+    stacked = tails.stacked if isinstance(tails, Tails) else _stack_tails(tails)
+    if stacked is None:
+        return None
+    kvh, B, _, hd = q4.shape
+    n = tails[0][1]
+    kt = f32(k_layer.transpose(2, 0, 1, 3)[:, stacked].reshape(kvh, B, -1, hd)[:, :, :n])  # [kvh, B, n, hd]
+    vt = f32(v_layer.transpose(2, 0, 1, 3)[:, stacked].reshape(kvh, B, -1, hd)[:, :, :n])
+    return _partial(q4, kt, vt)
 
 
 class Tails(tuple):

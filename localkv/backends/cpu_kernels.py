@@ -78,7 +78,7 @@ def _load() -> tuple[bool, str | None]:
         with _without_scipy():
             import localkv.backends._cpu_kernels_impl as impl
 
-            if not (_check_matmuls(impl) and _check_elementwise(impl) and _check_decode(impl)):
+            if not (_check_paged_attention(impl) and _check_elementwise(impl) and _check_decode(impl)):
                 return False, "kernel self-check failed"
         if numba.threading_layer() != "omp":
             return False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
@@ -108,7 +108,7 @@ def _without_scipy():
             del sys.modules[name]
 
 
-def _check_matmuls(impl) -> bool:
+def _check_paged_attention(impl) -> bool:
     """Compile (or load) the shared-prefix kernels for an f16 pool now, not inside a timed step,
     and check them."""
     k = np.ones((1, 4, 2, 4), np.float16).view(np.uint16)  # [blocks, block size, kv heads, head dim]
