@@ -77,6 +77,17 @@ def _quantize(x, xq, dx, xs16, gs):
                 dx[r, gs // 32 * g + k] = d
 
 
+@register_jitable
+def quantized(x, gs):
+    """x [R, K] as the decode kernels multiply it: _quantize's (xq, dx, xs16), freshly made."""
+    R, K = x.shape
+    xq = np.empty((R, K), np.int8)
+    dx = np.empty((R, K // 32), np.float32)
+    xs16 = np.empty((R, K // 16), np.float32)
+    _quantize(x, xq, dx, xs16, gs)
+    return xq, dx, xs16
+
+
 @register_jitable(_nrt=False)
 def _chunks(ws):
     """Work items over the stacked matrices: chunks of CHUNK rows, none spanning two matrices
@@ -206,10 +217,7 @@ def matmul_few(qt, x, ws, offs, out):
     columns; pass a zero-row array for unused ones). x float32 [R, K], 1 <= R <= LANES."""
     R, K = x.shape
     ng = K // 32
-    xq = np.empty((R, K), np.int8)
-    dx = np.empty((R, ng), np.float32)
-    xs16 = np.empty((R, 2 * ng), np.float32)
-    _quantize(x, xq, dx, xs16, act_group(qt))
+    xq, dx, xs16 = quantized(x, act_group(qt))
     counts = _chunks(ws)
     if R <= ROW_MAX:
         xsv = _spread(xs16)

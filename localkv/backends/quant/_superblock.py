@@ -12,7 +12,7 @@ from numba import njit, prange
 from numba.extending import overload, register_jitable
 
 from localkv.backends.quant._formats import act_group, geometry
-from localkv.backends.quant._kernels import _PAR, _chunk, _chunks, _quantize
+from localkv.backends.quant._kernels import _PAR, _chunk, _chunks, quantized
 from localkv.backends.quant._simd import at, half, prefetch
 from localkv.backends.quant._simd_wide import q4k_block, q6k_block, whsum, wzero
 
@@ -103,10 +103,7 @@ def _row(qt, w, base, xa, bs, dx, r, nb):
 def matmul_super(qt, x, ws, offs, out):
     """_kernels.matmul_few for Q4_K / Q6_K and 1 <= R <= ROWS activation rows."""
     R, K = x.shape
-    xq = np.empty((R, K), np.int8)
-    dx = np.empty((R, K // 32), np.float32)
-    xs16 = np.empty((R, K // 16), np.float32)
-    _quantize(x, xq, dx, xs16, act_group(qt))
+    xq, dx, _ = quantized(x, act_group(qt))
     xa, bs = layout(qt, xq)
     counts = _chunks(ws)
     for c in prange(counts[0] + counts[1] + counts[2]):
