@@ -16,6 +16,9 @@ from localkv.units import parse_size
 KV_DTYPES = {"f32": "float32", "f16": "float16"}  # --kv-dtype values (besides auto) -> numpy dtype names
 
 
+PREFILL_CHUNK = 512  # most tokens of one prompt in a forward pass
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # catalog name, .gguf path or Hugging Face directory; None: the default model
@@ -23,7 +26,7 @@ class EngineConfig:
     threads: int | None = None  # CPU threads for matrix math; None: all cores
     block_size: int = 16  # tokens per KV block
     kv_mem: int | str = "1GiB"  # memory of the KV block pool
-    prefill_chunk: int = 512  # most prompt tokens per forward pass
+    prefill_chunk: int = PREFILL_CHUNK  # most prompt tokens per forward pass
     prefix_cache: bool = True  # reuse full blocks of earlier prompts (memory, and disk if disk_cache)
     disk_cache: bool = True  # keep prompt blocks on disk between processes
     disk_cache_size: int | str = "2GiB"  # LRU cap of the disk cache

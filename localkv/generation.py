@@ -203,6 +203,9 @@ class Generation:
     def prefilling(self) -> bool:
         return self.root is not None and bool(self.root.pending)
 
+    def prompt_computed(self) -> int:
+        return self.root.num_computed if self.root is not None else 0
+
     def schedulable(self) -> list[Sequence]:
         if self.root is not None:
             return [self.root]

@@ -35,6 +35,8 @@ class Request(Protocol):
 
     def prefilling(self) -> bool: ...  # still computing its prompt
 
+    def prompt_computed(self) -> int: ...  # prompt tokens whose K/V are computed (0 before admit)
+
     def on_logits(self, rows: dict[int, np.ndarray]) -> None: ...  # seq id -> logits, for finished chunks
 
     def out_of_budget(self, seq: Sequence, reason: str) -> None: ...  # the KV policy cannot make room
@@ -46,10 +48,14 @@ class Request(Protocol):
 
 class Scheduler:
     def __init__(self, engine: Engine, max_seqs: int = 64, token_budget: int | None = None):
+        """token_budget: most tokens a step runs over all requests (default the engine's
+        prefill_chunk); one prompt advances at most prefill_chunk tokens a step, so a budget
+        above it lets several prompts share a step (vLLM's long-prefill threshold)."""
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
         self.engine, self.max_seqs = engine, max_seqs
-        self.token_budget = token_budget or engine.config.prefill_chunk
+        self.chunk = engine.config.prefill_chunk
+        self.token_budget = max(token_budget or self.chunk, 1)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
         self.preemptions = 0
@@ -145,13 +151,15 @@ class Scheduler:
         return -(-len(req.prompt) // self.engine.block_size) + req.n
 
     def _shares_a_prefilling_prefix(self, req: Request) -> bool:
+        """Whether a running request is still computing full blocks that req's prompt begins
+        with: req waits for them rather than computing them twice. Only those blocks: the
+        other's own tail (a distinct question after the shared system prompt) is not waited for."""
         if not self.engine.prefix_caching:
             return False
         bs = self.engine.block_size
-        head = req.prompt[:bs]
-        if len(req.prompt) <= bs:
-            return False
-        return any(r.prefilling() and r.prompt[:bs] == head for r in self.running)
+        return any(
+            r.prefilling() and r.prompt_computed() < _common_blocks(req.prompt, r.prompt, bs) * bs for r in self.running
+        )
 
     def _batch(self) -> tuple[list[Sequence], list[int], list[Request]]:
         """Decodes first, then prompt chunks, within the token budget and the KV policy."""
@@ -164,7 +172,9 @@ class Scheduler:
         for seq, req in decode + prefill:
             if left <= 0:
                 break
-            n = self.engine.chunk_counts([seq], left)[0]
+            n = self.engine.chunk_counts([seq], min(left, self.chunk))[0]
+            if req.prefilling():
+                n = min(n, self._until_waited_blocks(req) or n)
             try:
                 self.engine.policy.plan(seq, n)
             except BudgetReached as e:
@@ -175,6 +185,16 @@ class Scheduler:
             owners.append(req)
             left -= n
         return seqs, counts, owners
+
+    def _until_waited_blocks(self, req: Request) -> int:
+        """Tokens req has left to compute of the leading blocks that waiting requests share with
+        its prompt (0: none). Its chunk stops there, so the next step runs their own tails along
+        with req's: they all start decoding in one step, not one request at a time."""
+        if not self.engine.prefix_caching or not self.waiting:
+            return 0
+        bs = self.engine.block_size
+        shared = max(_common_blocks(w.prompt, req.prompt, bs) for w in self.waiting) * bs
+        return max(0, shared - req.prompt_computed())
 
     def _preempt_newest(self, keep: Request) -> bool:
         for req in reversed(self.running):
@@ -189,3 +209,12 @@ class Scheduler:
     def _reap(self):
         self.running = [r for r in self.running if not r.done]
         self.waiting = deque(r for r in self.waiting if not r.done)
+
+
+def _common_blocks(a: list[int], b: list[int], bs: int) -> int:
+    """Leading full blocks of bs tokens that a and b have in common."""
+    n = min(len(a), len(b)) // bs * bs
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return (int(diff[0]) if len(diff) else n) // bs

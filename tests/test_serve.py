@@ -503,6 +503,10 @@ def test_localkv_serve_command(tiny, tmp_path):
         port = str(taken.getsockname()[1])
         busy = subprocess.run([*cmd[:6], "--port", port], capture_output=True, text=True, timeout=60, env=env)
     assert busy.returncode == 1 and "cannot listen on 127.0.0.1:" + port in busy.stderr
+    for flag, value in (("--batch-tokens", "0"), ("--max-seqs", "0"), ("--max-queue", "-1")):
+        r = subprocess.run([*cmd, flag, value], capture_output=True, text=True, timeout=60, env=env)
+        least = int(flag != "--max-queue")
+        assert r.returncode == 1 and r.stderr.strip() == f"error: invalid {flag} {value}: must be >= {least}"
 
 
 # ------------------------------------------------------------------ the real model

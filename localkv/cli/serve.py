@@ -6,7 +6,7 @@ import typer
 
 from localkv.cli.app import err
 from localkv.cli.options import engine_options
-from localkv.config import EngineConfig
+from localkv.config import PREFILL_CHUNK, EngineConfig
 from localkv.errors import LocalkvError
 
 
@@ -17,6 +17,13 @@ def serve(
     max_seqs: int = typer.Option(64, "--max-seqs", help="Most sequences decoded at once (n choices count n)."),
     max_queue: int = typer.Option(
         256, "--max-queue", help="Requests that may wait beyond --max-seqs; past it the server answers 429."
+    ),
+    batch_tokens: int = typer.Option(
+        2048,
+        "--batch-tokens",
+        help="Most tokens one step runs over all requests (prompt chunks and decodes); one prompt "
+        f"advances at most {PREFILL_CHUNK} a step. More: new prompts are computed "
+        "together, running streams pause longer while they are.",
     ),
     api_key: str | None = typer.Option(
         None,
@@ -39,6 +46,8 @@ def serve(
         raise LocalkvError(f"invalid --max-seqs {max_seqs}: must be >= 1")
     if max_queue < 0:
         raise LocalkvError(f"invalid --max-queue {max_queue}: must be >= 0")
+    if batch_tokens < 1:
+        raise LocalkvError(f"invalid --batch-tokens {batch_tokens}: must be >= 1")
     key = api_key if api_key is not None else os.environ.get("LOCALKV_API_KEY") or None
-    opts = ServeOptions(host, port, max_seqs, max_queue, key, log_requests)
+    opts = ServeOptions(host, port, max_seqs, max_queue, batch_tokens, key, log_requests)
     run_server(engine, opts, say=err)

@@ -49,16 +49,31 @@ class Job:
 
     def notify(self):
         """From the engine's thread: wake the handler (at most one wake in flight)."""
-        if not self._waking:
-            self._waking = True
-            try:
-                self.loop.call_soon_threadsafe(self._woken)
-            except RuntimeError:  # the loop is closed: the server is shutting down
-                pass
+        notify_all([self])
 
     def _woken(self):
         self._waking = False
         self.wake.set()
+
+
+def notify_all(jobs: list[Job]):
+    """From the engine's thread: wake the handlers of jobs, with one call into each event loop
+    (one wake-up of the HTTP thread a step, not one per request streaming)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
+    for job in jobs:
+        if not job._waking:
+            job._waking = True
+            by_loop.setdefault(job.loop, []).append(job)
+    for loop, woken in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_wake_jobs, woken)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+
+def _wake_jobs(jobs: list[Job]):
+    for job in jobs:
+        job._woken()
 
 
 class Runner:
@@ -66,10 +81,15 @@ class Runner:
 
     make_engine = Engine  # what builds the engine from the config (a subclass may wrap it)
 
-    def __init__(self, config: EngineConfig, max_seqs: int = 64, max_queue: int = 256, log=None):
-        if max_seqs < 1 or max_queue < 0:
-            raise LocalkvError(f"invalid --max-seqs {max_seqs} / --max-queue {max_queue}: need >= 1 and >= 0")
-        self.config, self.max_seqs, self.max_queue = config, max_seqs, max_queue
+    def __init__(
+        self, config: EngineConfig, max_seqs: int = 64, max_queue: int = 256, batch_tokens: int = 2048, log=None
+    ):
+        if max_seqs < 1 or max_queue < 0 or batch_tokens < 1:
+            raise LocalkvError(
+                f"invalid --max-seqs {max_seqs} / --max-queue {max_queue} / --batch-tokens {batch_tokens}: "
+                "need >= 1, >= 0 and >= 1"
+            )
+        self.config, self.max_seqs, self.max_queue, self.batch_tokens = config, max_seqs, max_queue, batch_tokens
         self.state, self.error = "loading", ""
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
@@ -157,7 +177,7 @@ class Runner:
         t0 = time.perf_counter()
         try:
             self.engine = self.make_engine(self.config)
-            self.scheduler = Scheduler(self.engine, max_seqs=self.max_seqs)
+            self.scheduler = Scheduler(self.engine, max_seqs=self.max_seqs, token_budget=self.batch_tokens)
         except BaseException as e:  # any failure to load is reported, not raised in a thread
             self.error = str(e) if isinstance(e, LocalkvError) else f"internal error: {type(e).__name__}: {e}"
             self.state = "failed"
@@ -213,7 +233,7 @@ class Runner:
 
     def _after_step(self):
         """Count new tokens, time first tokens, wake the handlers with news, drop finished jobs."""
-        c, kept = self.counters, []
+        c, kept, woken = self.counters, [], []
         for job in self._jobs:
             news = False
             for i, g in enumerate(job.gens):
@@ -227,12 +247,13 @@ class Runner:
                     c.ttft.observe(r.ttft_s)
             if job.done:
                 self._finish(job)
-                job.notify()
+                woken.append(job)
             else:
                 kept.append(job)
                 if news:
-                    job.notify()
+                    woken.append(job)
         self._jobs = kept
+        notify_all(woken)
 
     def _finish(self, job: Job):
         c = self.counters

@@ -23,6 +23,7 @@ class ServeOptions:
     port: int = 8080
     max_seqs: int = 64
     max_queue: int = 256
+    batch_tokens: int = 2048
     api_key: str | None = None
     log_requests: bool = False
 
@@ -74,7 +75,7 @@ def _uvicorn(app, opts: ServeOptions) -> uvicorn.Server:
 def serve(engine: EngineConfig, opts: ServeOptions, say=print) -> None:
     """Serve until Ctrl-C (or SIGTERM). A model that fails to load stops the server: LocalkvError."""
     sock = listen(opts.host, opts.port)
-    runner = Runner(engine, opts.max_seqs, opts.max_queue)
+    runner = Runner(engine, opts.max_seqs, opts.max_queue, opts.batch_tokens)
     server = _uvicorn(create_app(runner, opts.api_key), opts)
     url = url_of(sock)
 
@@ -112,7 +113,7 @@ class BackgroundServer:
         self.opts = opts or ServeOptions(port=0)
         self.sock = listen(self.opts.host, self.opts.port)
         self.url = url_of(self.sock)
-        self.runner = runner(engine, self.opts.max_seqs, self.opts.max_queue)
+        self.runner = runner(engine, self.opts.max_seqs, self.opts.max_queue, self.opts.batch_tokens)
         self._ready = threading.Event()
         self.runner.on_state = lambda state: self._ready.set()
         self.server = _uvicorn(create_app(self.runner, self.opts.api_key), self.opts)
