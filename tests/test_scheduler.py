@@ -147,3 +147,51 @@ def test_max_seqs_caps_what_runs_at_once(tiny, monkeypatch):
         sched.add(g)
     drain(sched, gens)
     assert max(widths) == 2 and all(g.result.tokens for g in gens)
+
+
+def test_requests_on_one_system_prompt_start_decoding_in_one_step(tiny):
+    """The first request computes the system prompt's blocks and stops there; the others, which
+    waited for those blocks only (not for the first one's own question), then run their
+    questions in the same step as the first one's: every request gets its first token at once,
+    and decodes from then on in one batch."""
+    eng = engine(tiny, prefill_chunk=16)
+    system = RNG.integers(3, 261, 40).tolist()  # five full blocks; chunks of 16 would cross them
+    prompts = [system + RNG.integers(3, 261, 8).tolist() for _ in range(4)]
+    sched = Scheduler(eng, token_budget=64)
+    gens = [Generation(eng, p, GREEDY, queued=True) for p in prompts]
+    for g in gens:
+        sched.add(g)
+    first_at = {}
+    for step in range(100):
+        if all(g.done for g in gens):
+            break
+        sched.step()
+        first_at.update({i: step for i, g in enumerate(gens) if g.result.tokens and i not in first_at})
+    assert len(set(first_at.values())) == 1, f"first tokens at steps {first_at}"
+    assert [g.result.cached_tokens for g in gens[1:]] == [40] * 3  # the system prompt computed once
+    for g, p in zip(gens, prompts):
+        assert g.result.tokens == solo(tiny, p)[0]
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_decodes_in_a_step_with_a_prompt_chunk_get_the_logits_they_get_alone(tiny):
+    """Single-token rows that share a step with another request's prompt chunk run as one batch
+    (over their common prefix) while the chunk runs through its own table: the logits are the
+    ones each gets in a step of its own."""
+    prompt, other = RNG.integers(3, 261, 40).tolist(), RNG.integers(3, 261, 20).tolist()
+
+    def setup():
+        eng = engine(tiny, kv_dtype="f32")
+        root, _ = eng.open_sequence(prompt)
+        eng.prefill(root)
+        a, b = eng.fork(root), eng.fork(root)
+        a.tokens.append(11)
+        b.tokens.append(12)
+        c, _ = eng.open_sequence(other)
+        return eng, a, b, c
+
+    eng, a, b, c = setup()
+    mixed = eng.step([a, b, c], counts=[1, 1, 20])
+    eng, a, b, c = setup()
+    alone = np.stack([eng.step([s], counts=[n])[0] for s, n in ((a, 1), (b, 1), (c, 20))])
+    np.testing.assert_allclose(mixed, alone, rtol=1e-4, atol=1e-4)

@@ -5,71 +5,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload, register_jitable
 
+from localkv.backends._attention_kernels import exp, paged_prefix  # noqa: F401 (paged_prefix: for cpu_kernels)
+
 _OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
-
-
-@njit(**_OPTS)
-def paged_scores_8(q, k, table, n, out):
-    """out[h, r, j] = q[h, r] . key j of the pool layer k [blocks, bs, kvh, hd] (float32, or
-    uint16 holding half floats) read through the block table, for j < n; q [kvh, R, hd] with R
-    a multiple of 8, out [kvh, R, n]. Parallel over the keys; each key row is read (and
-    converted) once for 8 queries at a time."""
-    kvh, R, hd = q.shape
-    bs = k.shape[1]
-    for j in prange(n):
-        blk, off = table[j // bs], j % bs
-        for h in range(kvh):
-            for r in range(0, R, 8):
-                s0 = np.float32(0)
-                s1 = np.float32(0)
-                s2 = np.float32(0)
-                s3 = np.float32(0)
-                s4 = np.float32(0)
-                s5 = np.float32(0)
-                s6 = np.float32(0)
-                s7 = np.float32(0)
-                for d in range(hd):
-                    kv = _f32(k[blk, off, h, d])
-                    s0 += q[h, r, d] * kv
-                    s1 += q[h, r + 1, d] * kv
-                    s2 += q[h, r + 2, d] * kv
-                    s3 += q[h, r + 3, d] * kv
-                    s4 += q[h, r + 4, d] * kv
-                    s5 += q[h, r + 5, d] * kv
-                    s6 += q[h, r + 6, d] * kv
-                    s7 += q[h, r + 7, d] * kv
-                out[h, r, j] = s0
-                out[h, r + 1, j] = s1
-                out[h, r + 2, j] = s2
-                out[h, r + 3, j] = s3
-                out[h, r + 4, j] = s4
-                out[h, r + 5, j] = s5
-                out[h, r + 6, j] = s6
-                out[h, r + 7, j] = s7
-
-
-@njit(**_OPTS)
-def paged_weighted_8(p, v, table, out):
-    """out[h, r] = sum over j < n of p[h, r, j] * value j of the pool layer v (as
-    paged_scores_8's keys), p [kvh, R, n] with R a multiple of 8, out [kvh, R, hd]. Parallel
-    over (kv head, 8 queries); each value row is read once for 8 queries."""
-    kvh, R, n = p.shape
-    bs, hd = v.shape[1], v.shape[3]
-    for job in prange(kvh * (R // 8)):
-        h, r = job // (R // 8), 8 * (job % (R // 8))
-        acc = np.zeros((8, hd), np.float32)
-        row = np.empty(hd, np.float32)
-        for j in range(n):
-            blk, off = table[j // bs], j % bs
-            for d in range(hd):
-                row[d] = _f32(v[blk, off, h, d])
-            for i in range(8):
-                w = p[h, r + i, j]
-                for d in range(hd):
-                    acc[i, d] += w * row[d]
-        for i in range(8):
-            for d in range(hd):
-                out[h, r + i, d] = acc[i, d]
 
 
 @register_jitable
@@ -94,7 +32,7 @@ def _attend(q, k, v, h, table, n, scale, s, out, mx, sm):
             m = max(m, s[j, t])
         total = np.float32(0)
         for t in range(n):
-            e = np.exp(s[j, t] - m)
+            e = exp(s[j, t] - m)
             s[j, t] = e
             total += e
         mx[j], sm[j] = m, total

@@ -171,7 +171,7 @@ def shared_prefix_decode(
     n_prefix = len(prefix_table) * k_layer.shape[1]
     qg = (q * scale).reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
     kernels = uses_kernels(B)
-    if kernels:  # the prefix's K/V read through its table, as stored (no float32 copy)
+    if kernels and hd % 8 == 0:  # the prefix's K/V read through its table, as stored (no float32 copy)
         op, mp, lp = cpu_kernels.paged_partial(qg, k_layer, v_layer, prefix_table, n_prefix)
     else:
         kp, vp = gather_kv(k_layer, prefix_table, n_prefix), gather_kv(v_layer, prefix_table, n_prefix)
@@ -330,7 +330,9 @@ class CpuBackend:
         if not cpu_kernels.active():
             return  # BLAS keeps the engine's threads throughout
         threads = self._cores.threads()  # the engine's, less the cores other processes keep busy
-        if rows > KERNEL_ROWS:
+        if rows > KERNEL_ROWS:  # BLAS's pass: a kernel in it (decode attention of the requests
+            # that share the step with prompt chunks) runs on this thread alone, not against BLAS's
+            cpu_kernels.set_threads(1)
             want = threads
         else:
             cpu_kernels.set_threads(threads)

@@ -109,13 +109,13 @@ def _without_scipy():
 
 
 def _check_paged_attention(impl) -> bool:
-    """Compile (or load) the shared-prefix kernels for an f16 pool now, not inside a timed step,
-    and check them."""
-    k = np.ones((1, 4, 2, 4), np.float16).view(np.uint16)  # [blocks, block size, kv heads, head dim]
-    table, s, out = np.zeros(1, np.int64), np.empty((2, 8, 3), np.float32), np.empty((2, 8, 4), np.float32)
-    impl.paged_scores_8(np.ones((2, 8, 4), np.float32), k, table, 3, s)
-    impl.paged_weighted_8(s, k, table, out)
-    return bool((s == 4.0).all() and (out == 12.0).all())
+    """Compile (or load) the shared-prefix kernel for an f16 pool now, not inside a timed step,
+    and check it: equal keys weigh every value alike, so each output is the values' sum."""
+    k = np.ones((1, 4, 2, 8), np.float16).view(np.uint16)  # [blocks, block size, kv heads, head dim]
+    table, out = np.zeros(1, np.int64), np.empty((2, 8, 8), np.float32)
+    mx, sm = np.empty((2, 8), np.float32), np.empty((2, 8), np.float32)
+    impl.paged_prefix(np.ones((2, 8, 8), np.float32), k, k, table, 3, out, mx, sm)
+    return bool((mx == 8.0).all() and (sm == 3.0).all() and (out == 3.0).all())
 
 
 def _check_elementwise(impl) -> bool:
@@ -200,22 +200,17 @@ def causal_max(s: np.ndarray, tq: int, first: int, window: int = 0):
 def paged_partial(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, n: int):
     """Unnormalised attention of q [kvh, R, hd] (already scaled) over the first n tokens of the
     pool layers k/v [blocks, bs, kvh, hd] read through a block table: (out [kvh, R, hd], row
-    max, row sum [kvh, R, 1]). An f16 pool is read as it is (no float32 copy of its K/V); the
-    exponentials are numpy's (vectorised). Call only when active()."""
+    max, row sum [kvh, R, 1]). An f16 pool is read as it is (no float32 copy of its K/V). Call
+    only when active() and hd is a multiple of 8."""
     kvh, R, hd = q.shape
     R8 = -(-R // 8) * 8
-    qp = np.zeros((kvh, R8, hd), np.float32)
-    qp[:, :R] = q
-    table = np.ascontiguousarray(table, dtype=np.int64)
-    s = np.empty((kvh, R8, n), np.float32)
-    impl = _state["impl"]
-    impl.paged_scores_8(qp, _bits(k_layer), table, n, s)
-    m = s.max(axis=-1, keepdims=True)
-    s -= m
-    np.exp(s, out=s)
+    qt = np.zeros((kvh, hd, R8), np.float32)  # the queries transposed: a vector holds 8 of them
+    qt[:, :, :R] = q.transpose(0, 2, 1)
     out = np.empty((kvh, R8, hd), np.float32)
-    impl.paged_weighted_8(s, _bits(v_layer), table, out)
-    return out[:, :R], m[:, :R], s[:, :R].sum(axis=-1, keepdims=True)
+    mx, sm = np.empty((kvh, R8, 1), np.float32), np.empty((kvh, R8, 1), np.float32)
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    _state["impl"].paged_prefix(qt, _bits(k_layer), _bits(v_layer), table, n, out, mx[..., 0], sm[..., 0])
+    return out[:, :R], mx[:, :R], sm[:, :R]
 
 
 def paged_tails(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables: np.ndarray, lens: np.ndarray):

@@ -87,11 +87,26 @@ class Llama:
         self.rope.ensure(n)
         self.rope_local.ensure(n)
 
+    def _plan(self, spans: list[Span], block_size: int) -> "AttentionPlan":
+        """How this pass's attention runs, worked out once for every layer: the single-token
+        spans (decodes, also those that share a step with other requests' prompt chunks) in one
+        batched call, over their common prefix when they have one; every other span (and every
+        span of an architecture whose attention needs options) through its own table."""
+        ops = self.ops
+        single = [sp for sp in spans if sp.length == 1 and sp.extras is None] if self.plain_attention else []
+        shared = self._shared_prefix(single, block_size)
+        batch = self._decode_batch(single) if shared is None and single else None
+        if shared is None and batch is None:
+            single = []
+        batched = {id(sp) for sp in single}
+        others = [(sp, ops.frozen_table(sp.block_table)) for sp in spans if id(sp) not in batched]
+        rows = ops.xp.asarray([sp.start for sp in single]) if single and others else None
+        return AttentionPlan(rows, shared, batch, others)
+
     def _shared_prefix(self, spans: list[Span], block_size: int):
-        """(prefix table, [(tail table, tail tokens)]) when every span is one decode token of a
-        sequence sharing leading full blocks with all the others (and no policy needs the
-        per-token attention mass); else None."""
-        if len(spans) < 2 or not self.ops.shared_prefix or any(sp.length != 1 or sp.extras is not None for sp in spans):
+        """(prefix table, [(tail table, tail tokens)]) when the single-token spans share leading
+        full blocks (the forks of one prompt, requests with one system prompt); else None."""
+        if len(spans) < 2 or not self.ops.shared_prefix:
             return None
         first = spans[0].block_table
         p = min(len(sp.block_table) for sp in spans)
@@ -128,22 +143,13 @@ class Llama:
         rope_local = (
             rope if self.rope_local is self.rope else (self.rope_local.cos[positions], self.rope_local.sin[positions])
         )
-        plain = self.plain_attention
-        shared = self._shared_prefix(spans, pool.block_size) if plain else None
-        batch = self._decode_batch(spans) if shared is None and plain else None
-        # one table per span as the backend reads it, made once for every layer
-        tables = [ops.frozen_table(sp.block_table) for sp in spans] if shared is None and batch is None else None
+        plan = self._plan(spans, pool.block_size)
         for i in range(cfg.n_layers):
             h = ops.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
             q, k, v = self._qkv(h, i, *(rope_local if i in self.local else rope))
             kl, vl = pool.k[i], pool.v[i]
             ops.write_kv(kl, vl, slots, k, v)
-            if shared is not None:  # forks of one prompt: the common prefix is scored once for all
-                attn = ops.shared_prefix_decode(q, kl, vl, *shared, self.scale)
-            elif batch is not None:  # single-token sequences: one launch for all of them
-                attn = ops.decode(q, kl, vl, batch, self.scale)
-            else:
-                attn = self._attend(i, q, kl, vl, spans, tables)
+            attn = self._attention(i, q, kl, vl, plan)
             x += self._post_norm(ops.linear(attn.reshape(T, -1), w[f"{i}.wo"], "wo"), i, "attn")
             h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
             gu = ops.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")
@@ -177,15 +183,30 @@ class Llama:
             return out
         return self.ops.rmsnorm(out, self.w[f"{i}.post_{which}_norm"], self.cfg.rms_eps)
 
-    def _attend(self, i: int, q, kl, vl, spans: list[Span], tables):
-        """Attention of every span's rows through its own table (with the KV policy's extra keys
-        and attention mass, a soft-cap, a sliding window where they apply)."""
+    def _attention(self, i: int, q, kl, vl, plan: "AttentionPlan"):
+        """Attention of every row of the pass: the batched single-token spans in one call, the
+        rest span by span."""
+        if not plan.others:
+            return self._batched(q, kl, vl, plan)
+        attn = self.ops.xp.empty(q.shape, dtype=q.dtype)
+        if plan.rows is not None:
+            attn[plan.rows] = self._batched(q[plan.rows], kl, vl, plan)
+        self._attend(i, q, kl, vl, plan.others, attn)
+        return attn
+
+    def _batched(self, q, kl, vl, plan: "AttentionPlan"):
+        if plan.shared is not None:  # a common prefix, scored once for all its queries
+            return self.ops.shared_prefix_decode(q, kl, vl, *plan.shared, self.scale)
+        return self.ops.decode(q, kl, vl, plan.batch, self.scale)  # one launch for all
+
+    def _attend(self, i: int, q, kl, vl, spans: list[tuple[Span, object]], attn):
+        """Attention of each span's rows through its own table (with the KV policy's extra keys
+        and attention mass, a soft-cap, a sliding window where they apply), into attn."""
         xp, cfg = self.ops.xp, self.cfg
         opts = {"softcap": cfg.attn_softcap} if cfg.attn_softcap else {}
         if i in self.local:
             opts["window"] = cfg.sliding_window
-        attn = xp.empty(q.shape, dtype=q.dtype)
-        for sp, table in zip(spans, tables):
+        for sp, table in spans:
             rows = slice(sp.start, sp.start + sp.length)
             ex = sp.extras
             extra = None if ex is None or ex.kv is None else ex.kv(i, q[rows])
@@ -193,11 +214,20 @@ class Llama:
                 extra = tuple(xp.asarray(a, dtype=kl.dtype) for a in extra)
             mass = None if ex is None or ex.mass is None else ex.mass[i]
             attn[rows] = self.ops.paged_attention(q[rows], kl, vl, table, sp.n_ctx, self.scale, mass, extra, **opts)
-        return attn
 
     def _decode_batch(self, spans: list[Span]):
-        """The backend's batch of single-token sequences for its one-launch decode, when it has
-        one and no span needs extra keys or attention mass; else None."""
-        if not self.ops.batched_decode or any(sp.length != 1 or sp.extras is not None for sp in spans):
+        """The backend's batch of single-token spans for its one-launch decode, when it has one."""
+        if not self.ops.batched_decode:
             return None
         return self.ops.decode_batch([sp.block_table for sp in spans], [sp.n_ctx for sp in spans])
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """Llama._plan's answer. rows: where the batched spans' rows are in the pass (None when
+    they are all of it); shared or batch: how they run; others: (span, frozen table) each."""
+
+    rows: object
+    shared: tuple | None
+    batch: object
+    others: list

@@ -144,3 +144,14 @@ def bload(typingctx, arr, off):
         return builder.bitcast(v, _V8F32)
 
     return F32x8(arr, off), codegen
+
+
+@intrinsic
+def fstore(typingctx, arr, off, v):
+    """arr[off:off+8] = v (a float32 array)."""
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _ptr(context, builder, sig.args[0], args[0], args[1], _V8F32), align=4)
+        return context.get_dummy_value()
+
+    return types.none(arr, off, v), codegen

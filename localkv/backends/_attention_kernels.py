@@ -1,0 +1,209 @@
+"""Attention over the paged pool on float32 vectors: the shared prefix of many decoding
+sequences (forks of one prompt, requests on one system prompt).
+
+The keys are taken KEYS at a time (a chunk). A chunk's K and V rows are converted once (f16
+pool: F16C) into float32 rows for every query row that reads them, and the two products are
+register tiles of 8 x 8: the scores of 8 query rows (one vector, queries transposed) for 8 keys,
+and the weighted values of 8 query rows for 8 of the head dimension, each a vector load, 8
+broadcasts and 8 FMAs a step with the accumulators in registers. A row of scores per query, as
+the earlier kernels kept, is stored and reloaded at every step and a horizontal sum ends every
+dot product: several times slower. The softmax runs online (flash attention): each job keeps
+its chunks' running row maximum, rescaling what it summed only when the maximum grows; the jobs
+of one kv head are folded at the end. The exponential is a polynomial (`exp`) that vectorises,
+where numba's np.exp is a scalar call.
+
+Head dimensions must be a multiple of 8 (every model the loader takes has one).
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload, register_jitable
+
+from localkv.backends.quant._simd_f32 import fload, fma, fsplat, fstore, hload
+
+_OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
+
+KEYS = 64  # keys per chunk
+SPLITS = 4  # jobs per kv head (each a run of chunks): enough for 2 threads when kv heads are few
+
+
+@intrinsic
+def _float_of_bits(typingctx, bits):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@register_jitable
+def exp(x):
+    """exp(x) of a float32 x <= 0 (a score less its row maximum) to about 2.4e-7 relative:
+    2**k from the exponent bits times a degree-6 polynomial of the remainder. Below -87 it
+    returns about 1e-38 (the smallest normal floats), never a subnormal."""
+    x = max(x, np.float32(-87.0))
+    k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = x - k * np.float32(0.693145751953125) - k * np.float32(1.428606765330187e-06)  # ln 2, hi + lo
+    p = np.float32(1.0 / 720)
+    p = p * r + np.float32(1.0 / 120)
+    p = p * r + np.float32(1.0 / 24)
+    p = p * r + np.float32(1.0 / 6)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * _float_of_bits((np.int32(k) + np.int32(127)) << np.int32(23))
+
+
+def _vload(a, off):
+    """8 pool values at a flat offset as float32: float32 as is, uint16 as half floats."""
+
+
+@overload(_vload, jit_options={"fastmath": True})
+def _vload_impl(a, off):
+    if a.dtype == types.uint16:
+        return lambda a, off: hload(a, off)
+    return lambda a, off: fload(a, off)
+
+
+@register_jitable
+def _rows(pool, table, h, t0, n, dst, hd):
+    """dst [KEYS, hd] = kv head h's rows of tokens t0 .. t0 + n - 1 (n <= KEYS) read through
+    the block table from a pool layer [blocks, block_size, kv_heads, hd], as float32; zeros
+    after them."""
+    bs, kvh = pool.shape[1], pool.shape[2]
+    for t in range(KEYS):
+        if t < n:
+            at = ((table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h) * hd
+            for d in range(0, hd, 8):
+                fstore(dst, t * hd + d, _vload(pool, at + d))
+        else:
+            for d in range(hd):
+                dst[t, d] = 0
+
+
+@register_jitable
+def _scores(qt, kc, st, R8, hd):
+    """st [KEYS, R8] = kc @ qt for qt [hd, R8] (the queries transposed): 8 queries x 8 keys a tile."""
+    for rb in range(0, R8, 8):
+        for tb in range(0, KEYS, 8):
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = fsplat(np.float32(0))
+            for d in range(hd):
+                x = fload(qt, d * R8 + rb)
+                a0 = fma(x, fsplat(kc[tb, d]), a0)
+                a1 = fma(x, fsplat(kc[tb + 1, d]), a1)
+                a2 = fma(x, fsplat(kc[tb + 2, d]), a2)
+                a3 = fma(x, fsplat(kc[tb + 3, d]), a3)
+                a4 = fma(x, fsplat(kc[tb + 4, d]), a4)
+                a5 = fma(x, fsplat(kc[tb + 5, d]), a5)
+                a6 = fma(x, fsplat(kc[tb + 6, d]), a6)
+                a7 = fma(x, fsplat(kc[tb + 7, d]), a7)
+            fstore(st, tb * R8 + rb, a0)
+            fstore(st, (tb + 1) * R8 + rb, a1)
+            fstore(st, (tb + 2) * R8 + rb, a2)
+            fstore(st, (tb + 3) * R8 + rb, a3)
+            fstore(st, (tb + 4) * R8 + rb, a4)
+            fstore(st, (tb + 5) * R8 + rb, a5)
+            fstore(st, (tb + 6) * R8 + rb, a6)
+            fstore(st, (tb + 7) * R8 + rb, a7)
+
+
+@register_jitable
+def _accumulate(st, vc, o, R8, hd):
+    """o [R8, hd] += st.T @ vc for st [KEYS, R8], vc [KEYS, hd]: 8 queries x 8 of hd a tile."""
+    for rb in range(0, R8, 8):
+        for db in range(0, hd, 8):
+            a0, a1 = fload(o, rb * hd + db), fload(o, (rb + 1) * hd + db)
+            a2, a3 = fload(o, (rb + 2) * hd + db), fload(o, (rb + 3) * hd + db)
+            a4, a5 = fload(o, (rb + 4) * hd + db), fload(o, (rb + 5) * hd + db)
+            a6, a7 = fload(o, (rb + 6) * hd + db), fload(o, (rb + 7) * hd + db)
+            for t in range(KEYS):
+                x = fload(vc, t * hd + db)
+                a0 = fma(x, fsplat(st[t, rb]), a0)
+                a1 = fma(x, fsplat(st[t, rb + 1]), a1)
+                a2 = fma(x, fsplat(st[t, rb + 2]), a2)
+                a3 = fma(x, fsplat(st[t, rb + 3]), a3)
+                a4 = fma(x, fsplat(st[t, rb + 4]), a4)
+                a5 = fma(x, fsplat(st[t, rb + 5]), a5)
+                a6 = fma(x, fsplat(st[t, rb + 6]), a6)
+                a7 = fma(x, fsplat(st[t, rb + 7]), a7)
+            fstore(o, rb * hd + db, a0)
+            fstore(o, (rb + 1) * hd + db, a1)
+            fstore(o, (rb + 2) * hd + db, a2)
+            fstore(o, (rb + 3) * hd + db, a3)
+            fstore(o, (rb + 4) * hd + db, a4)
+            fstore(o, (rb + 5) * hd + db, a5)
+            fstore(o, (rb + 6) * hd + db, a6)
+            fstore(o, (rb + 7) * hd + db, a7)
+
+
+@register_jitable
+def _softmax_step(st, n, o, m, total, top):
+    """Scores st [KEYS, R8] of a chunk's first n keys into weights in place (zeros after them),
+    against the running row maxima m [R8], which grow to this chunk's where it is higher: the
+    running output o [R8, hd] and row sums total [R8] are rescaled then, and total gains the
+    new weights.
+    top [R8] is scratch."""
+    R8 = st.shape[1]
+    for r in range(R8):
+        top[r] = st[0, r]
+    for t in range(1, n):
+        for r in range(R8):
+            top[r] = max(top[r], st[t, r])
+    for r in range(R8):
+        if top[r] > m[r]:
+            a = exp(m[r] - top[r])
+            for d in range(o.shape[1]):
+                o[r, d] *= a
+            total[r] *= a
+            m[r] = top[r]
+    for t in range(KEYS):
+        if t < n:
+            for r in range(R8):
+                e = exp(st[t, r] - m[r])
+                st[t, r] = e
+                total[r] += e
+        else:
+            for r in range(R8):
+                st[t, r] = 0
+
+
+@njit(**_OPTS)
+def paged_prefix(qt, k, v, table, n, out, mx, sm):
+    """Unnormalised attention of the queries qt [kvh, hd, R8] (transposed, scaled; R8 and hd
+    multiples of 8) over the first n >= 1 tokens of one block table, K/V read from the pool
+    layers k/v [blocks, block_size, kvh, hd] (float32, or uint16 holding half floats): out
+    [kvh, R8, hd], row max mx and row sum sm [kvh, R8]. Parallel over (kv head, run of chunks)."""
+    kvh, hd, R8 = qt.shape
+    chunks = (n + KEYS - 1) // KEYS
+    splits = min(chunks, SPLITS)
+    po = np.empty((kvh, splits, R8, hd), np.float32)
+    pm, pl = np.empty((kvh, splits, R8), np.float32), np.empty((kvh, splits, R8), np.float32)
+    for job in prange(kvh * splits):
+        h, s = job // splits, job % splits
+        kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
+        st, top = np.empty((KEYS, R8), np.float32), np.empty(R8, np.float32)
+        # the job's own running state: written at every key, it must not share cache lines
+        # with another job's
+        o, m, sums = np.zeros((R8, hd), np.float32), np.full(R8, -np.inf, np.float32), np.zeros(R8, np.float32)
+        for c in range(s * chunks // splits, (s + 1) * chunks // splits):
+            t0 = c * KEYS
+            _rows(k, table, h, t0, min(n - t0, KEYS), kc, hd)
+            _rows(v, table, h, t0, min(n - t0, KEYS), vc, hd)
+            _scores(qt[h], kc, st, R8, hd)
+            _softmax_step(st, min(n - t0, KEYS), o, m, sums, top)
+            _accumulate(st, vc, o, R8, hd)
+        po[h, s], pm[h, s], pl[h, s] = o, m, sums
+    for h in range(kvh):
+        for r in range(R8):
+            m = pm[h, 0, r]
+            for s in range(1, splits):
+                m = max(m, pm[h, s, r])
+            total = np.float32(0)
+            for d in range(hd):
+                out[h, r, d] = 0
+            for s in range(splits):
+                w = exp(pm[h, s, r] - m)
+                total += pl[h, s, r] * w
+                for d in range(hd):
+                    out[h, r, d] += w * po[h, s, r, d]
+            mx[h, r], sm[h, r] = m, total
