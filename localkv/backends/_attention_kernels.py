@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload, register_jitable
 
-from localkv.backends.quant._simd_f32 import fload, fma, fsplat, fstore, hload
+from localkv.backends.quant._simd_f32 import fload, fma, fsplat, fsplat_at, fstore, hload
 
 _OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
 
@@ -54,11 +54,11 @@ def exp(x):
     return p * _float_of_bits((np.int32(k) + np.int32(127)) << np.int32(23))
 
 
-def _vload(a, off):
+def vload(a, off):
     """8 pool values at a flat offset as float32: float32 as is, uint16 as half floats."""
 
 
-@overload(_vload, jit_options={"fastmath": True})
+@overload(vload, jit_options={"fastmath": True})
 def _vload_impl(a, off):
     if a.dtype == types.uint16:
         return lambda a, off: hload(a, off)
@@ -75,7 +75,7 @@ def _rows(pool, table, h, t0, n, dst, hd):
         if t < n:
             at = ((table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h) * hd
             for d in range(0, hd, 8):
-                fstore(dst, t * hd + d, _vload(pool, at + d))
+                fstore(dst, t * hd + d, vload(pool, at + d))
         else:
             for d in range(hd):
                 dst[t, d] = 0
@@ -88,15 +88,15 @@ def _scores(qt, kc, st, R8, hd):
         for tb in range(0, KEYS, 8):
             a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = fsplat(np.float32(0))
             for d in range(hd):
-                x = fload(qt, d * R8 + rb)
-                a0 = fma(x, fsplat(kc[tb, d]), a0)
-                a1 = fma(x, fsplat(kc[tb + 1, d]), a1)
-                a2 = fma(x, fsplat(kc[tb + 2, d]), a2)
-                a3 = fma(x, fsplat(kc[tb + 3, d]), a3)
-                a4 = fma(x, fsplat(kc[tb + 4, d]), a4)
-                a5 = fma(x, fsplat(kc[tb + 5, d]), a5)
-                a6 = fma(x, fsplat(kc[tb + 6, d]), a6)
-                a7 = fma(x, fsplat(kc[tb + 7, d]), a7)
+                x, base = fload(qt, d * R8 + rb), tb * hd + d
+                a0 = fma(x, fsplat_at(kc, base), a0)
+                a1 = fma(x, fsplat_at(kc, base + 1 * hd), a1)
+                a2 = fma(x, fsplat_at(kc, base + 2 * hd), a2)
+                a3 = fma(x, fsplat_at(kc, base + 3 * hd), a3)
+                a4 = fma(x, fsplat_at(kc, base + 4 * hd), a4)
+                a5 = fma(x, fsplat_at(kc, base + 5 * hd), a5)
+                a6 = fma(x, fsplat_at(kc, base + 6 * hd), a6)
+                a7 = fma(x, fsplat_at(kc, base + 7 * hd), a7)
             fstore(st, tb * R8 + rb, a0)
             fstore(st, (tb + 1) * R8 + rb, a1)
             fstore(st, (tb + 2) * R8 + rb, a2)
@@ -117,15 +117,15 @@ def _accumulate(st, vc, o, R8, hd):
             a4, a5 = fload(o, (rb + 4) * hd + db), fload(o, (rb + 5) * hd + db)
             a6, a7 = fload(o, (rb + 6) * hd + db), fload(o, (rb + 7) * hd + db)
             for t in range(KEYS):
-                x = fload(vc, t * hd + db)
-                a0 = fma(x, fsplat(st[t, rb]), a0)
-                a1 = fma(x, fsplat(st[t, rb + 1]), a1)
-                a2 = fma(x, fsplat(st[t, rb + 2]), a2)
-                a3 = fma(x, fsplat(st[t, rb + 3]), a3)
-                a4 = fma(x, fsplat(st[t, rb + 4]), a4)
-                a5 = fma(x, fsplat(st[t, rb + 5]), a5)
-                a6 = fma(x, fsplat(st[t, rb + 6]), a6)
-                a7 = fma(x, fsplat(st[t, rb + 7]), a7)
+                x, base = fload(vc, t * hd + db), t * R8 + rb
+                a0 = fma(x, fsplat_at(st, base), a0)
+                a1 = fma(x, fsplat_at(st, base + 1), a1)
+                a2 = fma(x, fsplat_at(st, base + 2), a2)
+                a3 = fma(x, fsplat_at(st, base + 3), a3)
+                a4 = fma(x, fsplat_at(st, base + 4), a4)
+                a5 = fma(x, fsplat_at(st, base + 5), a5)
+                a6 = fma(x, fsplat_at(st, base + 6), a6)
+                a7 = fma(x, fsplat_at(st, base + 7), a7)
             fstore(o, rb * hd + db, a0)
             fstore(o, (rb + 1) * hd + db, a1)
             fstore(o, (rb + 2) * hd + db, a2)

@@ -5,27 +5,43 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload, register_jitable
 
-from localkv.backends._attention_kernels import exp, paged_prefix  # noqa: F401 (paged_prefix: for cpu_kernels)
+from localkv.backends._attention_kernels import exp, paged_prefix, vload  # noqa: F401 (paged_prefix: for cpu_kernels)
+from localkv.backends.quant._simd_f32 import fadd, fload, fma, fsplat, fsplat_at, fstore, hsum
 
 _OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
 
 
 @register_jitable
 def _attend(q, k, v, h, table, n, scale, s, out, mx, sm):
-    """Unnormalised attention of q [g, hd] (kv head h's group of query heads, times scale) over
-    the first n >= 1 tokens of one block table, K/V read from the pool layers k/v [blocks,
-    block_size, kv_heads, hd] (float32, or uint16 holding half floats): out [g, hd], row max
-    mx and row sum sm [g]; s [g, >= n] is scratch. Each key and value row is read once for
-    the whole group."""
-    bs = k.shape[1]
+    """Unnormalised attention of q [g, hd] (kv head h's group of query heads, times scale; hd
+    a multiple of 8) over the first n >= 1 tokens of one block table, K/V read from the pool
+    layers k/v [blocks, block_size, kv_heads, hd] (C-contiguous; float32, or uint16 holding
+    half floats): out [g, hd], row max mx and row sum sm [g]; s [g, >= n] is scratch. Each
+    dot product runs on vectors of 8 along hd, one horizontal sum at its end; the weighted
+    sum keeps 8 of hd in a register over all the keys."""
+    bs, kvh = k.shape[1], k.shape[2]
     g, hd = q.shape
+    rows = np.empty(n + 3, np.int64)  # flat offset of each token's row: one division per token
     for t in range(n):
-        blk, off = table[t // bs], t % bs
+        rows[t] = ((table[t // bs] * bs + t % bs) * kvh + h) * hd
+    rows[n : n + 3] = rows[0]  # the last group of 4 keys reads valid rows past n (not kept)
+    for t in range(0, n, 4):  # 4 keys at a time: 4 independent FMA chains, not one
         for j in range(g):
-            acc = np.float32(0)
-            for d in range(hd):
-                acc += q[j, d] * _f32(k[blk, off, h, d])
-            s[j, t] = acc * scale
+            qj = q[j]
+            a0 = a1 = a2 = a3 = fsplat(np.float32(0))
+            for c in range(0, hd, 8):
+                x = fload(qj, c)
+                a0 = fma(x, vload(k, rows[t] + c), a0)
+                a1 = fma(x, vload(k, rows[t + 1] + c), a1)
+                a2 = fma(x, vload(k, rows[t + 2] + c), a2)
+                a3 = fma(x, vload(k, rows[t + 3] + c), a3)
+            s[j, t] = hsum(a0) * scale
+            if t + 1 < n:
+                s[j, t + 1] = hsum(a1) * scale
+            if t + 2 < n:
+                s[j, t + 2] = hsum(a2) * scale
+            if t + 3 < n:
+                s[j, t + 3] = hsum(a3) * scale
     for j in range(g):
         m = s[j, 0]
         for t in range(1, n):
@@ -36,14 +52,17 @@ def _attend(q, k, v, h, table, n, scale, s, out, mx, sm):
             s[j, t] = e
             total += e
         mx[j], sm[j] = m, total
-        for d in range(hd):
-            out[j, d] = 0
-    for t in range(n):
-        blk, off = table[t // bs], t % bs
-        for j in range(g):
-            w = s[j, t]
-            for d in range(hd):
-                out[j, d] += w * _f32(v[blk, off, h, d])
+        sj, oj = s[j], out[j]
+        for c in range(0, hd, 8):
+            a0 = a1 = a2 = a3 = fsplat(np.float32(0))
+            for t in range(0, n - 3, 4):
+                a0 = fma(fsplat_at(sj, t), vload(v, rows[t] + c), a0)
+                a1 = fma(fsplat_at(sj, t + 1), vload(v, rows[t + 1] + c), a1)
+                a2 = fma(fsplat_at(sj, t + 2), vload(v, rows[t + 2] + c), a2)
+                a3 = fma(fsplat_at(sj, t + 3), vload(v, rows[t + 3] + c), a3)
+            for t in range(n - n % 4, n):
+                a0 = fma(fsplat_at(sj, t), vload(v, rows[t] + c), a0)
+            fstore(oj, c, fadd(fadd(a0, a1), fadd(a2, a3)))
 
 
 @njit(**_OPTS)

@@ -109,13 +109,21 @@ def _without_scipy():
 
 
 def _check_paged_attention(impl) -> bool:
-    """Compile (or load) the shared-prefix kernel for an f16 pool now, not inside a timed step,
-    and check it: equal keys weigh every value alike, so each output is the values' sum."""
+    """Compile (or load) the shared-prefix and tail kernels for an f16 pool now, with the array
+    kinds the model passes, not inside a timed step, and check them: equal keys weigh every
+    value alike, so each output is the values' sum."""
     k = np.ones((1, 4, 2, 8), np.float16).view(np.uint16)  # [blocks, block size, kv heads, head dim]
     table, out = np.zeros(1, np.int64), np.empty((2, 8, 8), np.float32)
     mx, sm = np.empty((2, 8), np.float32), np.empty((2, 8), np.float32)
     impl.paged_prefix(np.ones((2, 8, 8), np.float32), k, k, table, 3, out, mx, sm)
-    return bool((mx == 8.0).all() and (sm == 3.0).all() and (out == 3.0).all())
+    ok = bool((mx == 8.0).all() and (sm == 3.0).all() and (out == 3.0).all())
+    tout, tmx, tsm = (
+        np.empty((2, 1, 3, 8), np.float32),
+        np.empty((2, 1, 3, 1), np.float32),
+        np.empty((2, 1, 3, 1), np.float32),
+    )
+    impl.paged_tails(np.ones((2, 1, 3, 8), np.float32), k, k, table[None], np.array([2]), tout, tmx, tsm)
+    return ok and bool((tmx == 8.0).all() and (tsm == 2.0).all() and (tout == 2.0).all())
 
 
 def _check_elementwise(impl) -> bool:
@@ -207,10 +215,10 @@ def paged_partial(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table
     qt = np.zeros((kvh, hd, R8), np.float32)  # the queries transposed: a vector holds 8 of them
     qt[:, :, :R] = q.transpose(0, 2, 1)
     out = np.empty((kvh, R8, hd), np.float32)
-    mx, sm = np.empty((kvh, R8, 1), np.float32), np.empty((kvh, R8, 1), np.float32)
+    mx, sm = np.empty((kvh, R8), np.float32), np.empty((kvh, R8), np.float32)  # as compiled at load
     table = np.ascontiguousarray(table, dtype=np.int64)
-    _state["impl"].paged_prefix(qt, _bits(k_layer), _bits(v_layer), table, n, out, mx[..., 0], sm[..., 0])
-    return out[:, :R], mx[:, :R], sm[:, :R]
+    _state["impl"].paged_prefix(qt, _bits(k_layer), _bits(v_layer), table, n, out, mx, sm)
+    return out[:, :R], mx[:, :R, None], sm[:, :R, None]
 
 
 def paged_tails(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables: np.ndarray, lens: np.ndarray):

@@ -155,3 +155,14 @@ def fstore(typingctx, arr, off, v):
         return context.get_dummy_value()
 
     return types.none(arr, off, v), codegen
+
+
+@intrinsic
+def fsplat_at(typingctx, arr, off):
+    """arr's float32 at flat offset off in every lane (no negative-index wraparound: offsets
+    that differ by constants stay one address register plus displacements)."""
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, builder.load(_ptr(context, builder, sig.args[0], args[0], args[1]), align=4), _V8F32)
+
+    return F32x8(arr, off), codegen
