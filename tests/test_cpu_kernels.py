@@ -138,12 +138,13 @@ def test_prefill_attention_same_with_and_without_kernels(kernels, monkeypatch, t
 
 
 @pytest.mark.parametrize("style", ["neox", "normal"])
-def test_rmsnorm_and_rope_match_numpy(kernels, monkeypatch, style):
+@pytest.mark.parametrize("order", ["C", "F"])  # F: a prefill pass's transposed matmul output
+def test_rmsnorm_and_rope_match_numpy(kernels, monkeypatch, style, order):
     rng = np.random.default_rng(5)
     x, w = rng.standard_normal((37, 576), dtype=np.float32), rng.standard_normal(576, dtype=np.float32)
-    qkv = rng.standard_normal((37, 15, 64), dtype=np.float32)
+    qkv = np.asarray(rng.standard_normal((37, 15 * 64), dtype=np.float32), order=order).reshape(37, 15, 64)
     cos, sin = ops_numpy.rope_tables(64, 37, 10000.0)
-    got_norm, got_rope = ops_numpy.rmsnorm(x, w, 1e-5), ops_numpy.rope(qkv.copy()[:, :12], cos, sin, style)
+    got_norm, got_rope = ops_numpy.rmsnorm(x, w, 1e-5), ops_numpy.rope(qkv.copy(order="K")[:, :12], cos, sin, style)
     monkeypatch.setitem(cpu_kernels._state, "ok", False)
     np.testing.assert_allclose(got_norm, ops_numpy.rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_rope, ops_numpy.rope(qkv.copy()[:, :12], cos, sin, style), rtol=1e-5, atol=1e-5)

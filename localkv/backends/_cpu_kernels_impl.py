@@ -96,32 +96,46 @@ def rmsnorm(x, w, eps, out):
             out[t, d] = x[t, d] * r * w[d]
 
 
+@register_jitable
+def _rotate(x, t, j, i0, i1, c, s):
+    a, b = x[t, j, i0], x[t, j, i1]
+    x[t, j, i0] = a * c - b * s
+    x[t, j, i1] = b * c + a * s
+
+
+@register_jitable
+def _rope(x, cos, sin, pairs):
+    """Rotate x [T, heads, hd] in place by cos/sin [T, hd/2]: the halves (i, i + hd/2) (NEOX)
+    or the adjacent pairs (2i, 2i+1) (llama.cpp's "normal" order). x may be a view of a
+    prefill pass's transposed matmul output, tokens adjacent in memory: the loops then run
+    along the tokens (along the head dimension, every element was a cache line of its own)."""
+    T, n_heads, hd = x.shape
+    half = hd // 2
+    if x.strides[0] < x.strides[2]:
+        for j in range(n_heads):
+            for i in range(half):
+                i0, i1 = (2 * i, 2 * i + 1) if pairs else (i, i + half)
+                for t in range(T):
+                    _rotate(x, t, j, i0, i1, cos[t, i], sin[t, i])
+    else:
+        for t in range(T):
+            for j in range(n_heads):
+                for i in range(half):
+                    i0, i1 = (2 * i, 2 * i + 1) if pairs else (i, i + half)
+                    _rotate(x, t, j, i0, i1, cos[t, i], sin[t, i])
+
+
 @njit(**_SERIAL)
 def rope(x, cos, sin):
     """Rotate the halves of x [T, heads, hd] in place by cos/sin [T, hd/2] (NEOX order)."""
-    T, n_heads, hd = x.shape
-    half = hd // 2
-    for t in range(T):
-        for j in range(n_heads):
-            for i in range(half):
-                a = x[t, j, i]
-                b = x[t, j, i + half]
-                x[t, j, i] = a * cos[t, i] - b * sin[t, i]
-                x[t, j, i + half] = b * cos[t, i] + a * sin[t, i]
+    _rope(x, cos, sin, False)
 
 
 @njit(**_SERIAL)
 def rope_pairs(x, cos, sin):
     """Rotate the adjacent pairs (2i, 2i+1) of x [T, heads, hd] in place by cos/sin [T, hd/2]
     (llama.cpp's "normal" order)."""
-    T, n_heads, hd = x.shape
-    for t in range(T):
-        for j in range(n_heads):
-            for i in range(hd // 2):
-                a = x[t, j, 2 * i]
-                b = x[t, j, 2 * i + 1]
-                x[t, j, 2 * i] = a * cos[t, i] - b * sin[t, i]
-                x[t, j, 2 * i + 1] = b * cos[t, i] + a * sin[t, i]
+    _rope(x, cos, sin, True)
 
 
 @njit(**_SERIAL)
