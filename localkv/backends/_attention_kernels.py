@@ -1,5 +1,7 @@
 """Attention over the paged pool on float32 vectors: the shared prefix of many decoding
-sequences (forks of one prompt, requests on one system prompt).
+sequences (forks of one prompt, requests on one system prompt), and a prefill pass's causal
+attention (tiles of query tokens; in the key chunks that cross a tile's positions, the keys
+past a row's own are masked).
 
 The keys are taken KEYS at a time (a chunk). A chunk's K and V rows are converted once (f16
 pool: F16C) into float32 rows for every query row that reads them, and the two products are
@@ -207,3 +209,42 @@ def paged_prefix(qt, k, v, table, n, out, mx, sm):
                 for d in range(hd):
                     out[h, r, d] += w * po[h, s, r, d]
             mx[h, r], sm[h, r] = m, total
+
+
+QT = 32  # query tokens per tile of the causal kernel (times the group: a multiple of 8 rows)
+
+
+@njit(**_OPTS)
+def paged_causal(qt, k, v, table, past, T, out):
+    """Causal attention of a pass's T query tokens (token i at position past + i) over the
+    first past + T tokens of one block table: qt [kvh, tiles, hd, QT * g] holds tile c's
+    QT tokens x g query heads of kv head h (rows ordered (token, head), transposed, scaled);
+    out [kvh, tiles, QT * g, hd] the normalised result. Parallel over (kv head, tile), the
+    tiles paired long with short; each tile reads only the keys its rows can see, chunk by
+    chunk, masking the keys past a row's own position in the chunks that cross them."""
+    kvh, tiles, hd, RT = qt.shape
+    g = RT // QT
+    ninf = np.float32(-np.inf)
+    for job in prange(kvh * tiles):
+        h, i = job // tiles, job % tiles
+        c = i // 2 if i % 2 == 0 else tiles - 1 - i // 2  # 0, last, 1, last - 1, ...
+        kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
+        st, top = np.empty((KEYS, RT), np.float32), np.empty(RT, np.float32)
+        o, m, sums = np.zeros((RT, hd), np.float32), np.full(RT, -np.inf, np.float32), np.zeros(RT, np.float32)
+        first, end = past + c * QT, past + min(T, (c + 1) * QT)  # the tile's first position; keys seen
+        for t0 in range(0, end, KEYS):
+            n = min(end - t0, KEYS)
+            _rows(k, table, h, t0, n, kc, hd)
+            _rows(v, table, h, t0, n, vc, hd)
+            _scores(qt[h, c], kc, st, RT, hd)
+            if t0 + n - 1 > first:  # keys past the first rows' positions
+                for t in range(n):
+                    for r in range(RT):
+                        if t0 + t > first + r // g:
+                            st[t, r] = ninf
+            _softmax_step(st, n, o, m, sums, top)
+            _accumulate(st, vc, o, RT, hd)
+        for r in range(RT):
+            inv = np.float32(1) / sums[r]
+            for d in range(hd):
+                out[h, c, r, d] = o[r, d] * inv

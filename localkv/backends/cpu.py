@@ -330,8 +330,9 @@ class CpuBackend:
         if not cpu_kernels.active():
             return  # BLAS keeps the engine's threads throughout
         threads = self._cores.threads()  # the engine's, less the cores other processes keep busy
-        if rows > KERNEL_ROWS:  # BLAS's pass: a kernel in it (decode attention of the requests
-            # that share the step with prompt chunks) runs on this thread alone, not against BLAS's
+        if rows > KERNEL_ROWS:  # BLAS's pass: a kernel in it (prefill's causal attention, decode
+            # attention of the requests that share the step with prompt chunks) runs on this
+            # thread alone, not against BLAS's (both on all threads measured slower)
             cpu_kernels.set_threads(1)
             want = threads
         else:

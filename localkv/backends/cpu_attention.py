@@ -79,7 +79,10 @@ def paged_attention(
     per kv head (its query heads summed; extra keys first), or mass [n_ctx] summed over all
     heads (the table's keys only). softcap > 0: scores become softcap * tanh(score / softcap)
     (Gemma 2). window > 0: a query sees only the `window` newest keys up to itself (its own
-    included: llama.cpp's sliding window); blocks wholly before every query's window are not read."""
+    included: llama.cpp's sliding window); blocks wholly before every query's window are not read.
+    Plain attention (none of those) runs in the tiled kernel when the kernels are on."""
+    if mass is None and extra is None and not (softcap or window) and q.shape[2] % 8 == 0 and cpu_kernels.active():
+        return cpu_kernels.causal_attention(q, k_layer, v_layer, block_table, n_ctx, scale)
     if window:
         block_table, n_ctx, mass, extra = _window_skip(
             k_layer.shape[1], block_table, n_ctx, len(q), window, mass, extra

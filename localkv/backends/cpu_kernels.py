@@ -109,9 +109,9 @@ def _without_scipy():
 
 
 def _check_paged_attention(impl) -> bool:
-    """Compile (or load) the shared-prefix and tail kernels for an f16 pool now, with the array
-    kinds the model passes, not inside a timed step, and check them: equal keys weigh every
-    value alike, so each output is the values' sum."""
+    """Compile (or load) the shared-prefix, tail and causal kernels for an f16 pool now, with the
+    array kinds the model passes, not inside a timed step, and check them: equal keys weigh
+    every value alike, so each unnormalised output is the values' sum (normalised: a value)."""
     k = np.ones((1, 4, 2, 8), np.float16).view(np.uint16)  # [blocks, block size, kv heads, head dim]
     table, out = np.zeros(1, np.int64), np.empty((2, 8, 8), np.float32)
     mx, sm = np.empty((2, 8), np.float32), np.empty((2, 8), np.float32)
@@ -123,7 +123,10 @@ def _check_paged_attention(impl) -> bool:
         np.empty((2, 1, 3, 1), np.float32),
     )
     impl.paged_tails(np.ones((2, 1, 3, 8), np.float32), k, k, table[None], np.array([2]), tout, tmx, tsm)
-    return ok and bool((tmx == 8.0).all() and (tsm == 2.0).all() and (tout == 2.0).all())
+    ok = ok and bool((tmx == 8.0).all() and (tsm == 2.0).all() and (tout == 2.0).all())
+    cout = np.empty((2, 1, impl.QT, 8), np.float32)  # the causal kernel, one tile of one head each
+    impl.paged_causal(np.ones((2, 1, 8, impl.QT), np.float32), k, k, table, 0, 3, cout)
+    return ok and bool((cout[:, :, :3] == 1.0).all())
 
 
 def _check_elementwise(impl) -> bool:
@@ -219,6 +222,29 @@ def paged_partial(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table
     table = np.ascontiguousarray(table, dtype=np.int64)
     _state["impl"].paged_prefix(qt, _bits(k_layer), _bits(v_layer), table, n, out, mx, sm)
     return out[:, :R], mx[:, :R, None], sm[:, :R, None]
+
+
+def causal_attention(
+    q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, n_ctx: int, scale: float
+):
+    """Causal attention of q [T, H, hd] (the last T of n_ctx tokens) over the pool layers k/v
+    [blocks, bs, kvh, hd] read through a block table, normalised: [T, H, hd]. Call only when
+    active() and hd is a multiple of 8."""
+    T, H, hd = q.shape
+    kvh = k_layer.shape[2]
+    impl = _state["impl"]
+    g, QT = H // kvh, impl.QT  # query tokens per tile
+    tiles = -(-T // QT)
+    qp = np.zeros((tiles * QT, kvh, g, hd), np.float32)
+    qp[:T] = q.reshape(T, kvh, g, hd)
+    qp *= np.float32(scale)
+    # [kvh, tiles, hd, QT * g]: a tile's rows ordered (token, head), transposed
+    qt = np.ascontiguousarray(qp.reshape(tiles, QT, kvh, g, hd).transpose(2, 0, 4, 1, 3))
+    qt = qt.reshape(kvh, tiles, hd, QT * g)
+    out = np.empty((kvh, tiles, QT * g, hd), np.float32)
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    impl.paged_causal(qt, _bits(k_layer), _bits(v_layer), table, n_ctx - T, T, out)
+    return out.reshape(kvh, tiles * QT, g, hd).transpose(1, 0, 2, 3).reshape(tiles * QT, H, hd)[:T]
 
 
 def paged_tails(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables: np.ndarray, lens: np.ndarray):
