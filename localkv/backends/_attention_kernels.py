@@ -84,58 +84,54 @@ def _rows(pool, table, h, t0, n, dst, hd):
 
 
 @register_jitable
+def _tile8(a, a0, a_step, b, b0, b_step, b_lane, n, c, c0, c_lane, add):
+    """The register tile of both products: for i < 8, c[c0 + i * c_lane :][:8] = (itself, if
+    add, else 0) + the sum over k < n of the vector a[a0 + k * a_step :][:8] times the scalar
+    b[b0 + k * b_step + i * b_lane]: one vector load, 8 broadcasts and 8 FMAs a step, the 8
+    accumulators in registers."""
+    if add:
+        a_0, a_1 = fload(c, c0), fload(c, c0 + c_lane)
+        a_2, a_3 = fload(c, c0 + 2 * c_lane), fload(c, c0 + 3 * c_lane)
+        a_4, a_5 = fload(c, c0 + 4 * c_lane), fload(c, c0 + 5 * c_lane)
+        a_6, a_7 = fload(c, c0 + 6 * c_lane), fload(c, c0 + 7 * c_lane)
+    else:
+        a_0 = a_1 = a_2 = a_3 = a_4 = a_5 = a_6 = a_7 = fsplat(np.float32(0))
+    for k in range(n):
+        x, base = fload(a, a0 + k * a_step), b0 + k * b_step
+        a_0 = fma(x, fsplat_at(b, base), a_0)
+        a_1 = fma(x, fsplat_at(b, base + b_lane), a_1)
+        a_2 = fma(x, fsplat_at(b, base + 2 * b_lane), a_2)
+        a_3 = fma(x, fsplat_at(b, base + 3 * b_lane), a_3)
+        a_4 = fma(x, fsplat_at(b, base + 4 * b_lane), a_4)
+        a_5 = fma(x, fsplat_at(b, base + 5 * b_lane), a_5)
+        a_6 = fma(x, fsplat_at(b, base + 6 * b_lane), a_6)
+        a_7 = fma(x, fsplat_at(b, base + 7 * b_lane), a_7)
+    fstore(c, c0, a_0)
+    fstore(c, c0 + c_lane, a_1)
+    fstore(c, c0 + 2 * c_lane, a_2)
+    fstore(c, c0 + 3 * c_lane, a_3)
+    fstore(c, c0 + 4 * c_lane, a_4)
+    fstore(c, c0 + 5 * c_lane, a_5)
+    fstore(c, c0 + 6 * c_lane, a_6)
+    fstore(c, c0 + 7 * c_lane, a_7)
+
+
+@register_jitable
 def _scores(qt, kc, st, R8, hd):
-    """st [KEYS, R8] = kc @ qt for qt [hd, R8] (the queries transposed): 8 queries x 8 keys a tile."""
+    """st [KEYS, R8] = kc @ qt for qt [hd, R8] (the queries transposed): tiles of 8 queries (a
+    vector) x 8 keys (broadcast), summed over hd."""
     for rb in range(0, R8, 8):
         for tb in range(0, KEYS, 8):
-            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = fsplat(np.float32(0))
-            for d in range(hd):
-                x, base = fload(qt, d * R8 + rb), tb * hd + d
-                a0 = fma(x, fsplat_at(kc, base), a0)
-                a1 = fma(x, fsplat_at(kc, base + 1 * hd), a1)
-                a2 = fma(x, fsplat_at(kc, base + 2 * hd), a2)
-                a3 = fma(x, fsplat_at(kc, base + 3 * hd), a3)
-                a4 = fma(x, fsplat_at(kc, base + 4 * hd), a4)
-                a5 = fma(x, fsplat_at(kc, base + 5 * hd), a5)
-                a6 = fma(x, fsplat_at(kc, base + 6 * hd), a6)
-                a7 = fma(x, fsplat_at(kc, base + 7 * hd), a7)
-            fstore(st, tb * R8 + rb, a0)
-            fstore(st, (tb + 1) * R8 + rb, a1)
-            fstore(st, (tb + 2) * R8 + rb, a2)
-            fstore(st, (tb + 3) * R8 + rb, a3)
-            fstore(st, (tb + 4) * R8 + rb, a4)
-            fstore(st, (tb + 5) * R8 + rb, a5)
-            fstore(st, (tb + 6) * R8 + rb, a6)
-            fstore(st, (tb + 7) * R8 + rb, a7)
+            _tile8(qt, rb, R8, kc, tb * hd, 1, hd, hd, st, tb * R8 + rb, R8, False)
 
 
 @register_jitable
 def _accumulate(st, vc, o, R8, hd):
-    """o [R8, hd] += st.T @ vc for st [KEYS, R8], vc [KEYS, hd]: 8 queries x 8 of hd a tile."""
+    """o [R8, hd] += st.T @ vc for st [KEYS, R8], vc [KEYS, hd]: tiles of 8 of hd (a vector) x
+    8 queries (broadcast weights), summed over the keys."""
     for rb in range(0, R8, 8):
         for db in range(0, hd, 8):
-            a0, a1 = fload(o, rb * hd + db), fload(o, (rb + 1) * hd + db)
-            a2, a3 = fload(o, (rb + 2) * hd + db), fload(o, (rb + 3) * hd + db)
-            a4, a5 = fload(o, (rb + 4) * hd + db), fload(o, (rb + 5) * hd + db)
-            a6, a7 = fload(o, (rb + 6) * hd + db), fload(o, (rb + 7) * hd + db)
-            for t in range(KEYS):
-                x, base = fload(vc, t * hd + db), t * R8 + rb
-                a0 = fma(x, fsplat_at(st, base), a0)
-                a1 = fma(x, fsplat_at(st, base + 1), a1)
-                a2 = fma(x, fsplat_at(st, base + 2), a2)
-                a3 = fma(x, fsplat_at(st, base + 3), a3)
-                a4 = fma(x, fsplat_at(st, base + 4), a4)
-                a5 = fma(x, fsplat_at(st, base + 5), a5)
-                a6 = fma(x, fsplat_at(st, base + 6), a6)
-                a7 = fma(x, fsplat_at(st, base + 7), a7)
-            fstore(o, rb * hd + db, a0)
-            fstore(o, (rb + 1) * hd + db, a1)
-            fstore(o, (rb + 2) * hd + db, a2)
-            fstore(o, (rb + 3) * hd + db, a3)
-            fstore(o, (rb + 4) * hd + db, a4)
-            fstore(o, (rb + 5) * hd + db, a5)
-            fstore(o, (rb + 6) * hd + db, a6)
-            fstore(o, (rb + 7) * hd + db, a7)
+            _tile8(vc, db, hd, st, rb, R8, 1, KEYS, o, rb * hd + db, hd, True)
 
 
 @register_jitable
