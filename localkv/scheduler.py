@@ -214,7 +214,7 @@ class Scheduler:
 def _common_blocks(a: list[int], b: list[int], bs: int) -> int:
     """Leading full blocks of bs tokens that a and b have in common."""
     n = min(len(a), len(b)) // bs * bs
-    if n == 0:
+    if n == 0 or a[:bs] != b[:bs]:  # most prompts differ in their first block: no array made
         return 0
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return (int(diff[0]) if len(diff) else n) // bs
