@@ -134,7 +134,10 @@ def test_help_explains_commands():
 
 @pytest.mark.model
 def test_run_real_model_mentions_paris(real_model_path):
-    p = localkv("run", "What is the capital of France?", "-t", "0", "-n", "24", "-m", str(real_model_path))
+    # the README's first command; not "What is the capital of France?": a near tie at the first
+    # token (test_real_model.py), which llama.cpp and the kernels break toward "L'Étoile, ..."
+    # on some CPUs
+    p = localkv("run", "Name the capital of France.", "-t", "0", "-n", "24", "-m", str(real_model_path))
     assert p.returncode == 0 and "Paris" in p.stdout
 
 
