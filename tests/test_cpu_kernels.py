@@ -266,3 +266,27 @@ def test_causal_kernel_matches_numpy(kernels, monkeypatch, dtype, T, past, g, hd
     got = ops_numpy.paged_attention(q, k, v, table, n, 0.125)
     monkeypatch.setitem(cpu_kernels._state, "ok", False)
     np.testing.assert_allclose(got, ops_numpy.paged_attention(q, k, v, table, n, 0.125), rtol=1e-4, atol=1e-5)
+
+
+def test_heads_not_a_multiple_of_8_take_numpy(kernels, monkeypatch):
+    """The attention kernels load 8 values of a head at a time: a head of 12 runs prefill,
+    batched decode and the shared-prefix decode in numpy, with the same result as kernels off."""
+    rng = np.random.default_rng(3)
+    kvh, g, hd, bs, nb = 2, 3, 12, 16, 12
+    kl, vl = (rng.standard_normal((nb, bs, kvh, hd)).astype(np.float16) for _ in range(2))
+    prefix, lens = np.arange(4), [70, 75]  # 4 shared blocks, then one block each
+    tables = [np.array([0, 1, 2, 3, 4 + b]) for b in range(2)]
+    q = rng.standard_normal((2, kvh * g, hd), dtype=np.float32)
+    tails = [(t[4:], n - 64) for t, n in zip(tables, lens)]
+
+    def run():
+        return (
+            ops_numpy.paged_attention(q[:1].repeat(5, 0), kl, vl, tables[0], 70, 0.125),
+            ops_numpy.decode(q, kl, vl, ops_numpy.DecodeBatch(tables, lens), 0.125),
+            ops_numpy.shared_prefix_decode(q, kl, vl, prefix, tails, 0.125),
+        )
+
+    on = run()
+    monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    for got, want in zip(on, run()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -170,8 +170,8 @@ def shared_prefix_decode(
     g = H // kvh
     n_prefix = len(prefix_table) * k_layer.shape[1]
     qg = (q * scale).reshape(B, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, B * g, hd)
-    kernels = uses_kernels(B)
-    if kernels and hd % 8 == 0:  # the prefix's K/V read through its table, as stored (no float32 copy)
+    kernels = uses_kernels(B) and cpu_kernels.attends(hd)
+    if kernels:  # the prefix's K/V read through its table, as stored (no float32 copy)
         op, mp, lp = cpu_kernels.paged_partial(qg, k_layer, v_layer, prefix_table, n_prefix)
     else:
         kp, vp = gather_kv(k_layer, prefix_table, n_prefix), gather_kv(v_layer, prefix_table, n_prefix)
@@ -261,7 +261,7 @@ class DecodeBatch:
 def decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, batch: DecodeBatch, scale: float) -> np.ndarray:
     """Attention of B sequences of one query token each (q [B, H, hd]), in one kernel call for
     all of them; paged_attention per sequence when the kernels are off."""
-    if not cpu_kernels.active():
+    if not cpu_kernels.attends(q.shape[2]):
         rows = zip(q, batch.tables, batch.lens)
         return np.stack([paged_attention(qb[None], k_layer, v_layer, t, int(n), scale)[0] for qb, t, n in rows])
     if batch.scores is None:

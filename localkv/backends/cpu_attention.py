@@ -81,7 +81,7 @@ def paged_attention(
     (Gemma 2). window > 0: a query sees only the `window` newest keys up to itself (its own
     included: llama.cpp's sliding window); blocks wholly before every query's window are not read.
     Plain attention (none of those) runs in the tiled kernel when the kernels are on."""
-    if mass is None and extra is None and not (softcap or window) and q.shape[2] % 8 == 0 and cpu_kernels.active():
+    if mass is None and extra is None and not (softcap or window) and cpu_kernels.attends(q.shape[2]):
         return cpu_kernels.causal_attention(q, k_layer, v_layer, block_table, n_ctx, scale)
     if window:
         block_table, n_ctx, mass, extra = _window_skip(

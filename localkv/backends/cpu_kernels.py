@@ -52,6 +52,12 @@ def active() -> bool:
     return _state.get("ok", False)
 
 
+def attends(head_dim: int) -> bool:
+    """The attention kernels can run on heads of this size: they load 8 values of the head
+    dimension at a time (numpy serves other sizes)."""
+    return head_dim % 8 == 0 and active()
+
+
 def set_threads(threads: int):
     """Worker threads for kernels started from this thread (numba's setting is per thread)."""
     import numba
@@ -193,7 +199,7 @@ PARALLEL_ATTENTION = 1 << 20  # multiply-adds from which decode attention runs o
 
 def decode_attention(q, k_layer, v_layer, tables, lens, scale: float, scores, work: int) -> np.ndarray:
     """See _cpu_kernels_impl.decode_attention (an f16 pool is passed as its bits); work: its
-    multiply-adds, which choose the parallel or the serial build. Call only when active()."""
+    multiply-adds, which choose the parallel or the serial build. Call only when attends(hd)."""
     out = np.empty(q.shape, np.float32)
     if k_layer.dtype == np.float16:
         k_layer, v_layer = k_layer.view(np.uint16), v_layer.view(np.uint16)
@@ -212,7 +218,7 @@ def paged_partial(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table
     """Unnormalised attention of q [kvh, R, hd] (already scaled) over the first n tokens of the
     pool layers k/v [blocks, bs, kvh, hd] read through a block table: (out [kvh, R, hd], row
     max, row sum [kvh, R, 1]). An f16 pool is read as it is (no float32 copy of its K/V). Call
-    only when active() and hd is a multiple of 8."""
+    only when attends(hd)."""
     kvh, R, hd = q.shape
     R8 = -(-R // 8) * 8
     qt = np.zeros((kvh, hd, R8), np.float32)  # the queries transposed: a vector holds 8 of them
@@ -229,7 +235,7 @@ def causal_attention(
 ):
     """Causal attention of q [T, H, hd] (the last T of n_ctx tokens) over the pool layers k/v
     [blocks, bs, kvh, hd] read through a block table, normalised: [T, H, hd]. Call only when
-    active() and hd is a multiple of 8."""
+    attends(hd)."""
     T, H, hd = q.shape
     kvh = k_layer.shape[2]
     impl = _state["impl"]
@@ -251,7 +257,7 @@ def paged_tails(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables:
     """Unnormalised attention of q [kvh, B, g, hd] (scaled), sequence b's queries over the
     first lens[b] tokens of its block table tables[b] (int64 [B, blocks], padded):
     (out [kvh, B, g, hd], row max, row sum [kvh, B, g, 1]), K/V read from the pool as stored.
-    Call only when active()."""
+    Call only when attends(hd)."""
     out = np.empty(q.shape, np.float32)
     mx, sm = np.empty((*q.shape[:3], 1), np.float32), np.empty((*q.shape[:3], 1), np.float32)
     _state["impl"].paged_tails(np.ascontiguousarray(q), _bits(k_layer), _bits(v_layer), tables, lens, out, mx, sm)
