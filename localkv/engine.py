@@ -1,12 +1,9 @@
 """The engine: a model, a block pool, and the steps that run sequences through them."""
 
-import ctypes
-import mmap
-import sys
-
 import numpy as np
 
 from localkv import backends
+from localkv.backends import vm
 from localkv.config import KV_DTYPES, EngineConfig
 from localkv.errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
 from localkv.hub.fit import check_fits
@@ -22,7 +19,6 @@ from localkv.sequence import Sequence
 from localkv.stats import Stats
 from localkv.units import format_size
 
-_MADV_NOHUGEPAGE = 15  # <sys/mman.h>
 KV_FORMAT = "kv2"  # 2: K rows in the model's own RoPE order (llama GGUFs: pairwise), no longer un-permuted
 
 
@@ -329,15 +325,5 @@ def _small_pages(*arrays: np.ndarray):
     """No transparent huge pages for the KV pool: each layer's K and V are separate regions of
     it, so with 2 MB pages the first block of a run alone makes 2 x layers x 2 MB resident (120
     MB for SmolLM2-135M); 4 KB pages hold what the run uses. Linux only; best effort."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        madvise = ctypes.CDLL(None).madvise
-    except (OSError, AttributeError):
-        return
-    madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-    page = mmap.PAGESIZE
     for a in arrays:
-        start, end = -(-a.ctypes.data // page) * page, (a.ctypes.data + a.nbytes) // page * page
-        if end > start:
-            madvise(start, end - start, _MADV_NOHUGEPAGE)
+        vm.madvise(a.ctypes.data, a.ctypes.data + a.nbytes, vm.MADV_NOHUGEPAGE)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from localkv.backends import cpu as ops_numpy
-from localkv.backends import cpu_kernels, quant
+from localkv.backends import cpu_kernels, quant, vm
 from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.generation import Generation
@@ -290,3 +290,47 @@ def test_heads_not_a_multiple_of_8_take_numpy(kernels, monkeypatch):
     monkeypatch.setitem(cpu_kernels._state, "ok", False)
     for got, want in zip(on, run()):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_run_compiles_nothing_after_the_start(tiny):
+    """Engine() loads every build a run's kernels need (the array kinds the model passes, an f16
+    pool), then pages numba's compiler out: a prompt, its decode steps and 4 forked branches
+    compile or load nothing more, and LLVM's code stays out of the process's resident memory
+    (the pages only it maps: those another process maps too, as other test workers do, stay).
+    In a fresh process: what an earlier test compiled would hide a missing build."""
+    code = """if True:
+        import gc, json, re, sys
+        from numba.core.registry import CPUDispatcher
+        from localkv.engine import Engine
+        from localkv.config import EngineConfig
+        from localkv.generation import Generation
+        from localkv.sampling import SamplingParams
+
+        def builds():
+            return sorted((d.__qualname__, str(s)) for d in gc.get_objects() if isinstance(d, CPUDispatcher)
+                          for s in d.signatures)
+
+        def llvm_resident_kb():
+            kb, lib = 0, False
+            for line in open("/proc/self/smaps", errors="replace"):
+                if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                    lib = line.rstrip().endswith("/libllvmlite.so")
+                elif lib and line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    kb += int(line.split()[1])
+            return kb
+
+        e = Engine(EngineConfig(model=sys.argv[1], disk_cache=False, block_size=8))
+        start = builds()
+        p = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+        Generation(e, list(range(3, 40)), p).run()
+        Generation(e, list(range(3, 60)), p, n=4).run()
+        print(json.dumps([e.cpu_kernels, start, builds(), llvm_resident_kb()]))
+    """
+    out = subprocess.run([sys.executable, "-c", code, str(tiny)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    on, start, after, llvm_kb = json.loads(out.stdout.strip().splitlines()[-1])
+    assert on and start
+    assert after == start, sorted(set(map(tuple, after)) - set(map(tuple, start)))
+    buf = np.ones(1 << 16, np.uint8)
+    if vm.madvise(buf.ctypes.data, buf.ctypes.data + buf.nbytes, vm.MADV_PAGEOUT):  # Linux 5.4+
+        assert llvm_kb < 4096, f"{llvm_kb} KB of libllvmlite.so resident (private) after the run"

@@ -80,3 +80,27 @@ def test_decode_steps_match_llama_cpp(engine, llama_cpp_logits):
     finally:
         engine.free(seq)
     _parity(np.asarray(rows), theirs[:n], "decode")
+
+
+def _resident_kb(path: Path) -> int:
+    kb, mine = 0, False
+    with open("/proc/self/smaps", errors="replace") as f:  # a mapped name may not be UTF-8
+        lines = f.readlines()
+    for line in lines:
+        if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+            mine = line.rstrip().endswith(str(path))
+        elif mine and line.startswith("Rss:"):
+            kb += int(line.split()[1])
+    return kb
+
+
+def test_loading_maps_the_weights_without_reading_them(real_model_path):
+    """A model's load reads its metadata and samples of each tensor (the fingerprint) by file
+    reads: its weights become resident as the first pass reads them, not at load."""
+    from localkv.model.loader import load_model
+
+    path = Path(real_model_path).resolve()
+    before = _resident_kb(path)
+    loaded = load_model(path)
+    grew = _resident_kb(path) - before
+    assert loaded.weights and grew < 8 << 10, f"{grew} KB of the file resident after loading"  # 94 MB of weights

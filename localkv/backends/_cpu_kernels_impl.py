@@ -126,16 +126,11 @@ def _rope(x, cos, sin, pairs):
 
 
 @njit(**_SERIAL)
-def rope(x, cos, sin):
-    """Rotate the halves of x [T, heads, hd] in place by cos/sin [T, hd/2] (NEOX order)."""
-    _rope(x, cos, sin, False)
-
-
-@njit(**_SERIAL)
-def rope_pairs(x, cos, sin):
-    """Rotate the adjacent pairs (2i, 2i+1) of x [T, heads, hd] in place by cos/sin [T, hd/2]
-    (llama.cpp's "normal" order)."""
-    _rope(x, cos, sin, True)
+def rope(x, cos, sin, pairs):
+    """Rotate x [T, heads, hd] in place by cos/sin [T, hd/2]: the adjacent pairs (2i, 2i+1)
+    (llama.cpp's "normal" order) when pairs, else the halves (NEOX order). One kernel for both
+    orders: each compiled kernel costs a start its own cache load."""
+    _rope(x, cos, sin, pairs)
 
 
 @njit(**_SERIAL)

@@ -320,6 +320,7 @@ class CpuBackend:
     def prepare_weights(self, weights: dict) -> dict:
         """The weights as they are (views of the file); loads the kernels of their types only."""
         quant.load(quant.weight_types(weights.values()), progress=self._progress)
+        cpu_kernels.release_compiler()  # every kernel a forward pass runs has loaded by now
         return weights
 
     @staticmethod

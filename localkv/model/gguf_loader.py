@@ -158,13 +158,15 @@ def fingerprint(path: Path, g: GGUFFile) -> str:
     800 MB); a re-quantized or fine-tuned file differs in all of these."""
     h = hashlib.sha256(f"gguf-sampled-v1:{g.file_size}:".encode())
     start = min((t.offset for t in g.tensors.values()), default=g.file_size)
+    # read, not through the mapping: a page fault maps the pages around it too (read-around),
+    # and 3 samples of each tensor would leave most of a small model resident before it runs
     with open(path, "rb") as f:
         h.update(f.read(start))
-    for name in sorted(g.tensors, key=lambda n: g.tensors[n].offset):
-        b = g.data(name).reshape(-1).view(np.uint8)
-        mid = max(0, len(b) // 2 - SAMPLE // 2)
-        for part in (b[:SAMPLE], b[mid : mid + SAMPLE], b[-SAMPLE:]):
-            h.update(part)
+        fd = f.fileno()
+        for t in sorted(g.tensors.values(), key=lambda t: t.offset):
+            mid = max(0, t.nbytes // 2 - SAMPLE // 2)
+            for a, b in ((0, SAMPLE), (mid, mid + SAMPLE), (max(0, t.nbytes - SAMPLE), t.nbytes)):
+                h.update(os.pread(fd, min(b, t.nbytes) - a, t.offset + a))
     return h.hexdigest()
 
 
