@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from localkv.bench import rss
+from localkv.bench import rss, start
 from tiny_model import write_gguf
 
 
@@ -32,3 +32,17 @@ def test_localkv_run_peak_and_its_bound(tmp_path):
     peak = rss.localkv_peak(str(path), threads=1)
     assert peak.engine == "localkv" and peak.tokens > rss.N_GEN and peak.rss > 20 << 20
     assert rss.bound(100_000_000, 2_000_000) == 130_000_000 + 2_000_000 + rss.SLACK
+
+
+def test_engine_start_is_timed_in_fresh_processes(tmp_path):
+    model = str(write_gguf(tmp_path / "tiny.gguf"))
+    times = start.engine_starts(model, threads=1, reps=2)
+    assert len(times) == 2 and all(0 < t < 60 for t in times)
+    line = start.summary(model, threads=1)
+    (value,) = line.values()
+    assert value.endswith(("holds", "MISSED")) and "goal 0.5 s" in value
+
+
+def test_engine_start_failure_is_one_line(tmp_path):
+    with pytest.raises(RuntimeError, match="engine start exited 1: .*"):
+        start.engine_starts(str(tmp_path / "missing.gguf"), threads=1, reps=1)

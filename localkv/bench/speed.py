@@ -15,7 +15,7 @@ from time import perf_counter
 
 import numpy as np
 
-from localkv.bench import rss
+from localkv.bench import rss, start
 from localkv.bench.options import Options
 from localkv.bench.peer import PeerRunner, check_vs
 from localkv.bench.report import LoadMeter, Report, cpu_info
@@ -32,6 +32,12 @@ NOTE = (
 RSS_NOTE = (
     "peak RSS: ru_maxrss of a fresh `localkv run -n 16 --json` child (and of a llama-cpp-python child doing the "
     "same chat turn), as /usr/bin/time reports it; mapped model pages count once touched"
+)
+
+
+START_NOTE = (
+    "engine start: a fresh process's imports of localkv and Engine(config), page cache warm, "
+    "the interpreter's own start not counted (bench/start.py)"
 )
 
 
@@ -196,7 +202,9 @@ def run(o: Options) -> Report:
     if not o.quick and Path(eng.path).is_file():  # peak memory of a whole `localkv run` (and llama.cpp's)
         o.say("peak RSS of `localkv run -n 16` in a child process" + (" and of llama.cpp" if o.vs else ""))
         rep.summary |= rss.summary(Path(eng.path), eng.kv_bytes_per_token, eng.threads, o.vs)
-        rep.notes.append(RSS_NOTE)
+        o.say("engine start (imports + Engine()) in fresh processes")
+        rep.summary |= start.summary(str(eng.path), eng.threads)
+        rep.notes += [RSS_NOTE, START_NOTE]
     return meter.finish(rep, eng.threads)
 
 
