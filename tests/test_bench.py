@@ -273,3 +273,17 @@ def test_timers_free_through_the_engine(tmp_path):
     runner.pp([5] * 20)
     runner.tg(5, 3)
     assert len(freed) == 2 and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_vs_with_a_peer_built_with_amx_on_an_amx_cpu_says_how_to_rebuild(monkeypatch):
+    from localkv.bench import peer
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+
+    info = b"CPU : AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 |"
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: info)
+    monkeypatch.setattr(peer, "_cpu_has", lambda flag: flag == "amx_int8")
+    with pytest.raises(LocalkvError, match=r"#20824\): rebuild it without with `bash scripts/install_dev.sh`"):
+        _call(vs="llama.cpp")
+    monkeypatch.setattr(peer, "_cpu_has", lambda flag: False)  # the same build on a CPU without AMX runs
+    assert peer.peer_problem() is None

@@ -27,12 +27,38 @@ def peer_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def peer_problem() -> str | None:
+    """Why llama-cpp-python cannot serve as the peer here, or None. Besides a missing install: a
+    build with llama.cpp's AMX matmul on a CPU that has AMX, which segfaults at the first prompt
+    on some Xeons (ggml-org/llama.cpp#20824); scripts/install_dev.sh builds it without."""
+    if not peer_available():
+        return f"llama-cpp-python is not installed ({INSTALL_HINT})"
+    import llama_cpp
+
+    built_with = "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace")
+    if built_with and _cpu_has("amx_int8"):
+        return (
+            "llama-cpp-python was built with llama.cpp's AMX matmul, which crashes on some CPUs with AMX "
+            "(ggml-org/llama.cpp#20824): rebuild it without with `bash scripts/install_dev.sh`"
+        )
+    return None
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
 class PeerRunner:
     name = "llama.cpp"
 
     def __init__(self, path: str | Path, threads: int, n_ctx: int):
-        if not peer_available():
-            raise LocalkvError(f"--vs llama.cpp needs llama-cpp-python, which is not installed ({INSTALL_HINT})")
+        why = peer_problem()
+        if why:
+            raise LocalkvError(f"--vs llama.cpp: {why}")
         import llama_cpp
 
         try:

@@ -65,8 +65,9 @@ def bench_command(
         raise LocalkvError("nothing to bench: give -p and/or -n a token count >= 1")
     if repetitions is not None and repetitions < 1:
         raise LocalkvError(f"invalid repetitions {repetitions}: must be >= 1")
-    if vs and not peer.peer_available():  # before the engine loads, so the error comes at once
-        raise LocalkvError(f"--vs llama.cpp needs llama-cpp-python, which is not installed ({peer.INSTALL_HINT})")
+    why = peer.peer_problem() if vs else None  # before the engine loads, so the error comes at once
+    if why:
+        raise LocalkvError(f"--vs llama.cpp: {why}")
     from localkv.bench.options import Options  # the engine's code loads only when a bench runs
 
     opts = Options(
