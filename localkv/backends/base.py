@@ -48,6 +48,9 @@ class Backend(Protocol):
     def rope(self, x, cos, sin) -> Any:
         """Rotate halves ("NEOX" order) of x [T, heads, hd] in place; cos/sin [T, hd/2]."""
 
+    def add_residual(self, x, y) -> Any:
+        """x += y in place (a block's output into the residual stream [T, dim]); returns x."""
+
     def silu_mul(self, gu) -> Any:
         """silu(gate) * up for gu = [gate | up] along the last axis."""
 

@@ -93,6 +93,22 @@ def uses_kernels(rows: int) -> bool:
     return rows <= KERNEL_ROWS and cpu_kernels.active()
 
 
+RESIDUAL_STRIP = 64  # columns per add when the addend is a prefill matmul's transposed output
+
+
+def add_residual(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """x += y in place: a block's output into the residual stream. A prefill pass's matmul gives
+    y as the transpose of a C-ordered [dim, T] array; numpy adds it along x's rows, reading y T
+    floats apart, which misses the cache once x outgrows it (5x slower at 512 x 2048). Strips of
+    columns read both sides a cache line at a time."""
+    if y.flags.f_contiguous and not y.flags.c_contiguous:
+        for j in range(0, x.shape[1], RESIDUAL_STRIP):
+            x[:, j : j + RESIDUAL_STRIP] += y[:, j : j + RESIDUAL_STRIP]
+    else:
+        x += y
+    return x
+
+
 def silu_mul(gu: np.ndarray) -> np.ndarray:
     """silu(gate) * up for gu = [gate | up]; in place in one temporary (prefill is memory-bound here)."""
     f = gu.shape[1] // 2
@@ -291,6 +307,7 @@ class CpuBackend:
     rmsnorm = staticmethod(rmsnorm)
     rope_tables = staticmethod(rope_tables)
     rope = staticmethod(rope)
+    add_residual = staticmethod(add_residual)
     silu_mul = staticmethod(silu_mul)
     gelu_mul = staticmethod(gelu_mul)
     head_rmsnorm = staticmethod(head_rmsnorm)

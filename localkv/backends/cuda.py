@@ -117,6 +117,11 @@ def uses_kernels(rows: int) -> bool:
     return False
 
 
+def add_residual(x, y):
+    x += y
+    return x
+
+
 def silu_mul(gu):
     if gu.ndim != 2 or gu.dtype not in (F16, F32) or gu.shape[1] % 2 or gu.size == 0:
         f = gu.shape[-1] // 2
@@ -208,6 +213,7 @@ class CudaBackend:
     rope_tables = staticmethod(rope_tables)
     rope = staticmethod(rope)
     linear = staticmethod(linear)
+    add_residual = staticmethod(add_residual)
     silu_mul = staticmethod(silu_mul)
     gelu_mul = staticmethod(gelu_mul)
     head_rmsnorm = staticmethod(head_rmsnorm)

@@ -150,11 +150,11 @@ class Llama:
             kl, vl = pool.k[i], pool.v[i]
             ops.write_kv(kl, vl, slots, k, v)
             attn = self._attention(i, q, kl, vl, plan)
-            x += self._post_norm(ops.linear(attn.reshape(T, -1), w[f"{i}.wo"], "wo"), i, "attn")
+            ops.add_residual(x, self._post_norm(ops.linear(attn.reshape(T, -1), w[f"{i}.wo"], "wo"), i, "attn"))
             h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
             gu = ops.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")
             act = ops.gelu_mul(gu) if cfg.mlp == "gelu" else ops.silu_mul(gu)
-            x += self._post_norm(ops.linear(act, w[f"{i}.w_down"], "w_down"), i, "ffn")
+            ops.add_residual(x, self._post_norm(ops.linear(act, w[f"{i}.w_down"], "w_down"), i, "ffn"))
         h = ops.rmsnorm(x[xp.asarray(logit_rows)], w["out_norm"], cfg.rms_eps)
         logits = ops.logits(h, self.w_out)
         if cfg.final_softcap:  # Gemma 2: on the host's float32 logits

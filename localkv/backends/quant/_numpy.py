@@ -10,7 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 # Weights per dequantized tile (16 MiB of float32). BLAS runs each tile as one gemm, and many
 # small gemms cost it far more than the dequantizing does: tiles of a few hundred rows or more.
-TILE_VALUES = 1 << 20
+TILE_VALUES = 1 << 22
 
 
 def tile_rows(cols: int) -> int:
