@@ -110,7 +110,10 @@ def add_residual(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def silu_mul(gu: np.ndarray) -> np.ndarray:
-    """silu(gate) * up for gu = [gate | up]; in place in one temporary (prefill is memory-bound here)."""
+    """silu(gate) * up for gu = [gate | up]: the fused kernel, or numpy in one temporary
+    (prefill is memory-bound here)."""
+    if cpu_kernels.active() and gu.dtype == np.float32:
+        return cpu_kernels.silu_mul(gu)
     f = gu.shape[1] // 2
     g, u = gu[:, :f], gu[:, f:]
     t = np.negative(g)

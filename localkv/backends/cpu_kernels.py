@@ -159,6 +159,11 @@ def _check_elementwise(impl) -> bool:
     for x in (qkv[:, :2], qkv[:1, :2]):  # many rows: a strided view; one (a decode step): contiguous
         for pairs in (False, True):
             impl.rope(x, cos[: len(x)], sin[: len(x)], pairs)  # angle 0: unchanged
+    gu = rng.standard_normal((3, 16), dtype=np.float32) * 20  # past exp's range both ways
+    g, u = gu[:, :8].astype(np.float64), gu[:, 8:]
+    act = g / (1 + np.exp(-g)) * u
+    for order in "CF":  # a decode step's and a prefill pass's layouts
+        ok = ok and np.allclose(silu_mul(np.asarray(gu, order=order), impl), act, rtol=1e-5, atol=1e-6)
     return ok and np.array_equal(qkv, want)
 
 
@@ -194,6 +199,20 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str = "neox"):
     """RoPE in place on x [T, heads, hd]: "neox" halves or "normal" pairs. Call only when active()."""
     _state["impl"].rope(x, cos, sin, style != "neox")
+
+
+def silu_mul(gu: np.ndarray, impl=None) -> np.ndarray:
+    """silu(gate) * up for gu = [gate | up] (float32 [T, 2f], C- or F-contiguous: a decode step's
+    or a prefill pass's matmul output), in the same order. Call only when active()."""
+    impl = impl or _state["impl"]
+    f = gu.shape[1] // 2
+    if gu.flags.c_contiguous:
+        out = np.empty((len(gu), f), np.float32)
+        impl.silu_mul(gu, f, out, False)
+    else:
+        out = np.empty((len(gu), f), np.float32, order="F")
+        impl.silu_mul(np.asfortranarray(gu).T, f, out.T, True)
+    return out
 
 
 PARALLEL_ATTENTION = 1 << 20  # multiply-adds from which decode attention runs on all threads
