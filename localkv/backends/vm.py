@@ -31,10 +31,10 @@ def page_out_file(suffix: str) -> int:
     """Reclaim the resident pages of every mapping of a file whose path ends with suffix (a
     shared library whose code will not run again soon): they come back from the file if it
     does. Returns how many mappings the kernel paged out."""
-    end = suffix.encode()
+    tail = suffix.encode()
     try:
         with open("/proc/self/maps", "rb") as f:  # bytes: a mapped file's name may not be UTF-8
-            spans = [line.split()[0].decode() for line in f if line.rstrip().endswith(end)]
+            spans = [line.split()[0].decode() for line in f if line.rstrip().endswith(tail)]
     except OSError:
         return 0
     done = 0
