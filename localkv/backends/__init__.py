@@ -9,6 +9,7 @@ import sys
 
 from localkv.backends.base import Backend
 from localkv.backends.cpu import CpuBackend
+from localkv.backends.vm import MMAP_THRESHOLD
 from localkv.errors import LocalkvError, first_line
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -33,7 +34,6 @@ def select(device: str = "auto", threads: int = 1) -> Backend:
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 32 << 20  # allocations below this come from the heap, not a fresh mmap
 TRIM_THRESHOLD = 64 << 20  # free memory the heap keeps before returning it to the OS
 _malloc_tuned = False
 

@@ -32,6 +32,7 @@ import numpy as np
 from localkv.backends.quant import _numpy
 from localkv.backends.quant._tensor import SUPPORTED, KernelRun, QStack, QTensor, from_gguf
 from localkv.backends.quant._types import BLOCK_TYPES
+from localkv.backends.vm import reused_empty
 from localkv.errors import first_line
 
 __all__ = ["SUPPORTED", "QStack", "QTensor", "active", "dequantize", "dequantize_rows", "from_gguf", "get_rows",
@@ -153,7 +154,7 @@ def matmul_many(x: np.ndarray, w: "QTensor | QStack", scratch: np.ndarray | None
         raise ValueError(f"activations {x.shape} do not match a weight of {w.cols} columns")
     if not (x.flags.c_contiguous or x.flags.f_contiguous):  # BLAS takes either order as it is
         x = np.ascontiguousarray(x)
-    out_t = np.empty((w.rows, len(x)), np.float32)
+    out_t = reused_empty((w.rows, len(x)))  # a fresh 32 MiB mmap halves BLAS's speed
     r, rounded = 0, {}
     for t in w.tensors if isinstance(w, QStack) else (w,):
         xa = x
