@@ -261,12 +261,16 @@ def causal_attention(
     kvh = k_layer.shape[2]
     impl = _state["impl"]
     g, QT = H // kvh, impl.QT  # query tokens per tile
-    tiles = -(-T // QT)
-    qp = np.zeros((tiles * QT, kvh, g, hd), np.float32)
-    qp[:T] = q.reshape(T, kvh, g, hd)
-    qp *= np.float32(scale)
-    # [kvh, tiles, hd, QT * g]: a tile's rows ordered (token, head), transposed
-    qt = np.ascontiguousarray(qp.reshape(tiles, QT, kvh, g, hd).transpose(2, 0, 4, 1, 3))
+    tiles, full = -(-T // QT), T // QT
+    # [kvh, tiles, hd, QT * g]: a tile's rows ordered (token, head), transposed, scaled; one
+    # strided pass over q (a zero-padded copy only for a last tile that is not full)
+    qt = np.empty((kvh, tiles, hd, QT, g), np.float32)
+    src, scale = q.reshape(T, kvh, g, hd), np.float32(scale)
+    np.multiply(src[: full * QT].reshape(full, QT, kvh, g, hd).transpose(2, 0, 4, 1, 3), scale, out=qt[:, :full])
+    if full < tiles:
+        last = np.zeros((QT, kvh, g, hd), np.float32)
+        last[: T - full * QT] = src[full * QT :]
+        np.multiply(last.transpose(1, 3, 0, 2), scale, out=qt[:, full])
     qt = qt.reshape(kvh, tiles, hd, QT * g)
     out = np.empty((kvh, tiles, QT * g, hd), np.float32)
     impl.paged_causal(qt, _bits(k_layer), _bits(v_layer), _table(table), n_ctx - T, T, out)
