@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from localkv.backends.vm import page_out_file
+from localkv.backends.vm import page_out_file, reused_empty
 from localkv.errors import first_line
 
 _state: dict = {}
@@ -207,10 +207,10 @@ def silu_mul(gu: np.ndarray, impl=None) -> np.ndarray:
     impl = impl or _state["impl"]
     f = gu.shape[1] // 2
     if gu.flags.c_contiguous:
-        out = np.empty((len(gu), f), np.float32)
+        out = reused_empty((len(gu), f))
         impl.silu_mul(gu, f, out, False)
     else:
-        out = np.empty((len(gu), f), np.float32, order="F")
+        out = reused_empty((f, len(gu))).T  # F-ordered, as gu
         impl.silu_mul(np.asfortranarray(gu).T, f, out.T, True)
     return out
 
