@@ -87,7 +87,7 @@ def _catalog_files():
 
         root = files("localkv.catalog")
     except ModuleNotFoundError:  # not pip-installed: the models/ folder next to the package
-        root = Path(__file__).resolve().parent.parent / "models"
+        root = Path(__file__).resolve().parents[2] / "models"
     return sorted((f for f in root.iterdir() if f.name.endswith(".toml")), key=lambda f: f.name)
 
 
