@@ -312,7 +312,7 @@ def test_heads_not_a_multiple_of_8_take_numpy(kernels, monkeypatch):
 
 def test_a_run_compiles_nothing_after_the_start(tiny):
     """Engine() loads every build a run's kernels need (the array kinds the model passes, an f16
-    pool), then pages numba's compiler out: a prompt, its decode steps and 4 forked branches
+    pool), then drops numba's compiler from resident memory: a prompt, its decode steps and 4 forked branches
     compile or load nothing more, and LLVM's code stays out of the process's resident memory
     (the pages only it maps: those another process maps too, as other test workers do, stay).
     In a fresh process: what an earlier test compiled would hide a missing build."""
@@ -350,5 +350,32 @@ def test_a_run_compiles_nothing_after_the_start(tiny):
     assert on and start
     assert after == start, sorted(set(map(tuple, after)) - set(map(tuple, start)))
     buf = np.ones(1 << 16, np.uint8)
-    if vm.madvise(buf.ctypes.data, buf.ctypes.data + buf.nbytes, vm.MADV_PAGEOUT):  # Linux 5.4+
+    if vm.madvise(buf.ctypes.data, buf.ctypes.data + buf.nbytes, vm.MADV_DONTNEED):  # Linux
         assert llvm_kb < 4096, f"{llvm_kb} KB of libllvmlite.so resident (private) after the run"
+
+
+def test_cached_kernels_load_without_numbas_compiler_tables(kernels):
+    """A start loads its kernels from numba's cache without importing numba's typing and
+    lowering tables (numpy's linalg, random, polynomial...); a kernel that compiles inside the
+    same block still finds them, and afterwards numba's own cache loader is back.
+    In a fresh process (this one has compiled); the kernels are cached by the fixture."""
+    code = """if True:
+        import json, sys
+        import numpy as np
+        from numba import njit
+        from numba.core.caching import Cache
+        from localkv.backends import cpu_kernels, quant
+        from localkv.backends.jit_cache import tables_deferred
+
+        assert cpu_kernels.load() and quant.load(["Q4_1", "Q8_0"])
+        tables = ("numba.np.linalg", "numba.np.random.generator_methods", "numba.np.polynomial.polynomial_functions")
+        loaded = [m for m in tables if m in sys.modules]
+        with tables_deferred():
+            compiled = njit(lambda a: np.cos(a).sum())(np.zeros(3))  # lowering np.cos needs the tables
+        print(json.dumps([loaded, float(compiled), Cache.load_overload.__module__]))
+    """
+    quant.load(["Q4_1", "Q8_0"])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    loaded, compiled, loader = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == [] and compiled == 3.0 and loader == "numba.core.caching"

@@ -1,7 +1,10 @@
 """localkv.model.gguf: hostile files end in one ModelError line; valid files read back as gguf-py reads them."""
 
+import json
 import os
 import struct
+import subprocess
+import sys
 import tempfile
 import tracemalloc
 from pathlib import Path
@@ -14,6 +17,7 @@ from hostile_gguf import ARR, STR, Parts, hostile_cases, kv, valid_file
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from localkv import gguf_py
 from localkv.errors import ModelError
 from localkv.model.gguf import PLAIN_DTYPES, open_gguf
 from localkv.model.gguf_strings import _decode_each, _decode_joined
@@ -275,3 +279,18 @@ def test_fuzzed_file_loads_or_gives_one_line(fuzz_file, mutations):
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     assert peak < MEMORY_BOUND
+
+
+def test_the_type_table_is_gguf_pys_without_its_package_import():
+    """gguf_py reads gguf-py's own table and dequantizer, and an engine start that uses them
+    does not import the gguf package (its whole library and yaml)."""
+    table = {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
+    assert table == gguf_py.TYPES
+    code = (
+        "import json, sys; import numpy as np; from localkv import gguf_py; "
+        "x = gguf_py.dequantize(np.zeros((2, 18), np.uint8), 'Q4_0'); "
+        "print(json.dumps(['gguf' in sys.modules, list(x.shape), gguf_py.block_size('Q4_K')]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [False, [2, 32], [256, 144]]

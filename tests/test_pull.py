@@ -204,7 +204,6 @@ def test_real_catalog():
     assert registry.find("smollm2") is e and registry.find("SmolLM2-135M-Instruct") is e
 
 
-
 def test_catalog_from_a_source_tree(monkeypatch):
     """Run from a checkout that pip never installed, the catalog is the models/ folder."""
     import importlib.resources
@@ -215,6 +214,7 @@ def test_catalog_from_a_source_tree(monkeypatch):
     monkeypatch.setattr(importlib.resources, "files", not_installed)
     names = [f.name for f in registry._catalog_files()]
     assert f"{DEFAULT_MODEL}.toml" in names, names
+
 
 @pytest.mark.model
 def test_real_default_model(real_model_path, monkeypatch):

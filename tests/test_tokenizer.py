@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from localkv.errors import ModelError
+from localkv.model.pretokenize import byte_decoder, bytelevel_all, bytelevel_bytes
 from localkv.model.tokenizer import CHATML_TEMPLATE, Tokenizer, _byte_decoder
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "tokenizer_golden.json").read_text())
@@ -320,3 +321,15 @@ def test_decode_matches_llama_cpp_detokenize(tok, llama):
         ids = tok.encode(text)
         assert tok.decode(ids, skip_special=True) == llama.detokenize(ids).decode(errors="replace"), text
         assert tok.decode(ids) == llama.detokenize(ids, special=True).decode(errors="replace"), text
+
+
+def test_piece_bytes_of_a_whole_vocabulary_match_piece_by_piece():
+    """bytelevel_all (one lookup for the vocabulary, at every start) renders each piece as
+    bytelevel_bytes does; a piece with a char no byte maps to sends it piece by piece."""
+    table = byte_decoder()
+    pieces = [*BYTE_CHARS, "ĠhelloĊ", "", "a b", "Ã©", "<|im_end|>", "..."]
+    assert bytelevel_all(pieces) == [bytelevel_bytes(p, table) for p in pieces]
+    assert bytelevel_all(["ok", "日本"]) is None and bytelevel_all(["ok", "\u00ad"]) is None
+    assert bytelevel_all([]) == []
+    tok = Tokenizer.from_gguf_metadata(tiny_meta())  # the tiny vocab's pieces, specials verbatim
+    assert tok.token_bytes(262) == b"<|im_start|>" and tok.token_bytes(256) == b"he"

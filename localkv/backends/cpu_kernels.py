@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from localkv.backends.vm import page_out_file, reused_empty
+from localkv.backends.jit_cache import tables_deferred
+from localkv.backends.vm import drop_file_pages, reused_empty
 from localkv.errors import first_line
 
 _state: dict = {}
@@ -60,11 +61,12 @@ def attends(head_dim: int) -> bool:
 
 
 def release_compiler() -> bool:
-    """Page numba's compiler out of this process once the kernels have loaded. Loading them runs
-    LLVM (libllvmlite.so), which leaves tens of MB of its code resident; it runs again only
-    if a kernel of a new signature compiles, and its pages then come back from the file. A run
-    that never compiles more holds that much less. True when the kernel took the advice."""
-    return active() and page_out_file("/libllvmlite.so") > 0
+    """Drop numba's compiler from this process's resident memory once the kernels have loaded.
+    Loading them runs LLVM (libllvmlite.so), which leaves tens of MB of its code resident; it
+    runs again only if a kernel of a new signature compiles, and its pages then come back from
+    the page cache. A run that never compiles more holds that much less. True when the kernel
+    took the advice."""
+    return active() and drop_file_pages("/libllvmlite.so") > 0
 
 
 def set_threads(threads: int):
@@ -90,7 +92,7 @@ def _load() -> tuple[bool, str | None]:
     if not os.environ.get("NUMBA_THREADING_LAYER"):
         numba.config.THREADING_LAYER = "omp"
     try:
-        with _without_scipy():
+        with _without_scipy(), tables_deferred():
             import localkv.backends._cpu_kernels_impl as impl
 
             if not (_check_paged_attention(impl) and _check_elementwise(impl) and _check_decode(impl)):

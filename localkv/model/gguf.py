@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localkv.errors import ModelError
+from localkv.gguf_py import BY_NAME as _QTYPES_BY_NAME
+from localkv.gguf_py import TYPES as _QTYPES  # ggml type id -> (name, elements per block, bytes per block)
 from localkv.model.gguf_strings import read_string_array
 
 MAGIC = b"GGUF"
@@ -55,8 +56,6 @@ _STRUCTS = {t: struct.Struct(fmt) for t, (_, fmt, _) in _SCALARS.items()}
 STRING, ARRAY, BOOL, UINT32 = 8, 9, 7, 4
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
-# ggml type id -> (name, elements per block, bytes per block)
-_QTYPES = {t.value: (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
 # types that data() returns typed, in their numpy dtype; every other type is uint8 blocks
 PLAIN_DTYPES = {
     "F32": "<f4",
@@ -82,9 +81,6 @@ class TensorInfo:
     def row_bytes(self) -> int:
         _, block, size = _QTYPES_BY_NAME[self.qtype]
         return self.shape[-1] // block * size
-
-
-_QTYPES_BY_NAME = {name: (tid, block, size) for tid, (name, block, size) in _QTYPES.items()}
 
 
 @dataclass(eq=False, slots=True)

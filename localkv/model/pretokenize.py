@@ -7,6 +7,9 @@ both the matches and the text between them; a Split(..., "isolated") does exactl
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -104,6 +107,34 @@ def bytelevel_bytes(piece: str, table: dict[str, int]) -> bytes:
     except UnicodeEncodeError:
         # A char outside the table cannot come from byte-level BPE; keep it as UTF-8 rather than drop it.
         return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
+
+
+def _byte_of_char() -> np.ndarray:
+    """bytelevel_bytes as a lookup table over code points: the byte of each table char, ASCII
+    outside the table as itself (its UTF-8 byte), -1 for every other char."""
+    lut = np.full(512, -1, np.int16)  # the table's chars are below U+0144
+    lut[:128] = np.arange(128)
+    for c, b in byte_decoder().items():
+        lut[ord(c)] = b
+    return lut
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
+def bytelevel_all(pieces: list[str]) -> list[bytes] | None:
+    """bytelevel_bytes of every piece, looked up for the whole vocabulary at once (each char is
+    one byte, so each piece keeps its length); None when a piece has a char outside the table
+    (bytelevel_bytes then takes it piece by piece)."""
+    cps = np.frombuffer("".join(pieces).encode("utf-32-le"), np.uint32)
+    if len(cps) and int(cps.max()) >= len(_BYTE_OF_CHAR):
+        return None
+    values = _BYTE_OF_CHAR[cps]
+    if (values < 0).any():
+        return None
+    joined = values.astype(np.uint8).tobytes()
+    ends = list(itertools.accumulate(map(len, pieces)))
+    return [joined[a:b] for a, b in zip([0, *ends], ends)]
 
 
 def _with_byte_placeholders(tokens: list[str]) -> dict[str, int]:

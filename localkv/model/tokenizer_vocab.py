@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from localkv.model.pretokenize import ADD_BOS_DEFAULT, byte_decoder, bytelevel_bytes
+from localkv.model.pretokenize import ADD_BOS_DEFAULT, byte_decoder, bytelevel_all, bytelevel_bytes
 from localkv.model.tokenizer_spm import byte_piece_value, spm_piece_bytes
 
 # GGUF tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
@@ -62,25 +62,27 @@ class Vocab:
 
     def piece_bytes(self) -> list[bytes]:
         """Each token's text as llama.cpp's token_to_piece renders it (specials verbatim)."""
-        table = byte_decoder()
-        out = []
-        for text, kind in zip(self.tokens, self.kinds):
-            if kind in (CONTROL, USER_DEFINED):
-                out.append(text.encode())
-            elif kind == BYTE:
-                value = byte_piece_value(text)
-                out.append(b"" if value is None else bytes([value]))
-            elif kind == NORMAL:
-                out.append(spm_piece_bytes(text) if self.spm else bytelevel_bytes(text, table))
-            else:  # unused and undefined tokens render as nothing
-                out.append(b"")
+        out = None if self.spm else bytelevel_all(self.tokens)  # right for every NORMAL token
+        if out is None:
+            return [self._piece(text, kind) for text, kind in zip(self.tokens, self.kinds)]
+        for i in [i for i, kind in enumerate(self.kinds) if kind != NORMAL]:
+            out[i] = self._piece(self.tokens[i], self.kinds[i])
         return out
 
+    def _piece(self, text: str, kind: int) -> bytes:
+        if kind in (CONTROL, USER_DEFINED):
+            return text.encode()
+        if kind == BYTE:
+            value = byte_piece_value(text)
+            return b"" if value is None else bytes([value])
+        if kind == NORMAL:
+            return spm_piece_bytes(text) if self.spm else bytelevel_bytes(text, byte_decoder())
+        return b""  # unused and undefined tokens render as nothing
 
-def _kind(ty: int) -> int:
-    if ty in (CONTROL, UNKNOWN):
-        return CONTROL  # llama.cpp parses and renders unknown-type tokens like control ones
-    return ty if ty in (NORMAL, USER_DEFINED, UNUSED, BYTE) else UNUSED
+
+# a file's token type -> the role llama.cpp gives it: unknown-type tokens parse and render like
+# control ones, types it does not know as unused
+_KINDS = {NORMAL: NORMAL, UNKNOWN: CONTROL, CONTROL: CONTROL, USER_DEFINED: USER_DEFINED, UNUSED: UNUSED, BYTE: BYTE}
 
 
 def _token_id(meta: dict, key: str, n: int, default: int | None = None) -> int | None:
@@ -95,7 +97,8 @@ def vocab_from_gguf(meta: dict, spm: bool, pre: str, default_ids: bool = True) -
     """default_ids: fall back to llama.cpp's default BOS/EOS/UNK ids when the file names none."""
     tokens = list(meta["tokenizer.ggml.tokens"])
     n = len(tokens)
-    kinds = [_kind(int(t)) for t in (meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)]
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * n
+    kinds = [_KINDS.get(t, UNUSED) for t in types]  # a list of ints (the loader's _plain)
     get = meta.get
     # llama.cpp's defaults when the file has no id: SPM <s>=1 </s>=2 <unk>=0, BPE 11 for both
     dflt = dict(zip(("bos", "eos", "unknown"), (1, 2, 0) if spm else (11, 11, None)))

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from localkv.backends.jit_cache import tables_deferred
 from localkv.backends.quant import _numpy
 from localkv.backends.quant._tensor import SUPPORTED, KernelRun, QStack, QTensor, from_gguf
 from localkv.backends.quant._types import BLOCK_TYPES
@@ -64,8 +65,9 @@ def load(types: Iterable[str] = SUPPORTED, progress: bool = False) -> bool:
         t0 = time.perf_counter()
         if todo:
             _drop_stale_cache()
-        for t in todo:
-            _state[t] = _load_type(t)
+        with tables_deferred():
+            for t in todo:
+                _state[t] = _load_type(t)
         if any(_state[t] is None for t in todo):
             global _entry
             _entry = importlib.import_module("localkv.backends.quant._compiled")

@@ -5,8 +5,8 @@ types the few-row product quantizes the activations to int8 exactly as the kerne
 """
 
 import numpy as np
-from gguf.constants import GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
+
+from localkv import gguf_py
 
 # Weights per dequantized tile (16 MiB of float32). BLAS runs each tile as one gemm, and many
 # small gemms cost it far more than the dequantizing does: tiles of a few hundred rows or more.
@@ -43,7 +43,7 @@ def dequantize_rows(data: np.ndarray, qtype: str, r0: int, r1: int, out: np.ndar
     elif qtype == "BF16":
         out[...] = (rows.astype(np.uint32) << 16).view(np.float32)
     else:
-        out[...] = gguf_dequantize(rows, GGMLQuantizationType[qtype])
+        out[...] = gguf_py.dequantize(rows, qtype)
     return out
 
 

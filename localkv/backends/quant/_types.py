@@ -1,6 +1,6 @@
 """The weight types kept in place, and their block sizes (gguf's table, the one source)."""
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from localkv import gguf_py
 
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")  # kept as [rows, cols] arrays (F16 and BF16 as uint16 in the kernels)
@@ -8,4 +8,4 @@ FLOAT_TYPES = ("F32", "F16", "BF16")  # kept as [rows, cols] arrays (F16 and BF1
 
 def block_size(qtype: str) -> tuple[int, int]:
     """(values, bytes) of one block."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    return gguf_py.block_size(qtype)
