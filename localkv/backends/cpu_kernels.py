@@ -86,13 +86,14 @@ def _load() -> tuple[bool, str | None]:
     if os.environ.get("LOCALKV_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return False, "LOCALKV_CPU_KERNELS=0"
     try:
-        import numba
+        with _absent(*_UNUSED_BY_NUMBA):
+            import numba
     except ImportError as e:
         return False, f"numba not installed ({e})"
     if not os.environ.get("NUMBA_THREADING_LAYER"):
         numba.config.THREADING_LAYER = "omp"
     try:
-        with _without_scipy(), tables_deferred():
+        with _absent("scipy.linalg"), tables_deferred():
             import localkv.backends._cpu_kernels_impl as impl
 
             if not (_check_paged_attention(impl) and _check_elementwise(impl) and _check_decode(impl)):
@@ -105,24 +106,31 @@ def _load() -> tuple[bool, str | None]:
     return True, None
 
 
+# What numba imports at its own import and never uses for these kernels: scipy for a version
+# check, yaml to read a .numba_config.yaml (imported when the working directory has one)
+_UNUSED_BY_NUMBA = ("scipy",) if os.path.exists(".numba_config.yaml") else ("scipy", "yaml")
+
+
 @contextlib.contextmanager
-def _without_scipy():
-    """The first kernel numba loads makes it import its numpy registries, and with them
+def _absent(*names: str):
+    """Modules that read as absent while numba imports or loads the kernels, unless already
+    imported: importing one (or a submodule) raises ImportError, which numba takes as "not
+    installed". Afterwards they import normally.
+
+    The first kernel numba loads makes it import its numpy registries, and with them
     scipy.linalg, to find a BLAS for np.dot and np.linalg in jitted code: no kernel here uses
     either, and the import costs a start about 0.2 s and 50 MB (scipy.linalg and its own
-    OpenBLAS). While the kernels load, scipy.linalg reads as absent (numba then marks its BLAS
-    support off for this process); afterwards it imports normally. Nothing changes when it is
-    already imported."""
-    name = "scipy.linalg"
-    if name in sys.modules:
-        yield
-        return
-    sys.modules[name] = None  # importing it (or a submodule) raises ImportError
+    OpenBLAS); numba then marks its BLAS support off for this process. Numba's own import
+    imports scipy (a version check) and yaml (for a config file): 16 ms of a start."""
+    names = [n for n in names if n not in sys.modules]
+    for name in names:
+        sys.modules[name] = None  # importing it (or a submodule) raises ImportError
     try:
         yield
     finally:
-        if name in sys.modules and sys.modules[name] is None:
-            del sys.modules[name]
+        for name in names:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
 
 def _check_paged_attention(impl) -> bool:
