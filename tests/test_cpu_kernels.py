@@ -21,6 +21,14 @@ from tiny_model import write_gguf
 PROMPT = list(range(3, 40))
 
 
+def numba_threads() -> int:
+    try:
+        import numba
+    except ImportError:
+        return 0
+    return numba.config.NUMBA_NUM_THREADS
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("kernels") / "tiny.gguf", ctx=256)
@@ -74,6 +82,29 @@ def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch):
     assert blas_threads() == {1}
     ops.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill: BLAS gets the engine's threads
     assert blas_threads() == {2}
+
+
+@pytest.mark.skipif(numba_threads() < 2, reason="needs numba to have two threads")
+def test_a_prefill_pass_gives_a_large_causal_attention_every_thread(tiny, kernels, monkeypatch):
+    """In a BLAS pass the kernels run on one thread, except a causal attention of
+    PARALLEL_CAUSAL multiply-adds or more, which takes the engine's threads and gives them back."""
+    import numba
+
+    from localkv.backends import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "INTERVAL", 1e9)  # the engine's 2 threads, whatever else runs here
+    seen = []
+    monkeypatch.setattr(cpu_kernels._state["impl"], "paged_causal", lambda *a: seen.append(numba.get_num_threads()))
+    ops = Engine(EngineConfig(model=tiny, threads=2)).ops
+    ops.begin_forward(ops_numpy.KERNEL_ROWS + 1)
+    kv = np.zeros((32, 16, 4, 64), np.float16)  # 512 tokens of 4 kv heads
+    for heads, tokens in ((16, 512), (4, 512), (16, 64)):  # 2^27 multiply-adds, then fewer
+        q = np.zeros((tokens, heads, 64), np.float32)
+        cpu_kernels.causal_attention(q, kv, kv, np.arange(tokens // 16), tokens, 0.125)
+    assert seen == [2, 1, 1] and numba.get_num_threads() == 1
+    ops.begin_forward(1)  # a decode pass: every kernel on the engine's threads
+    cpu_kernels.causal_attention(np.zeros((64, 4, 64), np.float32), kv, kv, np.arange(4), 64, 0.125)
+    assert seen[-1] == 2
 
 
 def test_decode_same_with_and_without_kernels(tiny, kernels, monkeypatch):

@@ -353,8 +353,9 @@ class CpuBackend:
         threads = self._cores.threads()  # the engine's, less the cores other processes keep busy
         if rows > KERNEL_ROWS:  # BLAS's pass: a kernel in it (prefill's causal attention, decode
             # attention of the requests that share the step with prompt chunks) runs on this
-            # thread alone, not against BLAS's (both on all threads measured slower)
-            cpu_kernels.set_threads(1)
+            # thread alone, not against BLAS's (both on all threads measured slower), except a
+            # causal attention large enough to pay for the workers' spin (PARALLEL_CAUSAL)
+            cpu_kernels.set_threads(1, large=threads)
             want = threads
         else:
             cpu_kernels.set_threads(threads)

@@ -69,13 +69,37 @@ def release_compiler() -> bool:
     return active() and drop_file_pages("/libllvmlite.so") > 0
 
 
-def set_threads(threads: int):
-    """Worker threads for kernels started from this thread (numba's setting is per thread)."""
+_threads = threading.local()  # this thread's count for large kernels (set_threads)
+
+
+def set_threads(threads: int, large: int | None = None):
+    """Worker threads for kernels started from this thread (numba's setting is per thread);
+    large: for kernels of PARALLEL_CAUSAL multiply-adds or more (a prefill pass's causal
+    attention), default threads."""
     import numba
 
-    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    top = numba.config.NUMBA_NUM_THREADS
+    threads = max(1, min(threads, top))
+    _threads.large = max(1, min(large if large is not None else threads, top))
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _large_kernel(work: int):
+    """Within the block, this thread's kernels run on its count for large kernels when `work`
+    multiply-adds reach PARALLEL_CAUSAL."""
+    import numba
+
+    now, large = numba.get_num_threads(), getattr(_threads, "large", None)
+    if large is None or large <= now or work < PARALLEL_CAUSAL:
+        yield
+        return
+    numba.set_num_threads(large)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(now)
 
 
 def why_not() -> str | None:
@@ -226,6 +250,11 @@ def silu_mul(gu: np.ndarray, impl=None) -> np.ndarray:
 
 
 PARALLEL_ATTENTION = 1 << 20  # multiply-adds from which decode attention runs on all threads
+# multiply-adds from which a prefill pass's causal attention takes the engine's threads from
+# BLAS (idle meanwhile). Smaller ones stay on one thread: numba's and OpenBLAS's workers both
+# spin a while after their work, and the time saved did not pay for it (a 512-token pass of
+# SmolLM2 is 2^26; of a 1B model, where it pays, 2^28: BENCHMARKS.md)
+PARALLEL_CAUSAL = 1 << 27
 
 
 def decode_attention(q, k_layer, v_layer, tables, lens, scale: float, scores, work: int) -> np.ndarray:
@@ -283,7 +312,8 @@ def causal_attention(
         np.multiply(last.transpose(1, 3, 0, 2), scale, out=qt[:, full])
     qt = qt.reshape(kvh, tiles, hd, QT * g)
     out = np.empty((kvh, tiles, QT * g, hd), np.float32)
-    impl.paged_causal(qt, _bits(k_layer), _bits(v_layer), _table(table), n_ctx - T, T, out)
+    with _large_kernel(T * (n_ctx - T // 2) * H * hd):  # the scores' multiply-adds, causal
+        impl.paged_causal(qt, _bits(k_layer), _bits(v_layer), _table(table), n_ctx - T, T, out)
     return out.reshape(kvh, tiles * QT, g, hd).transpose(1, 0, 2, 3).reshape(tiles * QT, H, hd)[:T]
 
 
