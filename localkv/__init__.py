@@ -9,5 +9,11 @@ import os as _os
 # takes effect when localkv is imported first (as the `localkv` command does); a value the
 # user set is kept.
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "20")
+# numba's OpenMP workers (libgomp) likewise spin 300,000 rounds after each kernel before they
+# sleep. In a prefill pass a kernel on every thread (causal attention) is followed by BLAS's
+# matmuls, which then share the cores with that spin; 100,000 rounds still bridges the gaps
+# between a decode step's kernels. Read when libgomp loads (the kernels' first load); a value
+# the user set is kept.
+_os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 __version__ = "0.1.0"

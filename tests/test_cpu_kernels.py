@@ -98,10 +98,12 @@ def test_a_prefill_pass_gives_a_large_causal_attention_every_thread(tiny, kernel
     ops = Engine(EngineConfig(model=tiny, threads=2)).ops
     ops.begin_forward(ops_numpy.KERNEL_ROWS + 1)
     kv = np.zeros((32, 16, 4, 64), np.float16)  # 512 tokens of 4 kv heads
-    for heads, tokens in ((16, 512), (4, 512), (16, 64)):  # 2^27 multiply-adds, then fewer
+    shapes = ((16, 512), (4, 32), (16, 512))  # 2^27 multiply-adds, 2^17, 2^27
+    assert 512 * 256 * 16 * 64 >= cpu_kernels.PARALLEL_CAUSAL > 32 * 16 * 4 * 64
+    for heads, tokens in shapes:
         q = np.zeros((tokens, heads, 64), np.float32)
         cpu_kernels.causal_attention(q, kv, kv, np.arange(tokens // 16), tokens, 0.125)
-    assert seen == [2, 1, 1] and numba.get_num_threads() == 1
+    assert seen == [2, 1, 2] and numba.get_num_threads() == 1
     ops.begin_forward(1)  # a decode pass: every kernel on the engine's threads
     cpu_kernels.causal_attention(np.zeros((64, 4, 64), np.float32), kv, kv, np.arange(4), 64, 0.125)
     assert seen[-1] == 2
@@ -410,3 +412,13 @@ def test_cached_kernels_load_without_numbas_compiler_tables(kernels):
     assert out.returncode == 0, out.stderr
     loaded, compiled, loader = json.loads(out.stdout.strip().splitlines()[-1])
     assert loaded == [] and compiled == 3.0 and loader == "numba.core.caching"
+
+
+def test_idle_workers_spin_briefly_unless_the_user_says_otherwise():
+    """localkv shortens OpenBLAS's and libgomp's spin before either library loads; a value in
+    the environment is kept."""
+    code = "import os, localkv; print(os.environ['GOMP_SPINCOUNT'], os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")}
+    for extra, want in (({}, "100000 20"), ({"GOMP_SPINCOUNT": "7", "OPENBLAS_THREAD_TIMEOUT": "9"}, "7 9")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env | extra)
+        assert out.stdout.split() == want.split(), out.stderr

@@ -12,7 +12,8 @@ the sleeping "workqueue" layer takes a hundred times longer, which over ~200 ker
 more than it saves, so only "omp" is used. Spinning workers and OpenBLAS's own spinning workers
 must not run at once on a small machine (a kernel start then waits for a time slice), so while
 kernels run the model keeps BLAS on one thread (see CpuBackend.begin_forward), and
-localkv/__init__ shortens OpenBLAS's spin after a call (OPENBLAS_THREAD_TIMEOUT).
+localkv/__init__ shortens OpenBLAS's spin after a call (OPENBLAS_THREAD_TIMEOUT) and that of
+numba's OpenMP workers (GOMP_SPINCOUNT).
 
 LOCALKV_CPU_KERNELS=0 turns the kernels off (numpy/BLAS only); so does a missing numba or a
 missing OpenMP runtime (libgomp). Compiled code is cached beside this file (numba's cache).
@@ -251,10 +252,9 @@ def silu_mul(gu: np.ndarray, impl=None) -> np.ndarray:
 
 PARALLEL_ATTENTION = 1 << 20  # multiply-adds from which decode attention runs on all threads
 # multiply-adds from which a prefill pass's causal attention takes the engine's threads from
-# BLAS (idle meanwhile). Smaller ones stay on one thread: numba's and OpenBLAS's workers both
-# spin a while after their work, and the time saved did not pay for it (a 512-token pass of
-# SmolLM2 is 2^26; of a 1B model, where it pays, 2^28: BENCHMARKS.md)
-PARALLEL_CAUSAL = 1 << 27
+# BLAS (idle meanwhile); a smaller one is over before the second thread pays for its start
+# and for the spin of both pools of workers after their work (localkv/__init__)
+PARALLEL_CAUSAL = 1 << 22
 
 
 def decode_attention(q, k_layer, v_layer, tables, lens, scale: float, scores, work: int) -> np.ndarray:
