@@ -1,3 +1,8 @@
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -287,3 +292,17 @@ def test_vs_with_a_peer_built_with_amx_on_an_amx_cpu_says_how_to_rebuild(monkeyp
         _call(vs="llama.cpp")
     monkeypatch.setattr(peer, "_cpu_has", lambda flag: False)  # the same build on a CPU without AMX runs
     assert peer.peer_problem() is None
+
+
+def test_a_peer_process_runs_without_localkvs_spin_settings():
+    """llama.cpp's own processes (serve, cache, peak RSS) get the user's environment: what
+    localkv's import set for itself is left out, or unset again in a child that imports
+    localkv; a value the user set stays."""
+    code = (
+        "import json, os; from localkv.bench.peer import drop_own_env, peer_env; env = peer_env(); "
+        "drop_own_env(); print(json.dumps([env.get('GOMP_SPINCOUNT'), os.environ.get('GOMP_SPINCOUNT')]))"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")}
+    for extra, want in (({}, [None, None]), ({"GOMP_SPINCOUNT": "7"}, ["7", "7"])):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base | extra)
+        assert json.loads(out.stdout) == want, out.stderr

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from localkv.bench.options import Options
+from localkv.bench.peer import peer_env
 from localkv.bench.report import Column, LoadMeter, Report, Target, median, ratio
 from localkv.bench.text import text_ids
 from localkv.engine import Engine
@@ -123,7 +124,7 @@ def measure_ttft(o: Options, eng: Engine, fill: list[int], warm: list[int], reps
                     out = _child("localkv.bench.child_ttft", local | {"ids": ids}, env, f"localkv {cond}")
                 else:
                     req = peer | {"ids": ids, "cache_dir": str(pdir)}
-                    out = _child("localkv.bench.child_ttft_peer", req, None, f"llama.cpp {cond}")
+                    out = _child("localkv.bench.child_ttft_peer", req, peer_env(), f"llama.cpp {cond}")
                 res.setdefault((engine, cond), []).append(out)
                 if cond == "cold":  # what the warm run will read
                     sizes[engine].append(_dir_bytes(home / "kvcache" if engine == "localkv" else pdir))

@@ -12,6 +12,9 @@ import time
 def main():
     t_start = time.perf_counter()
     a = json.loads(sys.stdin.read())
+    from localkv.bench.peer import drop_own_env
+
+    drop_own_env()  # llama.cpp runs as the user's environment says, not with localkv's spin settings
     import llama_cpp  # after the clock starts: its load counts as model load, as localkv's imports do
 
     llm = llama_cpp.Llama(

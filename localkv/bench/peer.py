@@ -7,11 +7,13 @@ in a fresh process: child_ttft_peer.py.
 """
 
 import importlib.util
+import os
 from pathlib import Path
 from time import perf_counter
 
 import numpy as np
 
+import localkv
 from localkv.errors import LocalkvError
 
 INSTALL_HINT = "pip install -e '.[peer]'"
@@ -21,6 +23,20 @@ PEERS = ("llama.cpp",)  # what --vs accepts
 def check_vs(vs: str | None):
     if vs is not None and vs not in PEERS:
         raise LocalkvError(f"unknown --vs {vs!r}: the only engine to compare against is llama.cpp")
+
+
+def peer_env() -> dict[str, str]:
+    """The environment of a peer engine's own process: this one's, less the worker-spin
+    settings localkv made for itself (localkv/__init__; values the user set are kept). A peer
+    process that imports localkv (child_ttft_peer) drops them again with drop_own_env()."""
+    return {k: v for k, v in os.environ.items() if k not in localkv.DEFAULTED_ENV}
+
+
+def drop_own_env():
+    """In a peer's process that imported localkv: unset what localkv's import set and the
+    environment did not, before the peer's libraries read it."""
+    for key in localkv.DEFAULTED_ENV:
+        os.environ.pop(key, None)
 
 
 def peer_available() -> bool:

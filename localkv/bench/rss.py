@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from localkv.bench.peer import peer_env
+
 PROMPT = "Write a short story about a robot who learns to paint."
 N_GEN = 16
 SLACK = 150_000_000  # bytes: the interpreter, numpy, numba and the tokenizer
@@ -76,7 +78,7 @@ def localkv_peak(model: str, threads: int) -> Peak:
 
 
 def peer_peak(model: str, threads: int) -> Peak:
-    rss, text = child_peak([sys.executable, "-c", _PEER, model, str(threads), PROMPT, str(N_GEN)])
+    rss, text = child_peak([sys.executable, "-c", _PEER, model, str(threads), PROMPT, str(N_GEN)], peer_env())
     r = json.loads(text.strip().splitlines()[-1])
     return Peak("llama.cpp", rss, r["prompt_tokens"] + r["completion_tokens"])
 

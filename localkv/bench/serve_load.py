@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from localkv.bench.peer import peer_env
 from localkv.errors import LocalkvError
 
 
@@ -84,7 +85,7 @@ def llama_cpp_server(model: Path, threads: int, n_ctx: int) -> ServerProcess:
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx), "--verbose", "False"]
     cmd += ["--interrupt_requests", "False"]  # queue concurrent requests (its default cuts the running one off)
-    return ServerProcess(cmd, f"http://127.0.0.1:{port}", "/v1/models")
+    return ServerProcess(cmd, f"http://127.0.0.1:{port}", "/v1/models", env=peer_env())
 
 
 @dataclass(slots=True)
