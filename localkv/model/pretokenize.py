@@ -110,12 +110,13 @@ def bytelevel_bytes(piece: str, table: dict[str, int]) -> bytes:
 
 
 def _byte_of_char() -> np.ndarray:
-    """bytelevel_bytes as a lookup table over code points: the byte of each table char, ASCII
-    outside the table as itself (its UTF-8 byte), -1 for every other char."""
-    lut = np.full(512, -1, np.int16)  # the table's chars are below U+0144
-    lut[:128] = np.arange(128)
-    for c, b in byte_decoder().items():
-        lut[ord(c)] = b
+    """_LATIN1 and its latin-1 encoding as one lookup over code points (the table's chars are
+    below U+0144): the byte a char becomes, or -1 where bytelevel_bytes takes its exact path."""
+    lut = np.full(512, -1, np.int16)
+    for i in range(len(lut)):
+        c = _LATIN1.get(i, chr(i))
+        if ord(c) < 256:
+            lut[i] = ord(c)
     return lut
 
 
