@@ -138,22 +138,23 @@ def bytelevel_all(pieces: list[str]) -> list[bytes] | None:
     return [joined[a:b] for a, b in zip([0, *ends], ends)]
 
 
-def _with_byte_placeholders(tokens: list[str]) -> dict[str, int]:
-    """The BPE vocab, plus ids past its end for byte chars it lacks (SmolLM2 lacks 21).
+def _with_byte_placeholders(ids: dict[str, int], n: int) -> dict[str, int]:
+    """The BPE vocab (text -> id of n tokens), plus ids past its end for byte chars it lacks
+    (SmolLM2 lacks 21).
 
     llama.cpp keeps such a byte as a symbol that no merge can cross, then drops it;
     HF's BPE would drop it first and merge its neighbours. A placeholder keeps the
     barrier, and the caller filters the placeholder ids out.
     """
-    vocab = {t: i for i, t in enumerate(tokens)}
-    extra = [c for c in byte_decoder() if c not in vocab]
-    return vocab | {c: len(tokens) + i for i, c in enumerate(extra)}
+    extra = [c for c in byte_decoder() if c not in ids]
+    return ids | {c: n + i for i, c in enumerate(extra)}
 
 
-def bpe_model(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
-    """An HF BPE tokenizer that splits text the way llama.cpp's pre type `pre` does."""
+def bpe_model(ids: dict[str, int], n: int, merges: list[str], pre: str) -> HFTokenizer:
+    """An HF BPE tokenizer over a vocabulary of n tokens (text -> id) that splits text the way
+    llama.cpp's pre type `pre` does."""
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    bpe = models.BPE(_with_byte_placeholders(tokens), pairs, ignore_merges=pre in IGNORE_MERGES)
+    bpe = models.BPE(_with_byte_placeholders(ids, n), pairs, ignore_merges=pre in IGNORE_MERGES)
     hf = HFTokenizer(bpe)
     splits = [pre_tokenizers.Split(Regex(rx), "isolated") for rx in PRE_REGEXES[pre]]
     hf.pre_tokenizer = pre_tokenizers.Sequence(

@@ -102,17 +102,18 @@ class Tokenizer:
             scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
             encode_text = SpmEncoder(vocab.tokens, scores, vocab.unk_id).encode
         else:
-            hf = bpe_model(vocab.tokens, list(meta.get("tokenizer.ggml.merges") or []), pre)
+            hf = bpe_model(vocab.ids, n, list(meta.get("tokenizer.ggml.merges") or []), pre)
 
             def encode_text(text: str) -> list[int]:
                 # ids past the vocab are bpe_model's byte placeholders: llama.cpp drops those bytes
                 return [i for i in hf.encode(text, add_special_tokens=False).ids if i < n]
 
+        control, user_defined = vocab.of_kinds(CONTROL, USER_DEFINED)
         return cls(
             encode_text,
             vocab.piece_bytes(),
-            control=vocab.of_kind(CONTROL),
-            user_defined=vocab.of_kind(USER_DEFINED),
+            control=control,
+            user_defined=user_defined,
             bos_id=vocab.bos_id,
             eos_id=vocab.eos_id,
             add_bos=vocab.add_bos,
@@ -158,11 +159,12 @@ class Tokenizer:
         meta |= {"tokenizer.ggml.add_bos_token": bool(add_bos), "tokenizer.ggml.add_eos_token": False}
         meta |= {f"tokenizer.ggml.{k}_token_id": token_id(f"{k}_token") for k in ("bos", "eos")}
         vocab = vocab_from_gguf({k: v for k, v in meta.items() if v is not None}, False, "", default_ids=False)
+        control, user_defined = vocab.of_kinds(CONTROL, USER_DEFINED)
         return cls(
             lambda text: hf.encode(text, add_special_tokens=False).ids,
             vocab.piece_bytes(),
-            control=vocab.of_kind(CONTROL),
-            user_defined=vocab.of_kind(USER_DEFINED),
+            control=control,
+            user_defined=user_defined,
             bos_id=vocab.bos_id,
             eos_id=vocab.eos_id,
             add_bos=vocab.add_bos,

@@ -56,9 +56,15 @@ class Vocab:
     add_space_prefix: bool
     stop_ids: set[int] = field(default_factory=set)
     rstrip: frozenset[int] = frozenset()  # specials that eat the whitespace after them (Phi-3)
+    ids: dict[str, int] = field(default_factory=dict)  # text -> id (the last of equal texts)
 
-    def of_kind(self, kind: int) -> dict[str, int]:
-        return {t: i for i, (t, k) in enumerate(zip(self.tokens, self.kinds)) if k == kind}
+    def of_kinds(self, *kinds: int) -> list[dict[str, int]]:
+        """For each of these kinds, its tokens' text -> id (one pass over the vocabulary)."""
+        out: dict[int, dict[str, int]] = {k: {} for k in kinds}
+        for i, k in enumerate(self.kinds):
+            if k in out:
+                out[k][self.tokens[i]] = i
+        return [out[k] for k in kinds]
 
     def piece_bytes(self) -> list[bytes]:
         """Each token's text as llama.cpp's token_to_piece renders it (specials verbatim)."""
@@ -107,6 +113,7 @@ def vocab_from_gguf(meta: dict, spm: bool, pre: str, default_ids: bool = True) -
     add_eos = bool(get("tokenizer.ggml.add_eos_token", False))
     add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", spm))
     vocab = Vocab(spm, tokens, kinds, bos, eos, unk, add_bos, add_eos, add_space_prefix)
+    vocab.ids = dict(zip(tokens, range(n)))
     _mark_end_of_generation(vocab, meta)
     name = str(get("general.name") or "").lower()
     if "phi-3" in name or "phi3" in name:  # llama.cpp's Phi-3 rule: specials strip the whitespace after them
@@ -118,8 +125,7 @@ def vocab_from_gguf(meta: dict, spm: bool, pre: str, default_ids: bool = True) -
 
 def _mark_end_of_generation(vocab: Vocab, meta: dict) -> None:
     """llama.cpp's special_eog_ids, and the token types it overrides on the way."""
-    ids = {t: i for i, t in enumerate(vocab.tokens)}
-    kinds, n = vocab.kinds, len(vocab.tokens)
+    ids, kinds, n = vocab.ids, vocab.kinds, len(vocab.tokens)
     found: dict[str, int] = {}
     for key, texts in _BY_TEXT.items():
         tid = _token_id(meta, key, n)
