@@ -389,8 +389,9 @@ def test_a_run_compiles_nothing_after_the_start(tiny):
 
 def test_cached_kernels_load_without_numbas_compiler_tables(kernels):
     """A start loads its kernels from numba's cache without importing numba's typing and
-    lowering tables (numpy's linalg, random, polynomial...); a kernel that compiles inside the
-    same block still finds them, and afterwards numba's own cache loader is back.
+    lowering tables (numpy's linalg, random, polynomial...) or sending its LLVM-lock events; a
+    kernel that compiles inside the same block still finds the tables, and afterwards numba's
+    own cache loader and events are back.
     In a fresh process (this one has compiled); the kernels are cached by the fixture."""
     code = """if True:
         import json, sys
@@ -403,15 +404,19 @@ def test_cached_kernels_load_without_numbas_compiler_tables(kernels):
         assert cpu_kernels.load() and quant.load(["Q4_1", "Q8_0"])
         tables = ("numba.np.linalg", "numba.np.random.generator_methods", "numba.np.polynomial.polynomial_functions")
         loaded = [m for m in tables if m in sys.modules]
+        from llvmlite.binding import ffi
+
         with tables_deferred():
             compiled = njit(lambda a: np.cos(a).sum())(np.zeros(3))  # lowering np.cos needs the tables
-        print(json.dumps([loaded, float(compiled), Cache.load_overload.__module__]))
+            events = len(ffi.lib._lock._cblist)  # numba's llvm_lock events are off meanwhile
+        events = [events, len(ffi.lib._lock._cblist)]
+        print(json.dumps([loaded, float(compiled), Cache.load_overload.__module__, events]))
     """
     quant.load(["Q4_1", "Q8_0"])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    loaded, compiled, loader = json.loads(out.stdout.strip().splitlines()[-1])
-    assert loaded == [] and compiled == 3.0 and loader == "numba.core.caching"
+    loaded, compiled, loader, events = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == [] and compiled == 3.0 and loader == "numba.core.caching" and events == [0, 1]
 
 
 def test_idle_workers_spin_briefly_unless_the_user_says_otherwise():

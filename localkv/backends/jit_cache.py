@@ -11,6 +11,10 @@ is unaffected: the compiler refreshes the target itself, as it always does.
 The one thing a cached kernel could link that the tables provide is Python's hash secret (used
 by jitted dicts, sets and string hashing); the kernels here use none of those, and each load is
 followed by the kernel's self-check against numpy.
+
+Within the same block numba's "llvm_lock" events are not sent: numba wraps each of the thousands
+of LLVM calls a load makes in two of them (for its compile-time statistics, which a load from
+the cache does not record), a third of each call's cost.
 """
 
 import contextlib
@@ -24,6 +28,7 @@ def tables_deferred():
     """Within this block, kernels found in numba's cache load without the refresh. Process-wide
     (numba's cache is); a numba without the methods this replaces loads as it always does."""
     try:
+        from llvmlite.binding import ffi
         from numba.core.caching import Cache
         from numba.core.runtime import rtsys
     except ImportError:
@@ -42,7 +47,21 @@ def tables_deferred():
     with _lock:
         full = Cache.__dict__["load_overload"]
         Cache.load_overload = load_overload
+        events = _llvm_lock_events()
         try:
             yield
         finally:
             Cache.load_overload = full
+            for callbacks in events:
+                ffi.register_lock_callback(*callbacks)
+
+
+def _llvm_lock_events() -> list:
+    """Take the callbacks off llvmlite's lock (numba's events) and return them, to register
+    again; none when this llvmlite keeps them elsewhere."""
+    from llvmlite.binding import ffi
+
+    taken = list(getattr(getattr(ffi.lib, "_lock", None), "_cblist", ()))
+    for callbacks in taken:
+        ffi.unregister_lock_callback(*callbacks)
+    return taken
