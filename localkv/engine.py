@@ -26,6 +26,7 @@ class Engine:
     """One model, one block pool and the steps that run sequences through them. Not thread-safe:
     one thread drives an engine at a time."""
 
+    @vm.gc_paused()
     def __init__(self, config: EngineConfig | None = None, progress: bool = False):
         self.config = cfg = (config or EngineConfig()).validate()  # bad values fail before loading
         if cfg.threads is not None:

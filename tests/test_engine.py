@@ -317,3 +317,23 @@ def test_disk_cache_entries_of_another_kv_dtype_are_misses(gguf_path):
     assert cached("f32") == 0
     assert cached("f16") == 0  # the f32 entries are never read into an f16 pool
     assert cached("f32") == cached("f16") >= len(prompt) - 16  # each reads its own (the last token is run)
+
+
+def test_a_start_runs_with_the_cyclic_collector_paused(gguf_path, monkeypatch):
+    """Loading the model and the kernels allocates objects that live for good: the collector
+    is off meanwhile, and as it was afterwards (on, or off where the caller turned it off)."""
+    import gc
+
+    import localkv.engine as engine_module
+
+    seen = []
+    load = engine_module.load_model
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: seen.append(gc.isenabled()) or load(*a, **k))
+    Engine(EngineConfig(model=str(gguf_path)))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        Engine(EngineConfig(model=str(gguf_path)))
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()

@@ -1,8 +1,10 @@
 """This process's memory: advice to the kernel (Linux madvise; best effort: elsewhere, or on a
-kernel without the advice, each call does nothing and says so), and large buffers reused
-rather than mapped afresh."""
+kernel without the advice, each call does nothing and says so), large buffers reused rather
+than mapped afresh, and Python's cyclic collector paused while a start allocates."""
 
+import contextlib
 import ctypes
+import gc
 import mmap
 import sys
 import threading
@@ -88,3 +90,19 @@ def reused_empty(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
     kept.insert(0, buf)
     del kept[KEPT:]
     return buf.view(dtype).reshape(shape)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off within the block (or as a decorator), as it was
+    after. An engine start allocates hundreds of thousands of objects that live as long as the
+    process (numba's kernels, the tokenizer's tables), and each collection the allocations
+    trigger walks all of them again: a tenth of a start. Reference counting still frees what
+    the block drops; a cycle it leaves waits for the next collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
