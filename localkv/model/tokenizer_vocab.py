@@ -68,21 +68,22 @@ class Vocab:
 
     def piece_bytes(self) -> list[bytes]:
         """Each token's text as llama.cpp's token_to_piece renders it (specials verbatim)."""
+        table = byte_decoder()  # built once: a few hundred microseconds a call
         out = None if self.spm else bytelevel_all(self.tokens)  # right for every NORMAL token
         if out is None:
-            return [self._piece(text, kind) for text, kind in zip(self.tokens, self.kinds)]
+            return [self._piece(text, kind, table) for text, kind in zip(self.tokens, self.kinds)]
         for i in [i for i, kind in enumerate(self.kinds) if kind != NORMAL]:
-            out[i] = self._piece(self.tokens[i], self.kinds[i])
+            out[i] = self._piece(self.tokens[i], self.kinds[i], table)
         return out
 
-    def _piece(self, text: str, kind: int) -> bytes:
+    def _piece(self, text: str, kind: int, table: dict[str, int]) -> bytes:
         if kind in (CONTROL, USER_DEFINED):
             return text.encode()
         if kind == BYTE:
             value = byte_piece_value(text)
             return b"" if value is None else bytes([value])
         if kind == NORMAL:
-            return spm_piece_bytes(text) if self.spm else bytelevel_bytes(text, byte_decoder())
+            return spm_piece_bytes(text) if self.spm else bytelevel_bytes(text, table)
         return b""  # unused and undefined tokens render as nothing
 
 
