@@ -67,7 +67,12 @@ def test_off_switch(monkeypatch):
     assert not ok and "LOCALKV_CPU_KERNELS=0" in why
 
 
-def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch):
+@pytest.mark.parametrize("amx", [False, True])
+def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch, amx):
+    """Decode passes run on the kernels with BLAS on one thread. Prefill passes give BLAS the
+    engine's threads when it multiplies them, and keep it on one when the AMX kernels do
+    (whether this CPU has AMX or not: only the thread settings are read)."""
+    import numba
     from threadpoolctl import threadpool_info
 
     from localkv.backends import cpu_threads
@@ -78,10 +83,12 @@ def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch):
         return {i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"}
 
     ops = Engine(EngineConfig(model=tiny, threads=2)).ops
+    monkeypatch.setattr(ops, "prefill_amx", amx)
     ops.begin_forward(1)
     assert blas_threads() == {1}
-    ops.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill: BLAS gets the engine's threads
-    assert blas_threads() == {2}
+    ops.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill
+    assert blas_threads() == ({1} if amx else {2})
+    assert numba.get_num_threads() == (min(2, numba_threads()) if amx else 1)
 
 
 @pytest.mark.skipif(numba_threads() < 2, reason="needs numba to have two threads")
@@ -96,6 +103,7 @@ def test_a_prefill_pass_gives_a_large_causal_attention_every_thread(tiny, kernel
     seen = []
     monkeypatch.setattr(cpu_kernels._state["impl"], "paged_causal", lambda *a: seen.append(numba.get_num_threads()))
     ops = Engine(EngineConfig(model=tiny, threads=2)).ops
+    monkeypatch.setattr(ops, "prefill_amx", False)  # BLAS multiplies the pass
     ops.begin_forward(ops_numpy.KERNEL_ROWS + 1)
     kv = np.zeros((32, 16, 4, 64), np.float16)  # 512 tokens of 4 kv heads
     shapes = ((16, 512), (4, 32), (16, 512))  # 2^27 multiply-adds, 2^17, 2^27
@@ -343,7 +351,8 @@ def test_heads_not_a_multiple_of_8_take_numpy(kernels, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_a_run_compiles_nothing_after_the_start(tiny):
+@pytest.mark.parametrize("quant_type", ["F32", "Q4_1"])  # BLAS's prefill, and the block kernels' (AMX's where it runs)
+def test_a_run_compiles_nothing_after_the_start(tmp_path, quant_type):
     """Engine() loads every build a run's kernels need (the array kinds the model passes, an f16
     pool), then drops numba's compiler from resident memory: a prompt, its decode steps and 4 forked branches
     compile or load nothing more, and LLVM's code stays out of the process's resident memory
@@ -377,7 +386,8 @@ def test_a_run_compiles_nothing_after_the_start(tiny):
         Generation(e, list(range(3, 60)), p, n=4).run()
         print(json.dumps([e.cpu_kernels, start, builds(), llvm_resident_kb()]))
     """
-    out = subprocess.run([sys.executable, "-c", code, str(tiny)], capture_output=True, text=True)
+    model = write_gguf(tmp_path / "tiny.gguf", quant=quant_type, ctx=256)
+    out = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     on, start, after, llvm_kb = json.loads(out.stdout.strip().splitlines()[-1])
     assert on and start

@@ -142,8 +142,15 @@ def test_dequantize_rows_and_get_rows_are_exact(kernels, qtype):
     assert kernels.get_rows(w, []).shape == (0, w.cols)
 
 
+@pytest.fixture
+def blas(monkeypatch):
+    """matmul_many on dequantized tiles and BLAS, also on a CPU with AMX (tests/test_quant_amx.py
+    has the AMX path)."""
+    monkeypatch.setattr(quant, "on_amx", lambda qtype: False)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q3_K", "Q6_K", "F16", "BF16"])
-def test_matmul_many_in_tiles_matches_blas(kernels, qtype, monkeypatch):
+def test_matmul_many_in_tiles_matches_blas(kernels, blas, qtype, monkeypatch):
     monkeypatch.setattr(quant._numpy, "TILE_VALUES", 16 * cols_for(qtype))  # 16-row tiles: 37 rows = 3 tiles
     w = random_weight(qtype, ROWS, cols_for(qtype), seed=5)
     x = np.random.default_rng(5).standard_normal((41, w.cols), dtype=np.float32)
@@ -156,7 +163,7 @@ def test_matmul_many_in_tiles_matches_blas(kernels, qtype, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-def test_prefill_and_decode_agree(kernels):
+def test_prefill_and_decode_agree(kernels, blas):
     w = random_weight("Q4_K", ROWS, 512, seed=9)
     x = np.random.default_rng(9).standard_normal((4, 512), dtype=np.float32)
     np.testing.assert_allclose(kernels.matmul_few(x, w), kernels.matmul_many(rounded(x, "Q4_K").astype(np.float32), w),
@@ -170,7 +177,7 @@ def test_more_than_8_rows_go_to_matmul_many(kernels):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q2_K", "Q5_K", "F16"])
-def test_numpy_path_gives_the_same_results(kernels, qtype, monkeypatch):
+def test_numpy_path_gives_the_same_results(kernels, blas, qtype, monkeypatch):
     """What LOCALKV_CPU_KERNELS=0 or a missing numba runs: gguf's dequantizer and BLAS."""
     w = random_weight(qtype, ROWS, cols_for(qtype), seed=6)
     rng = np.random.default_rng(6)

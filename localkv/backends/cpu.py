@@ -64,9 +64,9 @@ def linear(x: np.ndarray, w, kind: str) -> np.ndarray:
     its weights side by side); kind names it (wqkv, wo, w_gate_up, w_down, output).
     Up to KERNEL_ROWS rows the kernels read the blocks (quant.matmul_few, quant.MAX_FEW rows a
     call; its numpy path when they are off); more rows go to quant.matmul_many: tiles
-    dequantized into a scratch of this thread's, then BLAS. Its result is the transpose of a
-    C-ordered [out, T] array: gate and up are then each one contiguous block for SwiGLU, and
-    the down projection reads its transpose as a plain matrix."""
+    dequantized into a scratch of this thread's, then BLAS (with AMX: its tile kernels). Its
+    result is the transpose of a C-ordered [out, T] array: gate and up are then each one
+    contiguous block for SwiGLU, and the down projection reads its transpose as a plain matrix."""
     rows = len(x)
     if rows <= quant.MAX_FEW:
         return quant.matmul_few(x, w)
@@ -83,8 +83,9 @@ def linear(x: np.ndarray, w, kind: str) -> np.ndarray:
 
 _local = threading.local()  # per thread: the scratch of matmul_many's dequantized tiles
 # Passes of up to this many rows run their matmuls on the kernels, MAX_FEW rows at a time: below
-# it, dequantizing every weight for BLAS costs more than reading the blocks again per 8 rows
-# (the crossover measured between 24 and 48 rows on SmolLM2-135M and llama-3.2-1b).
+# it, dequantizing every weight for BLAS (or AMX) costs more than reading the blocks again per
+# 8 rows (the crossover measured between 24 and 48 rows on SmolLM2-135M and llama-3.2-1b, with
+# either).
 KERNEL_ROWS = 32
 
 
@@ -331,6 +332,7 @@ class CpuBackend:
         self.threads = threads
         self._cores = CoreShare(threads)
         self._blas = None  # threadpoolctl controllers of the BLAS libraries, found on first use
+        self.prefill_amx = False  # the weights' prefill matmuls run on the AMX kernels (prepare_weights)
         self._progress = False
 
     def start(self, progress: bool) -> None:
@@ -339,7 +341,9 @@ class CpuBackend:
 
     def prepare_weights(self, weights: dict) -> dict:
         """The weights as they are (views of the file); loads the kernels of their types only."""
-        quant.load(quant.weight_types(weights.values()), progress=self._progress)
+        types = quant.weight_types(weights.values())
+        quant.load(types, progress=self._progress)
+        self.prefill_amx = any(quant.on_amx(t) for t in types)
         cpu_kernels.release_compiler()  # every kernel a forward pass runs has loaded by now
         return weights
 
@@ -351,7 +355,10 @@ class CpuBackend:
         if not cpu_kernels.active():
             return  # BLAS keeps the engine's threads throughout
         threads = self._cores.threads()  # the engine's, less the cores other processes keep busy
-        if rows > KERNEL_ROWS:  # BLAS's pass: a kernel in it (prefill's causal attention, decode
+        if rows > KERNEL_ROWS and self.prefill_amx:  # the AMX kernels are numba's too
+            cpu_kernels.set_threads(threads)
+            want = 1
+        elif rows > KERNEL_ROWS:  # BLAS's pass: a kernel in it (prefill's causal attention, decode
             # attention of the requests that share the step with prompt chunks) runs on this
             # thread alone, not against BLAS's (both on all threads measured slower), except a
             # causal attention large enough to pay for the workers' spin (PARALLEL_CAUSAL)

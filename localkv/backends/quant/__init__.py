@@ -5,7 +5,9 @@ into the mapped file). Four operations cover a Llama forward pass:
 - matmul_few(x, w): x @ W.T for 1-8 activation rows (decode steps, forks), numba kernels that
   read the blocks directly, on all the kernels' threads (`_kernels`, `_float`);
 - matmul_many(x, w): the same for many rows (prefill): tiles of W dequantized into a reused
-  float32 scratch, each multiplied by BLAS;
+  float32 scratch, each multiplied by BLAS; or, for block types on a CPU with AMX, bf16 tile
+  kernels that decode the blocks themselves (`_amx`, on all the kernels' threads; why_no_amx()
+  says whether);
 - dequantize_rows / get_rows: rows as float32 (embedding lookups, tests).
 
 Thread rules (docs/ARCHITECTURE.md, cpu_kernels): matmul_few starts numba's OpenMP workers, so
@@ -37,7 +39,8 @@ from localkv.backends.vm import reused_empty
 from localkv.errors import first_line
 
 __all__ = ["SUPPORTED", "QStack", "QTensor", "active", "dequantize", "dequantize_rows", "from_gguf", "get_rows",
-           "load", "matmul_few", "matmul_many", "scratch", "weight_types", "why_not"]  # fmt: skip
+           "load", "matmul_few", "matmul_many", "on_amx", "scratch", "weight_types", "why_no_amx",
+           "why_not"]  # fmt: skip
 MAX_FEW = 8  # matmul_few's activation rows per kernel call; more go to matmul_many
 
 
@@ -46,6 +49,8 @@ MAX_FEW = 8  # matmul_few's activation rows per kernel call; more go to matmul_m
 _state: dict[str, str | None] = {}  # qtype -> None (kernels ready) or why they are not
 _lock = threading.Lock()
 _entry = None  # the module of kernel entry points (_compiled), once a type has loaded
+_amx_kernels = None  # the module _amx, once loaded and checked
+_amx_state: dict[str, str | None] = {}  # "" (the kernels) or a block type -> None (ready) or why not
 
 
 def load(types: Iterable[str] = SUPPORTED, progress: bool = False) -> bool:
@@ -68,9 +73,10 @@ def load(types: Iterable[str] = SUPPORTED, progress: bool = False) -> bool:
         with tables_deferred():
             for t in todo:
                 _state[t] = _load_type(t)
-        if any(_state[t] is None for t in todo):
-            global _entry
-            _entry = importlib.import_module("localkv.backends.quant._compiled")
+            if any(_state[t] is None for t in todo):
+                global _entry
+                _entry = importlib.import_module("localkv.backends.quant._compiled")
+                _load_amx([t for t in todo if _state[t] is None])
         took = time.perf_counter() - t0
         if progress and todo and took > 1.0:
             print(f"compiled the quantized-weight kernels in {took:.1f}s (cached for later runs)", file=sys.stderr)
@@ -94,6 +100,37 @@ def _load_type(qtype: str) -> str | None:
         return None if entry.check(qtype) else f"{qtype} kernel self-check failed"
     except Exception as e:  # a numba/llvm mismatch, an unwritable cache...
         return f"{qtype} kernels unavailable ({type(e).__name__}: {first_line(e)})"
+
+
+def why_no_amx() -> str | None:
+    """None when matmul_many multiplies on AMX tiles in this process (the CPU and Linux allow
+    it, and the kernels of some type loaded and passed their check), else why not."""
+    if any(why is None for t, why in _amx_state.items() if t):
+        return None
+    return _amx_state.get("", "not loaded") or "no block type's AMX kernel loaded"
+
+
+def on_amx(qtype: str) -> bool:
+    """matmul_many multiplies weights of this type on AMX tiles (block types only: _amx says why)."""
+    return _amx_state.get(qtype, "") is None
+
+
+def _load_amx(types: list[str]):
+    """The AMX kernels, once per process, then the one that decodes each of these block types
+    (called under _lock, with numba's tables deferred)."""
+    global _amx_kernels
+    try:
+        if "" not in _amx_state:
+            amx = importlib.import_module("localkv.backends.quant._amx")
+            _amx_state[""] = amx.enable()
+            _amx_kernels = amx if _amx_state[""] is None else None
+        for t in types:
+            if _amx_kernels is not None and t in BLOCK_TYPES:
+                _amx_state[t] = None if _amx_kernels.check(t) else f"{t} AMX kernel self-check failed"
+    except Exception as e:  # a numba or LLVM without these intrinsics
+        why = f"AMX kernels unavailable ({type(e).__name__}: {first_line(e)})"
+        for key in ("", *types):
+            _amx_state.setdefault(key, why)
 
 
 def _drop_stale_cache():
@@ -157,13 +194,17 @@ def matmul_many(x: np.ndarray, w: "QTensor | QStack", scratch: np.ndarray | None
     if not (x.flags.c_contiguous or x.flags.f_contiguous):  # BLAS takes either order as it is
         x = np.ascontiguousarray(x)
     out_t = reused_empty((w.rows, len(x)))  # a fresh 32 MiB mmap halves BLAS's speed
-    r, rounded = 0, {}
+    r, rounded, packs = 0, {}, {}
     for t in w.tensors if isinstance(w, QStack) else (w,):
-        xa = x
+        xa, group = x, 0
         if t.qtype in BLOCK_TYPES:  # the activations matmul_few multiplies: both paths, one function
             group = _numpy.activation_group(t.qtype)
             xa = rounded[group] = rounded[group] if group in rounded else _rounded(x, t.qtype)
-        _numpy.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, scratch, _dequant(t), out_t[r : r + t.rows])
+        if on_amx(t.qtype):
+            packs[group] = packs[group] if group in packs else _amx_kernels.packed(xa)
+            _amx_kernels.multiply(t.qtype, t.data, t.cols, packs[group], out_t[r : r + t.rows])
+        else:
+            _numpy.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, scratch, _dequant(t), out_t[r : r + t.rows])
         r += t.rows
     return out_t.T
 
