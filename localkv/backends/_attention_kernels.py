@@ -208,10 +208,13 @@ def paged_prefix(qt, k, v, table, n, out, mx, sm):
 
 
 QT = 32  # query tokens per tile of the causal kernel (times the group: a multiple of 8 rows)
+# ... and for a pass of at most QT tokens (a turn after a cached prompt, a short chunk): one
+# tile of 32 would leave one job per kv head for the threads, most of its rows padding
+QT_SHORT = 8
 
 
 @njit(**_OPTS)
-def paged_causal(qt, k, v, table, past, T, out):
+def paged_causal(qt, k, v, table, past, T, QT, out):
     """Causal attention of a pass's T query tokens (token i at position past + i) over the
     first past + T tokens of one block table: qt [kvh, tiles, hd, QT * g] holds tile c's
     QT tokens x g query heads of kv head h (rows ordered (token, head), transposed, scaled);

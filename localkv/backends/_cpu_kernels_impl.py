@@ -5,7 +5,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload, register_jitable
 
-from localkv.backends._attention_kernels import QT, exp, paged_causal, paged_prefix, vload  # noqa: F401 (for cpu_kernels)
+from localkv.backends._attention_kernels import QT, QT_SHORT, exp, paged_causal, paged_prefix, vload  # noqa: F401 (for cpu_kernels)
 from localkv.backends.quant._simd_f32 import fadd, fload, fma, fsplat, fsplat_at, fstore, hsum
 
 _OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)

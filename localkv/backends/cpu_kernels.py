@@ -175,7 +175,7 @@ def _check_paged_attention(impl) -> bool:
     impl.paged_tails(np.ones((2, 1, 3, 8), np.float32), k, k, _table(table[None]), _table([2]), tout, tmx, tsm)
     ok = ok and bool((tmx == 8.0).all() and (tsm == 2.0).all() and (tout == 2.0).all())
     cout = np.empty((2, 1, impl.QT, 8), np.float32)  # the causal kernel, one tile of one head each
-    impl.paged_causal(np.ones((2, 1, 8, impl.QT), np.float32), k, k, table, 0, 3, cout)
+    impl.paged_causal(np.ones((2, 1, 8, impl.QT), np.float32), k, k, table, 0, 3, impl.QT, cout)
     return ok and bool((cout[:, :, :3] == 1.0).all())
 
 
@@ -299,7 +299,7 @@ def causal_attention(
     T, H, hd = q.shape
     kvh = k_layer.shape[2]
     impl = _state["impl"]
-    g, QT = H // kvh, impl.QT  # query tokens per tile
+    g, QT = H // kvh, impl.QT if T > impl.QT else impl.QT_SHORT  # query tokens per tile
     tiles, full = -(-T // QT), T // QT
     # [kvh, tiles, hd, QT * g]: a tile's rows ordered (token, head), transposed, scaled; one
     # strided pass over q (a zero-padded copy only for a last tile that is not full)
@@ -313,7 +313,7 @@ def causal_attention(
     qt = qt.reshape(kvh, tiles, hd, QT * g)
     out = np.empty((kvh, tiles, QT * g, hd), np.float32)
     with _large_kernel(T * (n_ctx - T // 2) * H * hd):  # the scores' multiply-adds, causal
-        impl.paged_causal(qt, _bits(k_layer), _bits(v_layer), _table(table), n_ctx - T, T, out)
+        impl.paged_causal(qt, _bits(k_layer), _bits(v_layer), _table(table), n_ctx - T, T, QT, out)
     return out.reshape(kvh, tiles * QT, g, hd).transpose(1, 0, 2, 3).reshape(tiles * QT, H, hd)[:T]
 
 
