@@ -1,10 +1,11 @@
 """Prefill matmuls on AMX tiles (localkv.backends.quant._amx): the activation layout the tiles
 read, each product against float64 within the bf16 bound (2^-8 of the sum of |terms|: both
-factors rounded to bf16), every block type decoded inside the kernel to the bit of the float
-kernel, the path matmul_many takes, and the switch. Tests that run tile instructions skip on a
-CPU without AMX-BF16; the layout and the switches are checked everywhere."""
+factors rounded to bf16), every block type decoded inside the kernel against gguf's
+dequantizer, the path matmul_many takes, and the switch. Tests that run tile instructions skip
+on a CPU without AMX-BF16; the layout and the switches are checked everywhere."""
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -59,6 +60,7 @@ def test_bf16_rounding_is_to_nearest_even(kernels):
     np.testing.assert_array_equal(got, [0x3F80, 0x3F82, 0x3F80, 0xBF82])  # ties down, up; below half; negative
 
 
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="AMX is x86-64 Linux's")
 def test_switch_and_cpu_without_amx(kernels, monkeypatch):
     from localkv.backends.quant import _amx
 

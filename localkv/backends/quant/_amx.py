@@ -22,8 +22,8 @@ A holds weight rows (out features) and B the activations, so C is a block of the
 result out_t [out, tokens] that matmul_many returns. The activations are packed once per call
 (`pack`: per 16 tokens and 32 inputs, a 1 KiB tile: pair r of token j at 32r + 2j); a work
 item decodes NC weight rows and rounds them into a buffer where each tile of 16 rows x 32
-inputs is 1 KiB too (`_round_row`), then runs 2 x 2 output tiles at a time through all inputs. Tiles 0-3 hold the
-sums, 4-5 the weights, 6-7 the activations.
+inputs is 1 KiB too (`_round_row`), then runs 2 x 2 output tiles at a time through all inputs.
+Tiles 0-3 hold the sums, 4-5 the weights, 6-7 the activations.
 """
 
 import ctypes

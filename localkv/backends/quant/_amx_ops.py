@@ -108,14 +108,3 @@ def float_bits(typingctx, x):
         return builder.bitcast(v, _I32)
 
     return types.uint32(x), codegen
-
-
-@intrinsic
-def bits_float(typingctx, u):
-    """The float32 whose bits are the low 32 of u."""
-
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        return builder.bitcast(builder.trunc(v, _I32) if v.type.width > 32 else v, _F32)
-
-    return types.float32(u), codegen
