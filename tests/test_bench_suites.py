@@ -9,6 +9,7 @@ import pytest
 from test_bench import LLAMA_BENCH_KEYS
 
 import localkv.bench
+from localkv.backends import quant
 from localkv.bench import cache, evict, fork, memory_suite, speed
 from localkv.bench import plot as bp
 from localkv.bench import report as br
@@ -101,9 +102,17 @@ def test_evict_quick_with_long(tiny):
 def test_speed_quick(tiny):
     rep = speed.run(_opts(tiny))
     _check_report(rep, "speed")
+    assert {r["backend"] for r in rep.rows} == {"CPU"}  # float32 weights: prefill on BLAS everywhere
     assert [r["test"] for r in rep.rows] == ["pp64", "tg16"] and all(r["avg_ts"] > 0 for r in rep.rows)
     assert all(r.keys() >= LLAMA_BENCH_KEYS for r in json.loads(br.format_json([rep], single=True))["rows"])
     assert "| pp64 |" in br.format_md(rep).replace("  ", "")
+
+
+def test_speed_names_amx_where_prefill_ran_on_it(tmp_path):
+    rep = speed.run(_opts(write_gguf(tmp_path / "q.gguf", quant="Q4_1", ctx=512)))
+    amx = quant.on_amx("Q4_1")  # Q4_1 weights: prefill on AMX where the CPU has it
+    assert {r["backend"] for r in rep.rows} == {"CPU AMX" if amx else "CPU"}
+    assert ("| CPU AMX |" in br.format_md(rep).replace("  ", "")) == amx
 
 
 def test_cli_all_quick_json(tiny, capsys, monkeypatch):

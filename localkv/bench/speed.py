@@ -142,6 +142,11 @@ def speed_rows(
     return rows
 
 
+def _backend(engine: Engine) -> str:
+    """llama-bench's backend column for our rows: the device, and AMX where prefill ran on it."""
+    return engine.ops.name + (" AMX" if getattr(engine.ops, "prefill_amx", False) else "")
+
+
 def _row(engine: Engine, t: Test, name: str, secs: list[float]) -> dict:
     cfg = engine.cfg
     ts = [(t.n_prompt + t.n_gen) / s for s in secs]
@@ -153,7 +158,7 @@ def _row(engine: Engine, t: Test, name: str, secs: list[float]) -> dict:
         "model_type": f"llama {_short_params(cfg.n_params)} {cfg.quant}",
         "model_size": cfg.file_size,
         "model_n_params": cfg.n_params,
-        "backend": "CPU",
+        "backend": _backend(engine) if name == "localkv" else "CPU",
         "n_threads": engine.threads,
         "test": t.name,
         "n_prompt": t.n_prompt,
