@@ -309,7 +309,7 @@ def test_paged_tails_match_numpy(kernels, dtype):
 
 
 CAUSAL_CASES = [(37, 0, 3, 64), (100, 250, 4, 64), (1, 40, 3, 64), (70, 5, 1, 128), (512, 0, 3, 64)]
-CAUSAL_CASES += [(18, 2000, 3, 64), (9, 30, 4, 64), (32, 7, 3, 64)]  # short passes: tiles of QT_SHORT
+CAUSAL_CASES += [(18, 2000, 3, 64), (9, 30, 4, 64), (32, 7, 3, 64)]  # short: two parts after 256+, else tiles of 8
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

@@ -12,7 +12,7 @@ import numpy as np
 
 import localkv.backends.cpu_kernels as cpu_kernels
 import localkv.backends.quant as quant
-from localkv.backends.cpu_attention import f32, frozen_table, gather_kv, paged_attention, row_sums
+from localkv.backends.cpu_attention import f32, frozen_table, gather_kv, merge, paged_attention, partial
 from localkv.backends.cpu_threads import CoreShare
 
 act_dtype = np.float32  # activations
@@ -160,16 +160,6 @@ def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.
     v_layer.reshape(nb * bs, *v_layer.shape[2:])[slots] = v
 
 
-def _partial(q, k, v):
-    """Unnormalised attention of q [..., R, hd] (already scaled) over k/v [..., n, hd] (leading
-    dims batch, e.g. kv heads): (out, row max, row sum)."""
-    s = np.matmul(q, np.swapaxes(k, -1, -2))
-    m = s.max(axis=-1, keepdims=True)
-    s -= m
-    np.exp(s, out=s)
-    return np.matmul(s, v), m, row_sums(s)
-
-
 def shared_prefix_decode(
     q: np.ndarray,
     k_layer: np.ndarray,
@@ -195,16 +185,16 @@ def shared_prefix_decode(
         op, mp, lp = cpu_kernels.paged_partial(qg, k_layer, v_layer, prefix_table, n_prefix)
     else:
         kp, vp = gather_kv(k_layer, prefix_table, n_prefix), gather_kv(v_layer, prefix_table, n_prefix)
-        op, mp, lp = _partial(qg, kp, vp)  # rows: (sequence, group)
+        op, mp, lp = partial(qg, kp, vp)  # rows: (sequence, group)
     tail = _batched_tails(qg.reshape(kvh, B, g, hd), k_layer, v_layer, tails, kernels)
     if tail is not None:
-        out = _merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
+        out = merge((op.reshape(kvh, B, g, hd), mp.reshape(kvh, B, g, 1), lp.reshape(kvh, B, g, 1)), tail)
         return out.transpose(1, 0, 2, 3).reshape(B, H, hd)
     out = np.empty((B, kvh, g, hd), q.dtype)
     for b, (table, n) in enumerate(tails):
         rows = slice(b * g, (b + 1) * g)
-        tail = _partial(qg[:, rows], gather_kv(k_layer, table, n), gather_kv(v_layer, table, n))
-        out[b] = _merge((op[:, rows], mp[:, rows], lp[:, rows]), tail)
+        tail = partial(qg[:, rows], gather_kv(k_layer, table, n), gather_kv(v_layer, table, n))
+        out[b] = merge((op[:, rows], mp[:, rows], lp[:, rows]), tail)
     return out.reshape(B, H, hd)
 
 
@@ -222,7 +212,7 @@ def _batched_tails(q4: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tai
     n = tails[0][1]
     kt = f32(k_layer.transpose(2, 0, 1, 3)[:, stacked].reshape(kvh, B, -1, hd)[:, :, :n])  # [kvh, B, n, hd]
     vt = f32(v_layer.transpose(2, 0, 1, 3)[:, stacked].reshape(kvh, B, -1, hd)[:, :, :n])
-    return _partial(q4, kt, vt)
+    return partial(q4, kt, vt)
 
 
 class Tails(tuple):
@@ -250,14 +240,6 @@ def frozen_tails(tails) -> Tails:
 def _stack_tails(tails) -> np.ndarray | None:
     n, blocks = tails[0][1], len(tails[0][0])
     return np.stack([t[0] for t in tails]) if all(t[1] == n and len(t[0]) == blocks for t in tails) else None
-
-
-def _merge(first, second):
-    """Normalised attention from two _partial results over disjoint key sets."""
-    (o1, m1, l1), (o2, m2, l2) = first, second
-    m = np.maximum(m1, m2)
-    a, c = np.exp(m1 - m), np.exp(m2 - m)
-    return (o1 * a + o2 * c) / (l1 * a + l2 * c)
 
 
 def logits(h: np.ndarray, w_out) -> np.ndarray:

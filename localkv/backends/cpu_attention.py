@@ -82,6 +82,8 @@ def paged_attention(
     included: llama.cpp's sliding window); blocks wholly before every query's window are not read.
     Plain attention (none of those) runs in the tiled kernel when the kernels are on."""
     if mass is None and extra is None and not (softcap or window) and cpu_kernels.attends(q.shape[2]):
+        if len(q) <= SHORT_T and n_ctx - len(q) >= SHORT_PAST:
+            return _short_pass(q, k_layer, v_layer, block_table, n_ctx, scale)
         return cpu_kernels.causal_attention(q, k_layer, v_layer, block_table, n_ctx, scale)
     if window:
         block_table, n_ctx, mass, extra = _window_skip(
@@ -172,6 +174,51 @@ def _causal_mask(n: int) -> np.ndarray:
     m = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
     m.flags.writeable = False
     return m
+
+
+def partial(q, k, v, hidden=None):
+    """Unnormalised attention of q [..., R, hd] (already scaled) over k/v [..., n, hd] (leading
+    dims batch, e.g. kv heads): (out, row max, row sum). hidden [R, n]: True where a query must
+    not see a key."""
+    s = np.matmul(q, np.swapaxes(k, -1, -2))
+    if hidden is not None:
+        s[..., hidden] = -np.inf
+    m = s.max(axis=-1, keepdims=True)
+    s -= m
+    np.exp(s, out=s)
+    return np.matmul(s, v), m, row_sums(s)
+
+
+def merge(first, second):
+    """Normalised attention from two partial results over disjoint key sets (cascade attention)."""
+    (o1, m1, l1), (o2, m2, l2) = first, second
+    m = np.maximum(m1, m2)
+    a, c = np.exp(m1 - m), np.exp(m2 - m)
+    return (o1 * a + o2 * c) / (l1 * a + l2 * c)
+
+
+# A pass of at most this many tokens after at least SHORT_PAST attends in two parts (_short_pass)
+SHORT_T, SHORT_PAST = 32, 256
+
+
+def _short_pass(q: np.ndarray, k_layer, v_layer, table, n_ctx: int, scale: float) -> np.ndarray:
+    """Causal attention of a few new tokens after a long context (a turn after a cached
+    prompt): every query sees all the older keys, so those go through the kernels' shared-prefix
+    attention (cpu_kernels.paged_partial: each chunk of keys converted once for all of a kv
+    head's rows, the keys split over the threads), where the tiled causal kernel converts them
+    once per query tile and has a job per kv head and tile; the new tokens' own keys, causal
+    among themselves, in numpy; the two parts merged."""
+    T, H, hd = q.shape
+    nb, bs, kvh, _ = k_layer.shape
+    g, past = H // kvh, n_ctx - T
+    qg = (q.reshape(T, kvh, g, hd).transpose(1, 0, 2, 3) * np.float32(scale)).reshape(kvh, T * g, hd)
+    older = cpu_kernels.paged_partial(qg, k_layer, v_layer, table, past)
+    pos = np.arange(past, n_ctx)
+    slots = np.asarray(table)[pos // bs] * bs + pos % bs
+    k_new, v_new = (f32(a.reshape(nb * bs, kvh, hd)[slots]).transpose(1, 0, 2) for a in (k_layer, v_layer))
+    hidden = np.arange(T * g)[:, None] // g < np.arange(T)[None, :]  # row (token t, head) sees keys <= t
+    out = merge(older, partial(qg, k_new, v_new, hidden))
+    return out.reshape(kvh, T, g, hd).transpose(1, 0, 2, 3).reshape(T, H, hd)
 
 
 def row_sums(s: np.ndarray) -> np.ndarray:

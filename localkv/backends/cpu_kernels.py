@@ -299,8 +299,6 @@ def causal_attention(
     T, H, hd = q.shape
     kvh = k_layer.shape[2]
     impl = _state["impl"]
-    if T <= impl.QT and n_ctx - T >= CASCADE_PAST:
-        return _short_after_long(q, k_layer, v_layer, table, n_ctx, scale)
     g, QT = H // kvh, impl.QT if T > impl.QT else impl.QT_SHORT  # query tokens per tile
     tiles, full = -(-T // QT), T // QT
     # [kvh, tiles, hd, QT * g]: a tile's rows ordered (token, head), transposed, scaled; one
@@ -317,36 +315,6 @@ def causal_attention(
     with _large_kernel(T * (n_ctx - T // 2) * H * hd):  # the scores' multiply-adds, causal
         impl.paged_causal(qt, _bits(k_layer), _bits(v_layer), _table(table), n_ctx - T, T, QT, out)
     return out.reshape(kvh, tiles * QT, g, hd).transpose(1, 0, 2, 3).reshape(tiles * QT, H, hd)[:T]
-
-
-# A pass of at most QT tokens after at least this many attends in two parts (_short_after_long)
-CASCADE_PAST = 256
-
-
-def _short_after_long(q: np.ndarray, k_layer, v_layer, table: np.ndarray, n_ctx: int, scale: float):
-    """causal_attention of a few new tokens after a long context (a turn after a cached
-    prompt): every query sees all the older keys, so those go through paged_partial, which
-    converts each chunk of keys once for all the rows of its kv head and splits the keys over
-    the threads (the tiled causal kernel converts them once per tile and has a job per kv head
-    and tile: 3 to 9 jobs); the new tokens' own keys, causal among themselves, in numpy; the
-    two softmax parts merged by their row maxima."""
-    T, H, hd = q.shape
-    kvh, bs = k_layer.shape[2], k_layer.shape[1]
-    g, past = H // kvh, n_ctx - T
-    qg = (q.reshape(T, kvh, g, hd).transpose(1, 0, 2, 3) * np.float32(scale)).reshape(kvh, T * g, hd)
-    o_old, m_old, l_old = paged_partial(qg, k_layer, v_layer, table, past)
-    pos = np.arange(past, n_ctx)
-    slots = np.asarray(table)[pos // bs] * bs + pos % bs
-    k_new = k_layer.reshape(-1, kvh, hd)[slots].astype(np.float32).transpose(1, 2, 0)  # [kvh, hd, T]
-    v_new = v_layer.reshape(-1, kvh, hd)[slots].astype(np.float32).transpose(1, 0, 2)  # [kvh, T, hd]
-    s = qg @ k_new  # [kvh, T * g, T]: row (t, head) sees keys u <= t
-    s[:, np.arange(T * g)[:, None] // g < np.arange(T)[None, :]] = -np.inf
-    m_new = s.max(-1, keepdims=True)
-    e = np.exp(s - m_new)
-    m = np.maximum(m_old, m_new)
-    a, b = np.exp(m_old - m), np.exp(m_new - m)
-    out = (o_old * a + (e @ v_new) * b) / (l_old * a + e.sum(-1, keepdims=True) * b)
-    return out.reshape(kvh, T, g, hd).transpose(1, 0, 2, 3).reshape(T, H, hd)
 
 
 def paged_tails(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables: np.ndarray, lens: np.ndarray):
