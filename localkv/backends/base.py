@@ -17,6 +17,7 @@ class Backend(Protocol):
     kv_dtype: Any  # the KV pool
     shared_prefix: bool  # has shared_prefix_decode (forks score their common prefix once)
     batched_decode: bool  # has paged_decode (one launch for many single-token sequences)
+    prefill_amx: bool  # the model's prefill matmuls run on AMX tiles (set by prepare_weights)
     attention_options: frozenset  # what paged_attention takes beyond Llama's: "softcap", "window"
 
     def start(self, progress: bool) -> None:

@@ -206,6 +206,7 @@ class CudaBackend:
     kv_dtype = kv_dtype
     shared_prefix = False
     batched_decode = True
+    prefill_amx = False
     quant_weights = True  # computes on QTensor/QStack weights (cuda_quant)
     attention_options = frozenset()  # no soft-cap, no sliding window: Gemma is refused (model.llama.check_backend)
 

@@ -144,7 +144,7 @@ def speed_rows(
 
 def _backend(engine: Engine) -> str:
     """llama-bench's backend column for our rows: the device, and AMX where prefill ran on it."""
-    return engine.ops.name + (" AMX" if getattr(engine.ops, "prefill_amx", False) else "")
+    return engine.ops.name + (" AMX" if engine.ops.prefill_amx else "")
 
 
 def _row(engine: Engine, t: Test, name: str, secs: list[float]) -> dict:

@@ -56,7 +56,10 @@ class Vocab:
     add_space_prefix: bool
     stop_ids: set[int] = field(default_factory=set)
     rstrip: frozenset[int] = frozenset()  # specials that eat the whitespace after them (Phi-3)
-    ids: dict[str, int] = field(default_factory=dict)  # text -> id (the last of equal texts)
+    ids: dict[str, int] = field(init=False)  # text -> id (the last of equal texts)
+
+    def __post_init__(self):
+        self.ids = dict(zip(self.tokens, range(len(self.tokens))))
 
     def of_kinds(self, *kinds: int) -> list[dict[str, int]]:
         """For each of these kinds, its tokens' text -> id (one pass over the vocabulary)."""
@@ -114,7 +117,6 @@ def vocab_from_gguf(meta: dict, spm: bool, pre: str, default_ids: bool = True) -
     add_eos = bool(get("tokenizer.ggml.add_eos_token", False))
     add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", spm))
     vocab = Vocab(spm, tokens, kinds, bos, eos, unk, add_bos, add_eos, add_space_prefix)
-    vocab.ids = dict(zip(tokens, range(n)))
     _mark_end_of_generation(vocab, meta)
     name = str(get("general.name") or "").lower()
     if "phi-3" in name or "phi3" in name:  # llama.cpp's Phi-3 rule: specials strip the whitespace after them
