@@ -5,7 +5,7 @@ import os as _os
 # How long idle worker threads spin before they sleep, set before the libraries read it (a value
 # the user set is kept):
 # - OPENBLAS_THREAD_TIMEOUT: OpenBLAS's workers spin 2^28 cycles after each call. On a machine
-#   with few cores that spin steals a core from the decode kernels' OpenMP workers (cpu_kernels)
+#   with few cores that spin steals a core from the decode kernels' OpenMP workers (backends/cpu)
 #   right after a prefill, and a kernel start waits for a time slice; 2^20 keeps them warm
 #   between a prefill's matmuls and out of the way soon after. Read when numpy loads OpenBLAS,
 #   so it only takes effect when localkv is imported first (as the `localkv` command does).

@@ -9,7 +9,7 @@ import pytest
 from test_bench import LLAMA_BENCH_KEYS
 
 import localkv.bench
-from localkv.backends import quant
+from localkv.backends.cpu import quant
 from localkv.bench import cache, evict, fork, memory_suite, speed
 from localkv.bench import plot as bp
 from localkv.bench import report as br

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from localkv.backends import cpu as ops_numpy
-from localkv.backends import cpu_kernels, quant, vm
+from localkv.backends import vm
+from localkv.backends.cpu import build, quant
+from localkv.backends.cpu import compiled as cpu_kernels
 from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.generation import Generation
@@ -37,7 +39,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def kernels():
     # numba is a dependency: the kernels must load here, not skip
-    assert cpu_kernels.load(), cpu_kernels.why_not()
+    assert build.load(), build.why_not()
     return cpu_kernels
 
 
@@ -63,7 +65,7 @@ def test_paged_partial_matches_numpy(kernels, rows, n, dtype):
 
 def test_off_switch(monkeypatch):
     monkeypatch.setenv("LOCALKV_CPU_KERNELS", "0")
-    ok, why = cpu_kernels._load()
+    ok, why = build._load()
     assert not ok and "LOCALKV_CPU_KERNELS=0" in why
 
 
@@ -75,7 +77,7 @@ def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch, amx):
     import numba
     from threadpoolctl import threadpool_info
 
-    from localkv.backends import cpu_threads
+    from localkv.backends.cpu import threads as cpu_threads
 
     monkeypatch.setattr(cpu_threads, "INTERVAL", 1e9)  # the engine's 2 threads, whatever else runs here
 
@@ -97,11 +99,11 @@ def test_a_prefill_pass_gives_a_large_causal_attention_every_thread(tiny, kernel
     PARALLEL_CAUSAL multiply-adds or more, which takes the engine's threads and gives them back."""
     import numba
 
-    from localkv.backends import cpu_threads
+    from localkv.backends.cpu import threads as cpu_threads
 
     monkeypatch.setattr(cpu_threads, "INTERVAL", 1e9)  # the engine's 2 threads, whatever else runs here
     seen = []
-    monkeypatch.setattr(cpu_kernels._state["impl"], "paged_causal", lambda *a: seen.append(numba.get_num_threads()))
+    monkeypatch.setattr(build.state.attention, "paged_causal", lambda *a: seen.append(numba.get_num_threads()))
     ops = Engine(EngineConfig(model=tiny, threads=2)).ops
     monkeypatch.setattr(ops, "prefill_amx", False)  # BLAS multiplies the pass
     ops.begin_forward(ops_numpy.KERNEL_ROWS + 1)
@@ -139,9 +141,8 @@ def test_decode_same_with_and_without_kernels(tiny, kernels, monkeypatch):
         return solo.tokens, [b.tokens for b in res.branches], logits
 
     with_kernels = run()
-    monkeypatch.setitem(cpu_kernels._state, "ok", False)
-    for qtype in list(quant._state):
-        monkeypatch.setitem(quant._state, qtype, "off in this test")
+    monkeypatch.setattr(build.state, "ok", False)
+    monkeypatch.setattr(build.state, "types", dict.fromkeys(build.state.types, "off in this test"))
     assert not ops_numpy.uses_kernels(1) and not quant.active("F32")
     without = run()
     assert with_kernels[0] == without[0]
@@ -171,7 +172,7 @@ def test_prefill_attention_same_with_and_without_kernels(kernels, monkeypatch, t
         return out, mass
 
     on = run()
-    monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    monkeypatch.setattr(build.state, "ok", False)
     off = run()
     np.testing.assert_allclose(on[0], off[0], rtol=1e-5, atol=1e-5)
     if with_mass:
@@ -186,7 +187,7 @@ def test_rmsnorm_and_rope_match_numpy(kernels, monkeypatch, style, order):
     qkv = np.asarray(rng.standard_normal((37, 15 * 64), dtype=np.float32), order=order).reshape(37, 15, 64)
     cos, sin = ops_numpy.rope_tables(64, 37, 10000.0)
     got_norm, got_rope = ops_numpy.rmsnorm(x, w, 1e-5), ops_numpy.rope(qkv.copy(order="K")[:, :12], cos, sin, style)
-    monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    monkeypatch.setattr(build.state, "ok", False)
     np.testing.assert_allclose(got_norm, ops_numpy.rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_rope, ops_numpy.rope(qkv.copy()[:, :12], cos, sin, style), rtol=1e-5, atol=1e-5)
 
@@ -203,7 +204,7 @@ def test_silu_mul_matches_numpy(kernels, monkeypatch, order, rows, f):
         gu = np.asarray(gu, order=order)
     got = ops_numpy.silu_mul(gu)
     assert got.shape == (rows, f) and (order != "F" or rows == 1 or got.flags.f_contiguous)
-    monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    monkeypatch.setattr(build.state, "ok", False)
     with np.errstate(over="ignore"):  # numpy's exp(100) is inf, and g / inf the right 0
         want = ops_numpy.silu_mul(gu)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
@@ -263,7 +264,7 @@ def test_decode_attention_matches_paged_attention(kernels, monkeypatch, dtype, p
 
 
 def test_threads_leave_the_cores_other_processes_keep_busy():
-    from localkv.backends.cpu_threads import CoreShare
+    from localkv.backends.cpu.threads import CoreShare
 
     tick = os.sysconf("SC_CLK_TCK")
     clock, busy, own = [0.0], [0.0], [0.0]
@@ -324,7 +325,7 @@ def test_causal_kernel_matches_numpy(kernels, monkeypatch, dtype, T, past, g, hd
     table = rng.permutation(blocks + 4)[:blocks]
     q = rng.standard_normal((T, kvh * g, hd), dtype=np.float32)
     got = ops_numpy.paged_attention(q, k, v, table, n, 0.125)
-    monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    monkeypatch.setattr(build.state, "ok", False)
     np.testing.assert_allclose(got, ops_numpy.paged_attention(q, k, v, table, n, 0.125), rtol=1e-4, atol=1e-5)
 
 
@@ -347,7 +348,7 @@ def test_heads_not_a_multiple_of_8_take_numpy(kernels, monkeypatch):
         )
 
     on = run()
-    monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    monkeypatch.setattr(build.state, "ok", False)
     for got, want in zip(on, run()):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
@@ -409,10 +410,10 @@ def test_cached_kernels_load_without_numbas_compiler_tables(kernels):
         import numpy as np
         from numba import njit
         from numba.core.caching import Cache
-        from localkv.backends import cpu_kernels, quant
-        from localkv.backends.jit_cache import tables_deferred
+        from localkv.backends.cpu import build
+        from localkv.backends.cpu.jit_cache import tables_deferred
 
-        assert cpu_kernels.load() and quant.load(["Q4_1", "Q8_0"])
+        assert build.load(["Q4_1", "Q8_0"])
         tables = ("numba.np.linalg", "numba.np.random.generator_methods", "numba.np.polynomial.polynomial_functions")
         loaded = [m for m in tables if m in sys.modules]
         from llvmlite.binding import ffi
@@ -423,7 +424,7 @@ def test_cached_kernels_load_without_numbas_compiler_tables(kernels):
         events = [events, len(ffi.lib._lock._cblist)]
         print(json.dumps([loaded, float(compiled), Cache.load_overload.__module__, events]))
     """
-    quant.load(["Q4_1", "Q8_0"])
+    build.load(["Q4_1", "Q8_0"])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     loaded, compiled, loader, events = json.loads(out.stdout.strip().splitlines()[-1])

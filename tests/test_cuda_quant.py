@@ -14,7 +14,7 @@ from cuda_emu import LAUNCHED
 from cupy_standin import swap
 from test_quant_kernels import BLOCK, random_weight, reference
 
-from localkv.backends.quant import QStack, QTensor
+from localkv.backends.cpu.quant import QStack, QTensor
 
 ROWS = 37  # not a multiple of the matvec kernels' rows per thread block
 ULP16 = 2.0**-10  # an fp16 step, relative

@@ -133,7 +133,7 @@ def test_branches_decode_together(tiny, monkeypatch, n):
 
     monkeypatch.setattr(eng.model, "forward", counting_forward)
     monkeypatch.setattr(eng.ops, "linear", counting_linear)  # the model's weight matmuls
-    monkeypatch.setattr(ops_numpy, "linear", counting_linear)  # the logits (backends.cpu.logits)
+    monkeypatch.setattr(ops_numpy.backend, "linear", counting_linear)  # the logits (backends.cpu.backend.logits)
     Generation(eng, PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True), n=n).run()
     layers = eng.cfg.n_layers
     assert forwards == [len(PROMPT)] + [n] * 5  # the prompt once, then 5 steps of n rows each

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hostile_gguf import METADATA_CASES
 
-from localkv.backends import quant
-from localkv.backends.quant import QStack, QTensor
+from localkv.backends.cpu import quant
+from localkv.backends.cpu.quant import QStack, QTensor
 from localkv.errors import ModelError
 from localkv.model.loader import load_model
 from tiny_model import read_back, tiny_weights, write_gguf, write_hf_dir

@@ -1,4 +1,4 @@
-"""Prefill matmuls on AMX tiles (localkv.backends.quant._amx): the activation layout the tiles
+"""Prefill matmuls on AMX tiles (localkv.backends.cpu.kernels.amx): the activation layout the tiles
 read, each product against float64 within the bf16 bound (2^-8 of the sum of |terms|: both
 factors rounded to bf16), every block type decoded inside the kernel against gguf's
 dequantizer, the path matmul_many takes, and the switch. Tests that run tile instructions skip
@@ -13,19 +13,19 @@ import numpy as np
 import pytest
 from test_quant_kernels import BLOCK, ROWS, cols_for, random_weight, reference, rounded
 
-from localkv.backends import quant
+from localkv.backends.cpu import build, quant
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    assert quant.load(), {t: quant.why_not(t) for t in quant.SUPPORTED}
+    assert build.load(quant.SUPPORTED), {t: quant.why_not(t) for t in quant.SUPPORTED}
     return quant
 
 
 @pytest.fixture(scope="module")
 def amx(kernels):
     """The kernels, where this CPU and Linux allow AMX (they must then have passed their check)."""
-    from localkv.backends.quant import _amx
+    from localkv.backends.cpu.kernels import amx as _amx
 
     if _amx.enable() is not None:
         pytest.skip(f"no AMX here: {_amx.enable()}")
@@ -42,7 +42,7 @@ def bf16(x: np.ndarray) -> np.ndarray:
 def test_packed_activations_are_tiles_of_bf16_pairs(kernels):
     """Per 16 tokens and 32 inputs, a 1 KiB tile holding input pair r of token j at 32r + 2j;
     tokens past the end are zero. Both orders of x (prefill passes give either)."""
-    from localkv.backends.quant import _amx
+    from localkv.backends.cpu.kernels import amx as _amx
 
     x = np.random.default_rng(1).standard_normal((37, 96), dtype=np.float32)
     want = np.zeros((64, 96), np.uint16)  # 37 tokens -> 2 pairs of 16-token tiles
@@ -53,7 +53,7 @@ def test_packed_activations_are_tiles_of_bf16_pairs(kernels):
 
 
 def test_bf16_rounding_is_to_nearest_even(kernels):
-    from localkv.backends.quant import _amx
+    from localkv.backends.cpu.kernels import amx as _amx
 
     x = np.array([[1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-9, -(1 + 2**-7 + 2**-8)] + [0.0] * 28], np.float32)
     got = _amx.packed(x)[[0, 1, 32, 33]]
@@ -62,7 +62,7 @@ def test_bf16_rounding_is_to_nearest_even(kernels):
 
 @pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="AMX is x86-64 Linux's")
 def test_switch_and_cpu_without_amx(kernels, monkeypatch):
-    from localkv.backends.quant import _amx
+    from localkv.backends.cpu.kernels import amx as _amx
 
     monkeypatch.setenv("LOCALKV_AMX", "0")
     assert _amx.enable() == "LOCALKV_AMX=0"
@@ -101,7 +101,7 @@ def test_each_block_type_within_the_bf16_bound(amx, qtype):
 def test_matmul_many_runs_on_amx(amx, qtype, monkeypatch):
     """matmul_many takes the AMX path for block types (never BLAS), with the activations
     rounded to int8 steps first, as decode does."""
-    monkeypatch.setattr(quant._numpy, "matmul_t", lambda *a: pytest.fail("BLAS path taken"))
+    monkeypatch.setattr(quant.fallback, "matmul_t", lambda *a: pytest.fail("BLAS path taken"))
     w = random_weight(qtype, ROWS, cols_for(qtype), seed=5)
     x = np.random.default_rng(5).standard_normal((41, w.cols), dtype=np.float32)
     got = quant.matmul_many(x, w)
@@ -130,8 +130,8 @@ def test_switch_keeps_blas(amx):
     """LOCALKV_AMX=0: matmul_many on BLAS, the same numbers the BLAS path gives here."""
     code = """if True:
         import numpy as np
-        from localkv.backends import quant
-        quant.load(["Q4_K"])
+        from localkv.backends.cpu import build, quant
+        build.load(["Q4_K"])
         w = quant.QTensor(np.random.default_rng(0).integers(0, 64, (40, 144), dtype=np.uint8), "Q4_K", (40, 256))
         x = np.random.default_rng(1).standard_normal((20, 256), dtype=np.float32)
         print(quant.why_no_amx()); np.save(__import__("sys").argv[1], quant.matmul_many(x, w))

@@ -1,4 +1,4 @@
-"""Weights kept in their GGUF encoding (localkv.backends.quant): every type's kernels against
+"""Weights kept in their GGUF encoding (localkv.backends.cpu.quant): every type's kernels against
 gguf's own dequantizer + float64 numpy, both few-row paths, prefill tiles, embedding rows, the
 numpy-only path, and the real SmolLM2 tensors.
 
@@ -21,8 +21,8 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from localkv import gguf_py
-from localkv.backends import quant
-from localkv.backends.quant import QTensor
+from localkv.backends.cpu import build, quant
+from localkv.backends.cpu.quant import QTensor
 
 BLOCK = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 FLOAT = ["F32", "F16", "BF16"]
@@ -37,7 +37,7 @@ MODEL = MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
 @pytest.fixture(scope="module")
 def kernels():
     # numba is a dependency: the kernels must load here, not skip
-    assert quant.load(), {t: quant.why_not(t) for t in quant.SUPPORTED}
+    assert build.load(quant.SUPPORTED), {t: quant.why_not(t) for t in quant.SUPPORTED}
     return quant
 
 
@@ -151,7 +151,7 @@ def blas(monkeypatch):
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q3_K", "Q6_K", "F16", "BF16"])
 def test_matmul_many_in_tiles_matches_blas(kernels, blas, qtype, monkeypatch):
-    monkeypatch.setattr(quant._numpy, "TILE_VALUES", 16 * cols_for(qtype))  # 16-row tiles: 37 rows = 3 tiles
+    monkeypatch.setattr(quant.fallback, "TILE_VALUES", 16 * cols_for(qtype))  # 16-row tiles: 37 rows = 3 tiles
     w = random_weight(qtype, ROWS, cols_for(qtype), seed=5)
     x = np.random.default_rng(5).standard_normal((41, w.cols), dtype=np.float32)
     scratch = np.empty(16 * w.cols, np.float32)
@@ -199,9 +199,9 @@ def test_numpy_path_gives_the_same_results(kernels, blas, qtype, monkeypatch):
 
 def test_off_switch_turns_the_kernels_off():
     code = (
-        "import numpy as np; from localkv.backends import quant;"
+        "import numpy as np; from localkv.backends.cpu import build, quant;"
         "w = quant.QTensor(np.zeros((2, 20), np.uint8), 'Q4_1', (2, 32));"
-        "print(quant.load(['Q4_1']), quant.why_not('Q4_1'), quant.matmul_few(np.ones((1, 32), np.float32), w))"
+        "print(build.load(['Q4_1']), quant.why_not('Q4_1'), quant.matmul_few(np.ones((1, 32), np.float32), w))"
     )
     env = dict(os.environ, LOCALKV_CPU_KERNELS="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

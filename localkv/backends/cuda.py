@@ -33,10 +33,10 @@ import numpy as np
 
 import localkv.backends.cpu as cpu
 import localkv.backends.cuda_quant as cuda_quant
+from localkv.backends.cpu.quant import QStack, QTensor
 from localkv.backends.cuda_attention import DecodeBatch, paged_attention, paged_decode
 from localkv.backends.cuda_kernels import F16, F32, THREADS, compile_all, dev, elem_strides, grid1d, kernel
 from localkv.backends.cuda_kv import copy_blocks, frozen_table, write_kv
-from localkv.backends.quant import QStack, QTensor
 
 xp = cp
 name = "CUDA"

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
+from localkv.backends.cpu.quant import QStack, QTensor, dequantize_rows
 from localkv.backends.cuda_kernels import F16, F32, QMV_LANES, QMV_WARPS, QUANT_TYPES, THREADS, kernel, ptr
-from localkv.backends.quant import QStack, QTensor, dequantize_rows
 
 MAX_ROWS = 8  # activation rows of the matvec kernels (LKV_QMV_MAX_ROWS in the .cu)
 ROWS_PER_BLOCK = QMV_WARPS * 32 // QMV_LANES  # weight rows per thread block of the matvec kernels

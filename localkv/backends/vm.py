@@ -75,7 +75,7 @@ def reused_empty(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
     """np.empty(shape, dtype), but at or past MMAP_THRESHOLD a buffer of the same size that this
     thread allocated before and that nothing references any more (no array or view of it) is
     handed out again. A fresh mmap is page-faulted in by whatever first writes it: a prefill
-    matmul writing a new 32 MiB output ran at half OpenBLAS's speed (189 against 375 GFLOPS)."""
+    matmul writing a new 32 MiB output ran far below OpenBLAS's speed on a reused one."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     if nbytes < MMAP_THRESHOLD:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from localkv.backends.quant import SUPPORTED, QTensor
+from localkv.backends.cpu.quant import SUPPORTED, QTensor
 from localkv.errors import ModelError
 from localkv.home import home
 from localkv.model.arch import ARCHITECTURES, Arch, describe

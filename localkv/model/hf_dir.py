@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from localkv.backends.quant import QTensor
+from localkv.backends.cpu.quant import QTensor
 from localkv.errors import ModelError
 from localkv.model.config import ModelConfig
 from localkv.model.validate import MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, Meta, check_heads, check_tensors

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from localkv.backends.quant import QStack, QTensor, dequantize
+from localkv.backends.cpu.quant import QStack, QTensor, dequantize
 from localkv.model.config import ModelConfig
 
 

@@ -1,12 +1,12 @@
 """The CPU backend's attention over the paged pool: K/V read through a block table, causal
 prefill in query blocks, and what some architectures add (a sliding window, soft-capped scores).
-The forks' shared-prefix decode and the one-launch decode are in backends/cpu.py."""
+The forks' shared-prefix decode and the one-launch decode are in backend.py."""
 
 import functools
 
 import numpy as np
 
-import localkv.backends.cpu_kernels as cpu_kernels
+import localkv.backends.cpu.compiled as cpu_kernels
 
 Q_BLOCK = 64  # causal prefill runs in query blocks: each block scores only the keys it can see
 # (the scores of a block stay nearer the cache)
@@ -204,7 +204,7 @@ SHORT_T, SHORT_PAST = 32, 256
 def _short_pass(q: np.ndarray, k_layer, v_layer, table, n_ctx: int, scale: float) -> np.ndarray:
     """Causal attention of a few new tokens after a long context (a turn after a cached
     prompt): every query sees all the older keys, so those go through the kernels' shared-prefix
-    attention (cpu_kernels.paged_partial: each chunk of keys converted once for all of a kv
+    attention (compiled.paged_partial: each chunk of keys converted once for all of a kv
     head's rows, the keys split over the threads), where the tiled causal kernel converts them
     once per query tile and has a job per kv head and tile; the new tokens' own keys, causal
     among themselves, in numpy; the two parts merged."""
@@ -222,6 +222,6 @@ def _short_pass(q: np.ndarray, k_layer, v_layer, table, n_ctx: int, scale: float
 
 
 def row_sums(s: np.ndarray) -> np.ndarray:
-    """s.sum(-1, keepdims=True) as a matrix-vector product with ones: BLAS's gemv does it about
+    """s.sum(-1, keepdims=True) as a matrix-vector product with ones: BLAS's gemv does it
     faster than numpy's pairwise sum on these shapes."""
     return np.matmul(s, np.ones(s.shape[-1], s.dtype))[..., None]

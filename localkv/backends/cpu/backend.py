@@ -1,6 +1,5 @@
-"""The CPU backend: numpy and OpenBLAS, the quantized-weight kernels (backends/quant) for every
-matmul, and numba kernels (cpu_kernels) for the forks' prefix scores and a few fused one-pass
-element-wise ops.
+"""The CPU backend: numpy and OpenBLAS, the quantized-weight kernels (quant) for every matmul,
+and numba kernels (compiled) for attention and a few fused one-pass element-wise ops.
 
 The ops are module functions (tests call them directly); CpuBackend bundles them with the state
 one engine owns: its thread count and the BLAS thread controllers.
@@ -10,13 +9,14 @@ import threading
 
 import numpy as np
 
-import localkv.backends.cpu_kernels as cpu_kernels
-import localkv.backends.quant as quant
-from localkv.backends.cpu_attention import f32, frozen_table, gather_kv, merge, paged_attention, partial
-from localkv.backends.cpu_threads import CoreShare
+import localkv.backends.cpu.build as build
+import localkv.backends.cpu.compiled as cpu_kernels
+import localkv.backends.cpu.quant as quant
+from localkv.backends.cpu.attention import f32, frozen_table, gather_kv, merge, paged_attention, partial
+from localkv.backends.cpu.threads import CoreShare
 
 act_dtype = np.float32  # activations
-kv_dtype = np.float16  # the KV pool's default: f16 (measured within 5% of f32 on decode and pp512, half the bytes)
+kv_dtype = np.float16  # the KV pool's default: f16, half the bytes of f32 at about its speed (BENCHMARKS.md)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -84,8 +84,7 @@ def linear(x: np.ndarray, w, kind: str) -> np.ndarray:
 _local = threading.local()  # per thread: the scratch of matmul_many's dequantized tiles
 # Passes of up to this many rows run their matmuls on the kernels, MAX_FEW rows at a time: below
 # it, dequantizing every weight for BLAS (or AMX) costs more than reading the blocks again per
-# 8 rows (the crossover measured between 24 and 48 rows on SmolLM2-135M and llama-3.2-1b, with
-# either).
+# 8 rows (the crossover measured on two models, with either: BENCHMARKS.md).
 KERNEL_ROWS = 32
 
 
@@ -100,7 +99,7 @@ RESIDUAL_STRIP = 64  # columns per add when the addend is a prefill matmul's tra
 def add_residual(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """x += y in place: a block's output into the residual stream. A prefill pass's matmul gives
     y as the transpose of a C-ordered [dim, T] array; numpy adds it along x's rows, reading y T
-    floats apart, which misses the cache once x outgrows it (5x slower at 512 x 2048). Strips of
+    floats apart, which misses the cache once x outgrows it (several times slower). Strips of
     columns read both sides a cache line at a time."""
     if y.flags.f_contiguous and not y.flags.c_contiguous:
         for j in range(0, x.shape[1], RESIDUAL_STRIP):
@@ -278,7 +277,7 @@ class CpuBackend:
     run, BLAS (attention's small matmuls) stays on one thread. OpenBLAS's workers and the
     kernels' OpenMP workers both spin between calls, and on a small machine each then waits for
     the other's time slice; passes of many rows give BLAS the threads back. Either runs on the
-    engine's threads less the cores other processes keep busy (cpu_threads.CoreShare)."""
+    engine's threads less the cores other processes keep busy (threads.CoreShare)."""
 
     name = "CPU"
     xp = np
@@ -319,14 +318,14 @@ class CpuBackend:
 
     def start(self, progress: bool) -> None:
         self._progress = progress
-        cpu_kernels.load(progress)
+        build.load(progress=progress)
 
     def prepare_weights(self, weights: dict) -> dict:
         """The weights as they are (views of the file); loads the kernels of their types only."""
         types = quant.weight_types(weights.values())
-        quant.load(types, progress=self._progress)
+        build.load(types, progress=self._progress)
         self.prefill_amx = any(quant.on_amx(t) for t in types)
-        cpu_kernels.release_compiler()  # every kernel a forward pass runs has loaded by now
+        build.release_compiler()  # every kernel a forward pass runs has loaded by now
         return weights
 
     @staticmethod

@@ -14,13 +14,13 @@ followed by the kernel's self-check against numpy.
 
 Within the same block numba's "llvm_lock" events are not sent: numba wraps each of the thousands
 of LLVM calls a load makes in two of them (for its compile-time statistics, which a load from
-the cache does not record), a third of each call's cost.
+the cache does not record), a good share of each call's cost.
 """
 
 import contextlib
 import threading
 
-_lock = threading.RLock()  # nested blocks (quant.load loads cpu_kernels first) restore in order
+_lock = threading.RLock()  # nested blocks restore in order
 
 
 @contextlib.contextmanager

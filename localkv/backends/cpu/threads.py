@@ -4,11 +4,10 @@ while other processes keep cores busy.
 The kernels' OpenMP workers and OpenBLAS's spin while they wait for each other, and a decode
 step starts about a hundred and fifty parallel regions. When another process holds a core, the
 worker on it runs only in time slices, every region waits for one, and a step gets many times
-slower than on one thread (measured on 2 cores with about 3 other busy threads: 6-16 tokens/s
-on 2 threads, 70-76 on 1). So the share of the CPUs that other processes used over the last
-interval (/proc/stat's busy time less this process's own) decides: a core counts as taken when
-others used half of it or more, for two intervals in a row. Linux only; elsewhere the engine's
-count is used as it is.
+slower than on one thread (measured on 2 cores with other busy threads). So the share of the
+CPUs that other processes used over the last interval (/proc/stat's busy time less this
+process's own) decides: a core counts as taken when others used half of it or more, for two
+intervals in a row. Linux only; elsewhere the engine's count is used as it is.
 """
 
 import os

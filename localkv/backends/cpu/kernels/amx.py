@@ -10,11 +10,11 @@ is within 2^-8 of its float32 value; the sums are float32. For block types that 
 the int8 rounding the activations already had (steps of amax/127 per group, as in decode and in
 llama.cpp), and it did not move the real model's perplexity or its agreement with llama.cpp
 (BENCHMARKS.md). Summing three bf16 products per pair instead (head and remainder of each
-factor, "bf16x3") comes within 2^-16, but took 1.8x as long for the same perplexity. So on an
+factor, "bf16x3") comes within 2^-16, but was slower for the same perplexity. So on an
 AMX CPU prefill and decode agree to bf16 rounding, elsewhere to float summation order.
 F16/BF16/F32 weights stay on BLAS: their activations are not rounded to int8 first, and bf16
-would be coarser than the f16 activations llama.cpp multiplies them with (gemma2 in F16: top-1
-agreement with llama.cpp 0.89, where the tests ask 0.95).
+would be coarser than the f16 activations llama.cpp multiplies them with (gemma2 in F16 fell
+below the agreement with llama.cpp its test asks; BENCHMARKS.md has the figures).
 
 Layout. tdpbf16ps multiplies tile A (16 rows of 32 bf16) by tile B (16 rows of 16 bf16 pairs)
 into tile C (16 x 16 float32): C[i, j] += sum over r of A[i, 2r:2r+2] . B[r, 2j:2j+2].
@@ -35,7 +35,11 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
-from localkv.backends.quant._amx_ops import (
+from localkv.backends.cpu.kernels import PAR, self_check
+from localkv.backends.cpu.kernels.matmul_few import dequantize
+from localkv.backends.cpu.quant.formats import MARKERS
+from localkv.backends.cpu.quant.tensor import sample_weight
+from localkv.backends.cpu.simd.amx import (
     float_bits,
     tile_config,
     tile_dot,
@@ -44,11 +48,8 @@ from localkv.backends.quant._amx_ops import (
     tile_store,
     tile_zero,
 )
-from localkv.backends.quant._formats import MARKERS
-from localkv.backends.quant._kernels import dequantize
 
 NC = 128  # weight rows per work item: their tiles (512 KiB at 2048 inputs) stay in L2
-_OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
 _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
 
 
@@ -80,7 +81,7 @@ def _bf16(v):
     return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
-@njit(**_OPTS)
+@njit(**PAR)
 def pack(x, xt):
     """x [M, K] float32 (any layout) into xt [ceil(M / 32) * 2, K / 32, 512] uint16: the
     activation tiles; tokens past M are zero."""
@@ -176,10 +177,10 @@ def _item(wt, xt, out_t, n0, rows, K):
     tile_release()
 
 
-@njit(**_OPTS)
+@njit(**PAR)
 def gemm(qt, w, K, xt, out_t):
     """out_t [N, M] = W @ x.T for a weight of block type qt (its blocks w [N, bytes per row], K
-    values a row) and activations packed by `packed`. Each row is decoded (_kernels.dequantize)
+    values a row) and activations packed by `packed`. Each row is decoded (matmul_few.dequantize)
     just before it is rounded: the work items decode on all threads, and no float32 copy of
     the weight leaves the cache. N need not be a multiple of anything."""
     N = w.shape[0]
@@ -216,13 +217,12 @@ def bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return 2.0**-8 * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)) + 1e-30
 
 
+@self_check("amx")
 def check(qtype: str) -> bool:
     """Compile (or load) pack, for both orders of x, and this type's gemm, and check them
     against float64 products on the decoded weight: shapes that are not multiples of the
     tiles, more than one work item, a read-only weight (as the mapped file's are: the build
     the model runs)."""
-    from localkv.backends.quant._compiled import sample_weight
-
     w = sample_weight(qtype, NC + 45, 256, 3)
     w.data.flags.writeable = False
     dense = np.empty(w.shape, np.float32)

@@ -18,24 +18,14 @@ Head dimensions must be a multiple of 8 (every model the loader takes has one).
 """
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload, register_jitable
+from numba.extending import overload, register_jitable
 
-from localkv.backends.quant._simd_f32 import fload, fma, fsplat, fsplat_at, fstore, hload
-
-_OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
+from localkv.backends.cpu.kernels import PAR, self_check
+from localkv.backends.cpu.simd.f32x8 import fload, float_of_bits, fma, fsplat, fsplat_at, fstore, hload
 
 KEYS = 64  # keys per chunk
 SPLITS = 4  # jobs per kv head (each a run of chunks): enough for 2 threads when kv heads are few
-
-
-@intrinsic
-def _float_of_bits(typingctx, bits):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.int32), codegen
 
 
 @register_jitable
@@ -53,7 +43,7 @@ def exp(x):
     p = p * r + np.float32(0.5)
     p = p * r + np.float32(1.0)
     p = p * r + np.float32(1.0)
-    return p * _float_of_bits((np.int32(k) + np.int32(127)) << np.int32(23))
+    return p * float_of_bits((np.int32(k) + np.int32(127)) << np.int32(23))
 
 
 def vload(a, off):
@@ -165,7 +155,7 @@ def _softmax_step(st, n, o, m, total, top):
                 st[t, r] = 0
 
 
-@njit(**_OPTS)
+@njit(**PAR)
 def paged_prefix(qt, k, v, table, n, out, mx, sm):
     """Unnormalised attention of the queries qt [kvh, hd, R8] (transposed, scaled; R8 and hd
     multiples of 8) over the first n >= 1 tokens of one block table, K/V read from the pool
@@ -213,7 +203,7 @@ QT = 32  # query tokens per tile of the causal kernel (times the group: a multip
 QT_SHORT = 8
 
 
-@njit(**_OPTS)
+@njit(**PAR)
 def paged_causal(qt, k, v, table, past, T, QT, out):
     """Causal attention of a pass's T query tokens (token i at position past + i) over the
     first past + T tokens of one block table: qt [kvh, tiles, hd, QT * g] holds tile c's
@@ -247,3 +237,19 @@ def paged_causal(qt, k, v, table, past, T, QT, out):
             inv = np.float32(1) / sums[r]
             for d in range(hd):
                 out[h, c, r, d] = o[r, d] * inv
+
+
+@self_check("base")
+def check() -> bool:
+    """The shared-prefix and causal kernels for an f16 pool, with the array kinds the model
+    passes (read-only int64 tables): equal keys weigh every value alike, so each unnormalised
+    output is the values' sum (normalised: a value)."""
+    k = np.ones((1, 4, 2, 8), np.float16).view(np.uint16)  # [blocks, block size, kv heads, head dim]
+    table = np.zeros(1, np.int64)
+    table.flags.writeable = False
+    out, mx, sm = np.empty((2, 8, 8), np.float32), np.empty((2, 8), np.float32), np.empty((2, 8), np.float32)
+    paged_prefix(np.ones((2, 8, 8), np.float32), k, k, table, 3, out, mx, sm)
+    ok = bool((mx == 8.0).all() and (sm == 3.0).all() and (out == 3.0).all())
+    cout = np.empty((2, 1, QT, 8), np.float32)  # one tile of one head each
+    paged_causal(np.ones((2, 1, 8, QT), np.float32), k, k, table, 0, 3, QT, cout)
+    return ok and bool((cout[:, :, :3] == 1.0).all())

@@ -1,14 +1,15 @@
-"""The numba kernels behind cpu_kernels (imported only when numba is there)."""
+"""Attention of one query token per sequence over the paged pool: decode steps (each sequence
+over its own block table) and the forks' own tails after their shared prefix. Each dot product
+runs on vectors of 8 along the head dimension (a multiple of 8), one horizontal sum at its end.
+"""
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic, overload, register_jitable
+from numba import njit, prange
+from numba.extending import register_jitable
 
-from localkv.backends._attention_kernels import QT, QT_SHORT, exp, paged_causal, paged_prefix, vload  # noqa: F401 (for cpu_kernels)
-from localkv.backends.quant._simd_f32 import fadd, fload, fma, fsplat, fsplat_at, fstore, hsum
-
-_OPTS = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
+from localkv.backends.cpu.kernels import PAR, SER, self_check
+from localkv.backends.cpu.kernels.attention import exp, vload
+from localkv.backends.cpu.simd.f32x8 import fadd, fload, fma, fsplat, fsplat_at, fstore, hsum
 
 
 @register_jitable
@@ -65,7 +66,7 @@ def _attend(q, k, v, h, table, n, scale, s, out, mx, sm):
             fstore(oj, c, fadd(fadd(a0, a1), fadd(a2, a3)))
 
 
-@njit(**_OPTS)
+@njit(**PAR)
 def paged_tails(q, k, v, tables, lens, out, mx, sm):
     """Unnormalised attention of each sequence's own few tokens (after a prefix shared with the
     others): q [kvh, B, g, hd] (scaled) of sequence b over the first lens[b] (>= 1) tokens of
@@ -76,126 +77,6 @@ def paged_tails(q, k, v, tables, lens, out, mx, sm):
         b, h = job // kvh, job % kvh
         s = np.empty((g, lens[b]), np.float32)
         _attend(q[h, b], k, v, h, tables[b], lens[b], np.float32(1), s, out[h, b], mx[h, b, :, 0], sm[h, b, :, 0])
-
-
-# Single-threaded fused element-wise kernels: one pass where numpy makes several (and
-# temporaries), for prefill's memory-bound steps. No parallel workers: no interplay with BLAS.
-_SERIAL = dict(fastmath=True, boundscheck=False, cache=True, nogil=True)
-
-
-@njit(**_SERIAL)
-def rmsnorm(x, w, eps, out):
-    """out = x / sqrt(mean(x^2) + eps) * w, row by row."""
-    T, D = x.shape
-    for t in range(T):
-        ss = np.float32(0)
-        for d in range(D):
-            ss += x[t, d] * x[t, d]
-        r = np.float32(1.0 / np.sqrt(ss / D + eps))
-        for d in range(D):
-            out[t, d] = x[t, d] * r * w[d]
-
-
-@njit(**_SERIAL, error_model="numpy")  # a float division that raises on zero does not vectorise
-def silu_mul(gu, f, out, by_rows):
-    """out = silu(gate) * up, one pass where numpy makes five. gu (C-contiguous) holds gate then
-    up: along its rows when by_rows (a prefill pass's transposed [2f, T] matmul output; out
-    [f, T]), else along each row ([T, 2f]; out [T, f]). sigmoid from exp(-|gate|): the
-    vectorising exp takes x <= 0."""
-    dr, dc = (f, 0) if by_rows else (0, f)  # up's offset from gate: the C-contiguous array is
-    R, C = out.shape  # indexed as it is, so the inner loop runs on vectors
-    one = np.float32(1)
-    for r in range(R):
-        for c in range(C):
-            a = gu[r, c]
-            e = exp(-abs(a))
-            s = one / (one + e)
-            out[r, c] = a * (s if a >= 0 else e * s) * gu[r + dr, c + dc]
-
-
-@register_jitable
-def _rotate(x, t, j, i0, i1, c, s):
-    a, b = x[t, j, i0], x[t, j, i1]
-    x[t, j, i0] = a * c - b * s
-    x[t, j, i1] = b * c + a * s
-
-
-@register_jitable
-def _rope(x, cos, sin, pairs):
-    """Rotate x [T, heads, hd] in place by cos/sin [T, hd/2]: the halves (i, i + hd/2) (NEOX)
-    or the adjacent pairs (2i, 2i+1) (llama.cpp's "normal" order). x may be a view of a
-    prefill pass's transposed matmul output, tokens adjacent in memory: the loops then run
-    along the tokens (along the head dimension, every element was a cache line of its own)."""
-    T, n_heads, hd = x.shape
-    half = hd // 2
-    if x.strides[0] < x.strides[2]:
-        for j in range(n_heads):
-            for i in range(half):
-                i0, i1 = (2 * i, 2 * i + 1) if pairs else (i, i + half)
-                for t in range(T):
-                    _rotate(x, t, j, i0, i1, cos[t, i], sin[t, i])
-    else:
-        for t in range(T):
-            for j in range(n_heads):
-                for i in range(half):
-                    i0, i1 = (2 * i, 2 * i + 1) if pairs else (i, i + half)
-                    _rotate(x, t, j, i0, i1, cos[t, i], sin[t, i])
-
-
-@njit(**_SERIAL)
-def rope(x, cos, sin, pairs):
-    """Rotate x [T, heads, hd] in place by cos/sin [T, hd/2]: the adjacent pairs (2i, 2i+1)
-    (llama.cpp's "normal" order) when pairs, else the halves (NEOX order). One kernel for both
-    orders: each compiled kernel costs a start its own cache load."""
-    _rope(x, cos, sin, pairs)
-
-
-@njit(**_SERIAL)
-def causal_max(s, tq, first, window):
-    """Scores s [kvh, g*tq, n] of a causal query block, rows ordered (group, query): query i sees
-    keys 0 .. first+i, and with window > 0 only the last `window` of those (a sliding window).
-    Subtracts each row's maximum over the keys it sees and sets the rest to -inf (exp gives 0),
-    in one pass instead of numpy's mask add, max and subtract."""
-    kvh, rows, n = s.shape
-    ninf = np.float32(-np.inf)
-    for h in range(kvh):
-        for row in range(rows):
-            end = min(n, first + row % tq + 1)
-            lo = max(0, end - window) if window > 0 else 0
-            m = ninf
-            for j in range(lo, end):
-                m = max(m, s[h, row, j])
-            for j in range(lo, end):
-                s[h, row, j] -= m
-            for j in range(lo):
-                s[h, row, j] = ninf
-            for j in range(end, n):
-                s[h, row, j] = ninf
-
-
-# ---------------------------------------------------------------- decode attention
-
-
-@intrinsic
-def _half_to_float(typingctx, bits):
-    """An IEEE half float, given as its uint16 bits, as float32 (numba has no float16 on the
-    CPU; LLVM turns a loop of these into F16C conversions)."""
-
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(types.uint16), codegen
-
-
-def _f32(x):
-    """A K/V element as float32: float32 as is, uint16 as the bits of a half float."""
-
-
-@overload(_f32, jit_options={"fastmath": True})
-def _f32_impl(x):
-    if isinstance(x, types.Integer):
-        return lambda x: _half_to_float(x)
-    return lambda x: np.float32(x)
 
 
 def _decode_attention(q, k, v, tables, lens, scale, out, scores):
@@ -218,5 +99,34 @@ def _decode_attention(q, k, v, tables, lens, scale, out, scores):
 
 
 # A parallel region costs more than a short context's attention: both builds, chosen by size.
-decode_attention = njit(**_OPTS)(_decode_attention)
-decode_attention_serial = njit(**_SERIAL)(_decode_attention)
+decode_attention = njit(**PAR)(_decode_attention)
+decode_attention_serial = njit(**SER)(_decode_attention)
+
+
+@self_check("base")
+def check() -> bool:
+    """The tails kernel and both builds of decode attention for an f16 pool (the CPU's default;
+    an f32 pool's builds load on first use), with the array kinds the model passes, against
+    numpy."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 4, 8), dtype=np.float32)
+    kv = rng.standard_normal((2, 3, 2, 2, 8), dtype=np.float32)  # K/V, 3 blocks of 2 tokens, 2 kv heads
+    tables, lens = np.array([[2, 0], [1, 2]], np.int32), np.array([3, 4], np.int32)
+    want = np.empty(q.shape, np.float32)
+    for b in range(2):
+        k, v = (a[tables[b]].reshape(4, 2, 8)[: lens[b]] for a in kv)
+        s = np.einsum("hgd,nhd->hgn", q[b].reshape(2, 2, 8), k) * 0.5
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want[b] = np.einsum("hgn,nhd->hgd", p / p.sum(-1, keepdims=True), v).reshape(4, 8)
+    pool = kv.astype(np.float16).view(np.uint16)
+    ok = True
+    for kernel in (decode_attention, decode_attention_serial):
+        out = np.empty(q.shape, np.float32)
+        kernel(q, pool[0], pool[1], tables, lens, np.float32(0.5), out, np.empty((4, 2, 4), np.float32))
+        ok = ok and np.allclose(out, want, rtol=1e-2, atol=1e-2)
+    ones = np.ones((1, 4, 2, 8), np.float16).view(np.uint16)  # equal keys: each output is the values' sum
+    table, n = np.zeros((2, 1), np.int64), np.full(2, 2, np.int64)
+    table.flags.writeable = n.flags.writeable = False
+    out, mx, sm = (np.empty((2, 1, 3, w), np.float32) for w in (8, 1, 1))
+    paged_tails(np.ones((2, 1, 3, 8), np.float32), ones, ones, table, n, out, mx, sm)
+    return ok and bool((mx == 8.0).all() and (sm == 2.0).all() and (out == 2.0).all())

@@ -9,10 +9,9 @@ rows.
 from numba import njit, prange
 from numba.extending import overload, register_jitable
 
-from localkv.backends.quant._kernels import _chunk, _chunks
-from localkv.backends.quant._simd_f32 import bload, fadd, fload, fma, fzero, hload, hsum
-
-_PAR = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
+from localkv.backends.cpu.kernels import PAR
+from localkv.backends.cpu.kernels.matmul_few import chunk, chunks
+from localkv.backends.cpu.simd.f32x8 import bload, fadd, fload, fma, fzero, hload, hsum
 
 
 def load8(qt, w, off):
@@ -42,13 +41,13 @@ def _float_dot(qt, w, base, x, xo, K):
     return hsum(fadd(fadd(a0, a1), fadd(a2, a3)))
 
 
-@njit(**_PAR)
+@njit(**PAR)
 def matmul_few_float(qt, x, ws, offs, out):
-    """As _kernels.matmul_few, for F32 / F16 / BF16 weights (x float32 C-contiguous, K % 8 == 0)."""
+    """As matmul_few.matmul_few, for F32 / F16 / BF16 weights (x float32 C-contiguous, K % 8 == 0)."""
     R, K = x.shape
-    counts = _chunks(ws)
+    counts = chunks(ws)
     for c in prange(counts[0] + counts[1] + counts[2]):
-        i, n0, n1, col = _chunk(ws, offs, counts, c)
+        i, n0, n1, col = chunk(ws, offs, counts, c)
         w = ws[i]
         for n in range(n0, n1):
             for r in range(R):

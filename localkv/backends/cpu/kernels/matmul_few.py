@@ -4,26 +4,26 @@ dequantization of weight rows to float32 (prefill tiles, embedding lookups).
 Decode: integer products on int8 activations, not float FMAs on unpacked weights. The
 activations are quantized once per call like llama.cpp's Q8_0 (per 32 values, scale
 amax/127; per 256 for the K-quants, as Q8_K); a group of 32 weights then costs one packed
-unsigned x signed byte multiply-add (`_simd.dot`: vpdpbusd with VNNI, vpmaddubsw + vpmaddwd
+unsigned x signed byte multiply-add (`u8x32.dot`: vpdpbusd with VNNI, vpmaddubsw + vpmaddwd
 on AVX2) and one float FMA for its
 scale, where a float path needs the 32 weights widened to float (four conversions) and four
 FMAs per activation row. Both were measured on Q4_1, Q8_0 and Q4_K; the integer path was
 faster for every type and row count, more so the more rows. Results differ from float math
 by the int8 rounding of the activations only (the weights' own values are exact).
 
-Two loops over the same per-type decoder (`_formats.group`):
+Two loops over the same per-type decoder (`quant/formats.group`):
 - up to ROW_MAX rows: each activation row is one dot product along the weight row (the
   groups alternate between two accumulators so that FMA latency does not bound the loop);
 - more rows: activation rows sit in the 8 lanes of the vectors, so a decoded group is
-  multiplied into all 8 rows with 8 packed multiply-adds (`_simd.lanes_dot`) instead of
+  multiplied into all 8 rows with 8 packed multiply-adds (`u8x32.lanes_dot`) instead of
   being multiplied 8 times.
 
 Each weight row is read once per call, whichever path. Work is split over weight rows with
-prange (numba's OpenMP layer; see cpu_kernels for the thread rules). A call takes up to three
+prange (numba's OpenMP layer; see build for the thread rules). A call takes up to three
 matrices of one type (`ws`, sharing the activations: q, k and v; gate and up), so a decode
 step makes fewer kernel calls, each of which costs numba's dispatch and OpenMP's start.
 
-Q4_K and Q6_K with one or two rows have their own kernel (`_superblock`, a super-block of 256
+Q4_K and Q6_K with one or two rows have their own kernel (`superblock`, a super-block of 256
 at a time in integers); the loops here serve them for 3-8 rows.
 
 Dequantization is serial: it runs between BLAS calls in prefill, where BLAS owns the threads.
@@ -34,12 +34,10 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
-from localkv.backends.quant._formats import act_group, geometry, group, lanes_product, product
-from localkv.backends.quant._simd import at, izero, load32, prefetch
-from localkv.backends.quant._simd_f32 import expand, fadd, fload, fma, fmul, fpair, fsplat, fzero, hsum, lane, tofloat
-
-_PAR = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
-_SER = dict(fastmath=True, boundscheck=False, cache=True, nogil=True)
+from localkv.backends.cpu.kernels import EXACT, PAR, SER
+from localkv.backends.cpu.quant.formats import act_group, geometry, group, lanes_product, product
+from localkv.backends.cpu.simd.f32x8 import expand, fadd, fload, fma, fmul, fpair, fsplat, fzero, hsum, lane, tofloat
+from localkv.backends.cpu.simd.u8x32 import at, izero, load32, prefetch
 
 ROW_MAX = 2  # up to this many activation rows take the row path, more the 8-lane path
 LANES = 8  # activation rows per call at most
@@ -89,7 +87,7 @@ def quantized(x, gs):
 
 
 @register_jitable(_nrt=False)
-def _chunks(ws):
+def chunks(ws):
     """Work items over the stacked matrices: chunks of CHUNK rows, none spanning two matrices
     (a kernel then takes its matrix out of the tuple once per chunk, not once per row)."""
     return (
@@ -100,7 +98,7 @@ def _chunks(ws):
 
 
 @register_jitable(_nrt=False)
-def _chunk(ws, offs, counts, c):
+def chunk(ws, offs, counts, c):
     """(matrix index, first row, end row, output column of row 0) of chunk c."""
     c = np.int64(c)  # prange's index may be unsigned; unsigned - signed is a float in numba
     i = int(c >= counts[0]) + int(c >= counts[0] + counts[1])
@@ -211,18 +209,18 @@ def _interleave(xq, dx, xs16):
     return xi, dxv, xsa, xsb
 
 
-@njit(**_PAR)
+@njit(**PAR)
 def matmul_few(qt, x, ws, offs, out):
     """out[:, offs[i] + n] = x @ row n of ws[i] for the three matrices ws (same type, same
     columns; pass a zero-row array for unused ones). x float32 [R, K], 1 <= R <= LANES."""
     R, K = x.shape
     ng = K // 32
     xq, dx, xs16 = quantized(x, act_group(qt))
-    counts = _chunks(ws)
+    counts = chunks(ws)
     if R <= ROW_MAX:
         xsv = _spread(xs16)
         for c in prange(counts[0] + counts[1] + counts[2]):
-            i, n0, n1, col = _chunk(ws, offs, counts, c)
+            i, n0, n1, col = chunk(ws, offs, counts, c)
             w = ws[i]
             for n in range(n0, n1):
                 for r in range(R):
@@ -230,7 +228,7 @@ def matmul_few(qt, x, ws, offs, out):
     else:
         xi, dxv, xsa, xsb = _interleave(xq, dx, xs16)
         for c in prange(counts[0] + counts[1] + counts[2]):
-            i, n0, n1, col = _chunk(ws, offs, counts, c)
+            i, n0, n1, col = chunk(ws, offs, counts, c)
             w = ws[i]
             for n in range(n0, n1):
                 v = _lanes_row(qt, w, n * w.shape[1], xi, dxv, xsa, xsb, ng)
@@ -238,7 +236,7 @@ def matmul_few(qt, x, ws, offs, out):
                     out[r, col + n] = lane(v, r)
 
 
-@njit(**_SER)
+@njit(**SER)
 def dequantize(qt, w, rows, out):
     """out[i] = weight row rows[i] of w as float32 (out [len(rows), K] C-contiguous)."""
     K = out.shape[1]
@@ -250,7 +248,7 @@ def dequantize(qt, w, rows, out):
             expand(out, i * K + 32 * g, u, sa, sb, ma, mb)
 
 
-@njit(_nrt=True, boundscheck=False, cache=True, nogil=True)
+@njit(**EXACT)
 def quantize_rows(x, xbits, out, scale_bits, scale, gs):
     """out = x [R, K] with each gs values rounded to int8 steps of amax/127, as float32: the
     activations matmul_few multiplies, for the tiles of matmul_many to multiply the same.
@@ -275,7 +273,7 @@ def quantize_rows(x, xbits, out, scale_bits, scale, gs):
                 out[r, gs * g + i] = np.float32(np.rint(x[r, gs * g + i] * inv)) * d
 
 
-@njit(_nrt=True, boundscheck=False, cache=True, nogil=True)
+@njit(**EXACT)
 def quantize_cols(xt, xtbits, out_t, scale_bits, scale, gs):
     """quantize_rows for x given as its transpose xt [K, R] (C-contiguous: x is F-ordered, as
     matmul_many's results are), into out_t [K, R]: the groups run down the columns, and the

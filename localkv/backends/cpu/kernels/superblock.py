@@ -1,7 +1,7 @@
 """The decode kernel of Q4_K and Q6_K weights: one or two activation rows, a super-block of 256
-weights at a time (`_simd_wide`), as llama.cpp's K-quant dots.
+weights at a time (`simd/wide`), as llama.cpp's K-quant dots.
 
-The generic kernel (`_kernels.matmul_few`) pays a float conversion and scale FMAs for every 32
+The generic kernel (`matmul_few.matmul_few`) pays a float conversion and scale FMAs for every 32
 weights; here the sub-block scales multiply in integers and a 256-value super-block costs one
 float FMA. The activations are those of every K-quant kernel: int8 per 256 values (llama.cpp's
 Q8_K), so this kernel and the generic one (still used for 3-8 rows) compute the same sums.
@@ -11,10 +11,11 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload, register_jitable
 
-from localkv.backends.quant._formats import act_group, geometry
-from localkv.backends.quant._kernels import _PAR, _chunk, _chunks, quantized
-from localkv.backends.quant._simd import at, half, prefetch
-from localkv.backends.quant._simd_wide import q4k_block, q6k_block, whsum, wzero
+from localkv.backends.cpu.kernels import PAR
+from localkv.backends.cpu.kernels.matmul_few import chunk, chunks, quantized
+from localkv.backends.cpu.quant.formats import act_group, geometry
+from localkv.backends.cpu.simd.u8x32 import at, half, prefetch
+from localkv.backends.cpu.simd.wide import q4k_block, q6k_block, whsum, wzero
 
 TYPES = ("Q4_K", "Q6_K")  # the types with a super-block kernel
 ROWS = 2  # activation rows it takes at most; more go to the generic kernel's lanes
@@ -99,15 +100,15 @@ def _row(qt, w, base, xa, bs, dx, r, nb):
     return whsum(acc) - m
 
 
-@njit(**_PAR)
+@njit(**PAR)
 def matmul_super(qt, x, ws, offs, out):
-    """_kernels.matmul_few for Q4_K / Q6_K and 1 <= R <= ROWS activation rows."""
+    """matmul_few.matmul_few for Q4_K / Q6_K and 1 <= R <= ROWS activation rows."""
     R, K = x.shape
     xq, dx, _ = quantized(x, act_group(qt))
     xa, bs = layout(qt, xq)
-    counts = _chunks(ws)
+    counts = chunks(ws)
     for c in prange(counts[0] + counts[1] + counts[2]):
-        i, n0, n1, col = _chunk(ws, offs, counts, c)
+        i, n0, n1, col = chunk(ws, offs, counts, c)
         w = ws[i]
         for n in range(n0, n1):
             for r in range(R):

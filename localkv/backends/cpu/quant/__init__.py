@@ -3,151 +3,69 @@
 A QTensor is one weight matrix [rows=out, cols=in] as the file stores it (a read-only view
 into the mapped file). Four operations cover a Llama forward pass:
 - matmul_few(x, w): x @ W.T for 1-8 activation rows (decode steps, forks), numba kernels that
-  read the blocks directly, on all the kernels' threads (`_kernels`, `_float`);
+  read the blocks directly, on all the kernels' threads (kernels/matmul_few, superblock,
+  float_few);
 - matmul_many(x, w): the same for many rows (prefill): tiles of W dequantized into a reused
   float32 scratch, each multiplied by BLAS; or, for block types on a CPU with AMX, bf16 tile
-  kernels that decode the blocks themselves (`_amx`, on all the kernels' threads; why_no_amx()
+  kernels that decode the blocks themselves (kernels/amx, on all the kernels' threads; why_no_amx()
   says whether);
 - dequantize_rows / get_rows: rows as float32 (embedding lookups, tests).
 
-Thread rules (docs/ARCHITECTURE.md, cpu_kernels): matmul_few starts numba's OpenMP workers, so
+Thread rules (docs/ARCHITECTURE.md, backends/cpu/build): matmul_few starts numba's OpenMP workers, so
 call it with BLAS held to one thread, as the model does for passes of up to 8 rows; everything
 else here runs on the calling thread or in BLAS.
 
-The kernels follow cpu_kernels: LOCALKV_CPU_KERNELS=0, a missing numba or OpenMP runtime turn
-them off (cpu_kernels.load decides, for both), compiled code is cached beside these files, and
-each type's kernels are checked against the numpy path when they load. Without them every
-operation runs the numpy path (`_numpy`: gguf's dequantizer + BLAS) with the same results
-within float rounding. load(types) prepares only the types a model uses.
+The kernels load with the others (build.load(types) prepares only the types a model uses):
+LOCALKV_CPU_KERNELS=0, a missing numba or OpenMP runtime turn them off, and each type's
+kernels are checked against the numpy path when they load (compiled.check). Without them
+every operation runs the numpy path (`fallback`: gguf's dequantizer + BLAS) with the same
+results within float rounding.
+
+Modules: types (the weight types and their block sizes), formats (the block decoders the
+kernels inline), tensor (QTensor, QStack), fallback (the numpy path), compiled (the entry
+points into the kernels, imported by build.load), and this API.
 """
 
-import hashlib
-import importlib
-import sys
-import threading
-import time
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import numpy as np
 
-from localkv.backends.jit_cache import tables_deferred
-from localkv.backends.quant import _numpy
-from localkv.backends.quant._tensor import SUPPORTED, KernelRun, QStack, QTensor, from_gguf
-from localkv.backends.quant._types import BLOCK_TYPES
+import localkv.backends.cpu.quant.fallback as fallback
+from localkv.backends.cpu.build import state
+from localkv.backends.cpu.quant.tensor import SUPPORTED, KernelRun, QStack, QTensor, from_gguf
+from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group
 from localkv.backends.vm import reused_empty
-from localkv.errors import first_line
 
 __all__ = ["SUPPORTED", "QStack", "QTensor", "active", "dequantize", "dequantize_rows", "from_gguf", "get_rows",
-           "load", "matmul_few", "matmul_many", "on_amx", "scratch", "weight_types", "why_no_amx",
+           "matmul_few", "matmul_many", "on_amx", "scratch", "weight_types", "why_no_amx",
            "why_not"]  # fmt: skip
 MAX_FEW = 8  # matmul_few's activation rows per kernel call; more go to matmul_many
 
 
-# ---------------------------------------------------------------- loading
-
-_state: dict[str, str | None] = {}  # qtype -> None (kernels ready) or why they are not
-_lock = threading.Lock()
-_entry = None  # the module of kernel entry points (_compiled), once a type has loaded
-_amx_kernels = None  # the module _amx, once loaded and checked
-_amx_state: dict[str, str | None] = {}  # "" (the kernels) or a block type -> None (ready) or why not
-
-
-def load(types: Iterable[str] = SUPPORTED, progress: bool = False) -> bool:
-    """Compile (or load from numba's cache) and self-check the kernels of these types only.
-    True when all of them can run; otherwise those that can still do. Safe to call again."""
-    import localkv.backends.cpu_kernels as cpu_kernels
-
-    types = sorted(set(types))
-    for t in types:
-        if t not in SUPPORTED:
-            raise ValueError(f"weight type {t} is not supported")
-    with _lock:
-        todo = [t for t in types if t not in _state]
-        if todo and not cpu_kernels.load():
-            _state.update(dict.fromkeys(todo, cpu_kernels.why_not()))
-            todo = []
-        t0 = time.perf_counter()
-        if todo:
-            _drop_stale_cache()
-        with tables_deferred():
-            for t in todo:
-                _state[t] = _load_type(t)
-            if any(_state[t] is None for t in todo):
-                global _entry
-                _entry = importlib.import_module("localkv.backends.quant._compiled")
-                _load_amx([t for t in todo if _state[t] is None])
-        took = time.perf_counter() - t0
-        if progress and todo and took > 1.0:
-            print(f"compiled the quantized-weight kernels in {took:.1f}s (cached for later runs)", file=sys.stderr)
-    return all(_state[t] is None for t in types)
+# ---------------------------------------------------------------- what loaded (build.load)
 
 
 def active(qtype: str) -> bool:
     """The kernels of this type are loaded and passed their check."""
-    return qtype in _state and _state[qtype] is None
+    return qtype in state.types and state.types[qtype] is None  # absent: not loaded
 
 
 def why_not(qtype: str) -> str | None:
-    if qtype not in _state:
-        return "not loaded"
-    return _state[qtype]
-
-
-def _load_type(qtype: str) -> str | None:
-    try:
-        entry = importlib.import_module("localkv.backends.quant._compiled")
-        return None if entry.check(qtype) else f"{qtype} kernel self-check failed"
-    except Exception as e:  # a numba/llvm mismatch, an unwritable cache...
-        return f"{qtype} kernels unavailable ({type(e).__name__}: {first_line(e)})"
+    return state.types.get(qtype, "not loaded")
 
 
 def why_no_amx() -> str | None:
     """None when matmul_many multiplies on AMX tiles in this process (the CPU and Linux allow
     it, and the kernels of some type loaded and passed their check), else why not."""
-    if any(why is None for t, why in _amx_state.items() if t):
+    if any(why is None for t, why in state.amx.items() if t):
         return None
-    return _amx_state.get("", "not loaded") or "no block type's AMX kernel loaded"
+    return state.amx.get("", "not loaded") or "no block type's AMX kernel loaded"
 
 
 def on_amx(qtype: str) -> bool:
-    """matmul_many multiplies weights of this type on AMX tiles (block types only: _amx says why)."""
-    return _amx_state.get(qtype, "") is None
-
-
-def _load_amx(types: list[str]):
-    """The AMX kernels, once per process, then the one that decodes each of these block types
-    (called under _lock, with numba's tables deferred)."""
-    global _amx_kernels
-    try:
-        if "" not in _amx_state:
-            amx = importlib.import_module("localkv.backends.quant._amx")
-            _amx_state[""] = amx.enable()
-            _amx_kernels = amx if _amx_state[""] is None else None
-        for t in types:
-            if _amx_kernels is not None and t in BLOCK_TYPES:
-                _amx_state[t] = None if _amx_kernels.check(t) else f"{t} AMX kernel self-check failed"
-    except Exception as e:  # a numba or LLVM without these intrinsics
-        why = f"AMX kernels unavailable ({type(e).__name__}: {first_line(e)})"
-        for key in ("", *types):
-            _amx_state.setdefault(key, why)
-
-
-def _drop_stale_cache():
-    """numba's cache knows only the file of the kernel it compiled, not the decoders and
-    intrinsics it inlined from the other files here: drop the cache when any of them changed."""
-    here = Path(__file__).parent
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(here.glob("*.py")))).hexdigest()
-    stamp = here / "__pycache__" / "quant_sources.sha1"
-    try:
-        if stamp.exists() and stamp.read_text() == digest:
-            return
-        for p in here.glob("__pycache__/*.nb[ic]"):
-            p.unlink(missing_ok=True)
-        stamp.parent.mkdir(exist_ok=True)
-        stamp.write_text(digest)
-    except OSError:  # a read-only install: numba caches elsewhere, keyed on the files' times
-        pass
+    """matmul_many multiplies weights of this type on AMX tiles (block types only: kernels/amx
+    says why)."""
+    return state.amx.get(qtype, "") is None
 
 
 # ---------------------------------------------------------------- operations
@@ -168,16 +86,16 @@ def matmul_few(x: np.ndarray, w: "QTensor | QStack | Sequence[QTensor]") -> np.n
     out = np.empty((x.shape[0], w.rows), np.float32)
     for run in w.runs:
         if active(run.qtype) and (run.qtype in BLOCK_TYPES or w.cols % 8 == 0):
-            _entry.few(run, x, out)
+            state.weights.few(run, x, out)
         else:
             _few_numpy(run, x, out)
     return out
 
 
 def _few_numpy(run: KernelRun, x: np.ndarray, out: np.ndarray):
-    xa = _numpy.quantize_activations(x, _numpy.activation_group(run.qtype)) if run.qtype in BLOCK_TYPES else x
+    xa = fallback.quantize_activations(x, activation_group(run.qtype)) if run.qtype in BLOCK_TYPES else x
     for t, col in zip(run.tensors, run.offs):
-        out[:, col : col + t.rows] = _numpy.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, None, _dequant(t)).T
+        out[:, col : col + t.rows] = fallback.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, None, _dequant(t)).T
 
 
 def matmul_many(x: np.ndarray, w: "QTensor | QStack", scratch: np.ndarray | None = None) -> np.ndarray:
@@ -198,32 +116,32 @@ def matmul_many(x: np.ndarray, w: "QTensor | QStack", scratch: np.ndarray | None
     for t in w.tensors if isinstance(w, QStack) else (w,):
         xa, group = x, 0
         if t.qtype in BLOCK_TYPES:  # the activations matmul_few multiplies: both paths, one function
-            group = _numpy.activation_group(t.qtype)
+            group = activation_group(t.qtype)
             xa = rounded[group] = rounded[group] if group in rounded else _rounded(x, t.qtype)
         if on_amx(t.qtype):
-            packs[group] = packs[group] if group in packs else _amx_kernels.packed(xa)
-            _amx_kernels.multiply(t.qtype, t.data, t.cols, packs[group], out_t[r : r + t.rows])
+            packs[group] = packs[group] if group in packs else state.amx_kernels.packed(xa)
+            state.amx_kernels.multiply(t.qtype, t.data, t.cols, packs[group], out_t[r : r + t.rows])
         else:
-            _numpy.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, scratch, _dequant(t), out_t[r : r + t.rows])
+            fallback.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, scratch, _dequant(t), out_t[r : r + t.rows])
         r += t.rows
     return out_t.T
 
 
 def _rounded(x: np.ndarray, qtype: str) -> np.ndarray:
-    """x rounded to int8 steps per group (_numpy.activation_group), as the few-row kernels
+    """x rounded to int8 steps per group (types.activation_group), as the few-row kernels
     quantize them for weights of qtype."""
-    group = _numpy.activation_group(qtype)
-    return _entry.quantize(x, group) if active(qtype) else _numpy.quantize_activations(x, group)
+    group = activation_group(qtype)
+    return state.weights.quantize(x, group) if active(qtype) else fallback.quantize_activations(x, group)
 
 
 def scratch() -> np.ndarray:
     """A float32 buffer that holds any tile matmul_many dequantizes (weights of up to
-    _numpy.TILE_VALUES / 64 columns): one per caller, passed to every call."""
-    return np.empty(_numpy.TILE_VALUES, np.float32)
+    fallback.TILE_VALUES / 64 columns): one per caller, passed to every call."""
+    return np.empty(fallback.TILE_VALUES, np.float32)
 
 
 def weight_types(weights: Iterable) -> set[str]:
-    """The types of the QTensors (and of the QStacks' tensors) among weights: what load() needs."""
+    """The types of the QTensors (and of the QStacks' tensors) among weights: what build.load() needs."""
     types: set[str] = set()
     for w in weights:
         if isinstance(w, QTensor):
@@ -252,7 +170,7 @@ def dequantize(w: "QTensor | QStack", dtype=np.float32) -> np.ndarray:
     tensors = w.tensors if isinstance(w, QStack) else (w,)
     r = 0
     for t in tensors:
-        step = _numpy.tile_rows(t.cols)
+        step = fallback.tile_rows(t.cols)
         tile = None if out.dtype == np.float32 else np.empty((min(step, t.rows), t.cols), np.float32)
         for r0 in range(0, t.rows, step):
             r1 = min(t.rows, r0 + step)
@@ -271,9 +189,9 @@ def get_rows(w: QTensor, ids) -> np.ndarray:
         raise ValueError(f"row ids must be in 0..{w.rows - 1}, got {ids.min()}..{ids.max()}")
     if w.qtype in BLOCK_TYPES and active(w.qtype):
         out = np.empty((len(ids), w.cols), np.float32)
-        _entry.dequantize(w, ids, out)
+        state.weights.dequantize(w, ids, out)
         return out
-    return _numpy.get_rows(w.data, w.qtype, ids, w.cols)
+    return fallback.get_rows(w.data, w.qtype, ids, w.cols)
 
 
 def _dequant(w: QTensor):
@@ -282,9 +200,9 @@ def _dequant(w: QTensor):
 
         def kernel(r0: int, r1: int, out: np.ndarray) -> np.ndarray:
             if not out.flags.c_contiguous:
-                return _numpy.dequantize_rows(w.data, w.qtype, r0, r1, out)
-            _entry.dequantize(w, np.arange(r0, r1), out)
+                return fallback.dequantize_rows(w.data, w.qtype, r0, r1, out)
+            state.weights.dequantize(w, np.arange(r0, r1), out)
             return out
 
         return kernel
-    return lambda r0, r1, out: _numpy.dequantize_rows(w.data, w.qtype, r0, r1, out)
+    return lambda r0, r1, out: fallback.dequantize_rows(w.data, w.qtype, r0, r1, out)

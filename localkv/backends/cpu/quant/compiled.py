@@ -1,20 +1,23 @@
-"""Entry points into the compiled kernels (imported once numba has loaded): the kernel call for
-a run of weights of one type, the dequantizer, and the check each type passes as it loads."""
+"""Entry points into the compiled weight kernels (imported by build.load once numba has
+imported): the kernel call for a run of weights of one type, the dequantizer, the activations'
+int8 rounding for prefill, and the check each type passes as it loads."""
 
 import numpy as np
 
-from localkv.backends.quant import _numpy
-from localkv.backends.quant._float import matmul_few_float
-from localkv.backends.quant._formats import MARKERS
-from localkv.backends.quant._kernels import CHUNK
-from localkv.backends.quant._kernels import dequantize as _dequantize
-from localkv.backends.quant._kernels import matmul_few as _matmul_few
-from localkv.backends.quant._kernels import quantize_cols as _quantize_cols
-from localkv.backends.quant._kernels import quantize_rows as _quantize_rows
-from localkv.backends.quant._superblock import ROWS as SUPER_ROWS
-from localkv.backends.quant._superblock import TYPES as SUPER_TYPES
-from localkv.backends.quant._superblock import matmul_super as _matmul_super
-from localkv.backends.quant._types import BLOCK_TYPES, block_size
+import localkv.backends.cpu.quant.fallback as fallback
+from localkv.backends.cpu.kernels import self_check
+from localkv.backends.cpu.kernels.float_few import matmul_few_float
+from localkv.backends.cpu.kernels.matmul_few import CHUNK
+from localkv.backends.cpu.kernels.matmul_few import dequantize as _dequantize
+from localkv.backends.cpu.kernels.matmul_few import matmul_few as _matmul_few
+from localkv.backends.cpu.kernels.matmul_few import quantize_cols as _quantize_cols
+from localkv.backends.cpu.kernels.matmul_few import quantize_rows as _quantize_rows
+from localkv.backends.cpu.kernels.superblock import ROWS as SUPER_ROWS
+from localkv.backends.cpu.kernels.superblock import TYPES as SUPER_TYPES
+from localkv.backends.cpu.kernels.superblock import matmul_super as _matmul_super
+from localkv.backends.cpu.quant.formats import MARKERS
+from localkv.backends.cpu.quant.tensor import QStack, sample_weight
+from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group, block_size
 
 
 def few(run, x: np.ndarray, out: np.ndarray):
@@ -45,41 +48,23 @@ def quantize(x: np.ndarray, group: int) -> np.ndarray:
     return out
 
 
-def sample_weight(qtype: str, rows: int, cols: int, seed: int = 0):
-    """A weight of random but valid blocks: random bytes, with bit 6 of every odd byte clear, so
-    that each fp16 scale (all at even offsets, little-endian) is finite."""
-    from localkv.backends.quant import QTensor
-
-    rng = np.random.default_rng(seed)
-    if qtype not in BLOCK_TYPES:
-        w = rng.standard_normal((rows, cols), dtype=np.float32)
-        if qtype == "BF16":
-            return QTensor((w.view(np.uint32) >> 16).astype(np.uint16), qtype, (rows, cols))
-        return QTensor(w.astype(np.float16 if qtype == "F16" else np.float32), qtype, (rows, cols))
-    values, nbytes = block_size(qtype)
-    data = rng.integers(0, 256, (rows, cols // values * nbytes), dtype=np.uint8)
-    data[:, 1::2] &= 0xBF
-    return QTensor(data, qtype, (rows, cols))
-
-
+@self_check("weights")
 def check(qtype: str) -> bool:
     """Compile (or load) this type's kernels now, not inside a timed step, and check them
     against the numpy path: both few-row paths, several weights at once, a row count that
     is not a multiple of the work chunk, and the dequantizer."""
-    from localkv.backends.quant import QStack
-
     values = block_size(qtype)[0] if qtype in BLOCK_TYPES else 32
     cols = 3 * values if values == 32 else 2 * values
     ws = (sample_weight(qtype, CHUNK + 3, cols, 1), sample_weight(qtype, 5, cols, 2))
-    dense = [_numpy.dequantize_rows(w.data, qtype, 0, w.rows, np.empty(w.shape, np.float32)) for w in ws]
+    dense = [fallback.dequantize_rows(w.data, qtype, 0, w.rows, np.empty(w.shape, np.float32)) for w in ws]
     if qtype in BLOCK_TYPES:
         got = np.empty(dense[0].shape, np.float32)
         dequantize(ws[0], np.arange(ws[0].rows), got)
         x = np.random.default_rng(4).standard_normal((3, cols), dtype=np.float32)
         x[1, 2] = np.inf  # its group: nan, as the few-row kernels give
-        want = _numpy.quantize_activations(x, _numpy.activation_group(qtype))
+        want = fallback.quantize_activations(x, activation_group(qtype))
         for xs in (x, np.asfortranarray(x)):  # both orders matmul_many is given
-            if not np.array_equal(quantize(xs, _numpy.activation_group(qtype)), want, equal_nan=True):
+            if not np.array_equal(quantize(xs, activation_group(qtype)), want, equal_nan=True):
                 return False
         if not np.array_equal(got, dense[0]):
             return False
@@ -89,7 +74,7 @@ def check(qtype: str) -> bool:
         out = np.empty((rows, ws[0].rows + ws[1].rows), np.float32)
         (run,) = QStack(ws).runs
         few(run, x, out)
-        xa = _numpy.quantize_activations(x, _numpy.activation_group(qtype)) if qtype in BLOCK_TYPES else x
+        xa = fallback.quantize_activations(x, activation_group(qtype)) if qtype in BLOCK_TYPES else x
         want = xa.astype(np.float64) @ np.concatenate(dense).T.astype(np.float64)
         if not np.allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
             return False

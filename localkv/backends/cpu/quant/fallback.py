@@ -1,7 +1,7 @@
 """The numpy-only path (no numba, or LOCALKV_CPU_KERNELS=0): gguf's dequantizer on tiles of
 weight rows, then BLAS. Slower, same results as the kernels within float rounding: for block
 types the few-row product quantizes the activations to int8 exactly as the kernels do
-(`quantize_activations`, per `activation_group` values), so both paths compute the same sums.
+(`quantize_activations`, per `types.activation_group` values), so both paths compute the same sums.
 """
 
 import numpy as np
@@ -15,13 +15,6 @@ TILE_VALUES = 1 << 22
 
 def tile_rows(cols: int) -> int:
     return max(64, TILE_VALUES // cols)
-
-
-def activation_group(qtype: str) -> int:
-    """How many activations share one int8 scale when multiplied with weights of qtype: 256
-    for the K-quants (llama.cpp's Q8_K, so that their kernels multiply a 256-value super-block
-    in integers), 32 for the other block types (Q8_0)."""
-    return 256 if qtype.endswith("_K") else 32
 
 
 def quantize_activations(x: np.ndarray, group: int = 32) -> np.ndarray:

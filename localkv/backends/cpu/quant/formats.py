@@ -6,7 +6,7 @@ with one (s, m) for values 0-15 and one for 16-31 (the K-quants Q2_K, Q3_K and Q
 every 16 values; the others every 32 or every 256). `group(qt, w, blk, j)` returns
 (u, sa, sb, ma, mb) for group j of the block starting at byte blk of w. Signed formats become
 unsigned with an offset folded into m (Q8_0: u = q + 128, m = -128 d), so the kernels need
-one unsigned x signed byte product (`_simd.dot`) for every type.
+one unsigned x signed byte product (`simd/u8x32.dot`) for every type.
 
 Layouts as in ggml's ggml-common.h / gguf's quants.py (fp16 scales little-endian):
     Q4_0 d, qs[16]                Q4_1 d, m, qs[16]          Q8_0 d, qs[32] (int8)
@@ -30,8 +30,8 @@ import numpy as np
 from numba import types
 from numba.extending import NativeValue, models, overload, register_jitable, register_model, typeof_impl, unbox
 
-from localkv.backends.quant._numpy import activation_group
-from localkv.backends.quant._simd import (
+from localkv.backends.cpu.quant.types import BLOCK_TYPES, FLOAT_TYPES, activation_group, block_size
+from localkv.backends.cpu.simd.u8x32 import (
     at,
     band,
     bits,
@@ -48,7 +48,6 @@ from localkv.backends.quant._simd import (
     shr,
     u32,
 )  # fmt: skip
-from localkv.backends.quant._types import BLOCK_TYPES, FLOAT_TYPES, block_size
 
 
 class QTypeT(types.Type):
@@ -97,7 +96,7 @@ def _geometry(qt):
 
 
 def act_group(qt):
-    """The activations' quantization group of this type (_numpy.activation_group), a constant."""
+    """The activations' quantization group of this type (types.activation_group), a constant."""
 
 
 @overload(act_group, inline="always")
@@ -107,7 +106,7 @@ def _act_group(qt):
 
 
 def product(qt, acc, u, s):
-    """_simd.dot for this type's u: dot7 (faster without VNNI) unless u may reach 128 (Q8_0)."""
+    """u8x32.dot for this type's u: dot7 (faster without VNNI) unless u may reach 128 (Q8_0)."""
 
 
 @overload(product, inline="always")
@@ -118,7 +117,7 @@ def _product(qt, acc, u, s):
 
 
 def lanes_product(qt, u, xi, off):
-    """_simd.lanes_dot for this type's u, as `product`."""
+    """u8x32.lanes_dot for this type's u, as `product`."""
 
 
 @overload(lanes_product, inline="always")

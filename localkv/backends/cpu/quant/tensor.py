@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from localkv.backends.quant._types import BLOCK_TYPES, FLOAT_TYPES, block_size
+from localkv.backends.cpu.quant.types import BLOCK_TYPES, FLOAT_TYPES, block_size
 
 SUPPORTED: frozenset[str] = frozenset(BLOCK_TYPES + FLOAT_TYPES)
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -140,3 +140,18 @@ def from_gguf(tensor) -> QTensor:
     qtype = tensor.tensor_type.name
     data = tensor.data.view(np.uint16) if qtype == "BF16" else tensor.data
     return QTensor(data.reshape(rows, -1), qtype, (rows, cols))
+
+
+def sample_weight(qtype: str, rows: int, cols: int, seed: int = 0):
+    """A weight of random but valid blocks: random bytes, with bit 6 of every odd byte clear, so
+    that each fp16 scale (all at even offsets, little-endian) is finite."""
+    rng = np.random.default_rng(seed)
+    if qtype not in BLOCK_TYPES:
+        w = rng.standard_normal((rows, cols), dtype=np.float32)
+        if qtype == "BF16":
+            return QTensor((w.view(np.uint32) >> 16).astype(np.uint16), qtype, (rows, cols))
+        return QTensor(w.astype(np.float16 if qtype == "F16" else np.float32), qtype, (rows, cols))
+    values, nbytes = block_size(qtype)
+    data = rng.integers(0, 256, (rows, cols // values * nbytes), dtype=np.uint8)
+    data[:, 1::2] &= 0xBF
+    return QTensor(data, qtype, (rows, cols))

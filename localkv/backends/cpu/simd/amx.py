@@ -1,10 +1,10 @@
-"""Intel AMX tile instructions for numba kernels, written as LLVM IR intrinsics (see _amx).
+"""Intel AMX tile instructions for numba kernels, written as LLVM IR intrinsics (see kernels/amx).
 
 A tile register (tmm0-tmm7) is named by a constant: each op takes its tile numbers as integer
 literals. Addresses are an array and an element offset into it (C-contiguous arrays, nothing
 bounds-checked), strides are in bytes. A thread must load a tile configuration (tile_config)
 before its first tile op, and the process must hold the kernel's permission for the tile
-state (_amx.enable), or the first op is an illegal instruction.
+state (kernels/amx.enable), or the first op is an illegal instruction.
 """
 
 from llvmlite import ir

@@ -1,18 +1,19 @@
-"""The F32x8 operations of the kernels (see _simd): float lanes, the scale FMAs, widening of
-fp16 / bf16 weights, and the expansion of a decoded group to float32."""
+"""The F32x8 operations of the kernels (types and offsets as in vec): float lanes, the scale
+FMAs, widening of fp16 / bf16 weights, the expansion of a decoded group to float32, and a float
+from its bits."""
 
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from localkv.backends.quant._simd import _F32, _FAST, _I16, _V8F32, _V8I32, F32x8, _ptr, _splat
+from localkv.backends.cpu.simd.vec import F32, FAST, I16, V8F32, V8I32, F32x8, ptr, splat
 
 
 @intrinsic
 def fzero(typingctx):
     def codegen(context, builder, sig, args):
-        return ir.Constant(_V8F32, [0.0] * 8)
+        return ir.Constant(V8F32, [0.0] * 8)
 
     return F32x8(), codegen
 
@@ -20,7 +21,7 @@ def fzero(typingctx):
 @intrinsic
 def fsplat(typingctx, s):
     def codegen(context, builder, sig, args):
-        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _V8F32)
+        return splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), V8F32)
 
     return F32x8(s), codegen
 
@@ -30,9 +31,9 @@ def fpair(typingctx, a, b):
     """[a, a, a, a, b, b, b, b]: one scale per 16 bytes of a `dot`."""
 
     def codegen(context, builder, sig, args):
-        va = _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _V8F32)
-        vb = _splat(builder, context.cast(builder, args[1], sig.args[1], types.float32), _V8F32)
-        return builder.shuffle_vector(va, vb, ir.Constant(_V8I32, [0, 1, 2, 3, 12, 13, 14, 15]))
+        va = splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), V8F32)
+        vb = splat(builder, context.cast(builder, args[1], sig.args[1], types.float32), V8F32)
+        return builder.shuffle_vector(va, vb, ir.Constant(V8I32, [0, 1, 2, 3, 12, 13, 14, 15]))
 
     return F32x8(a, b), codegen
 
@@ -40,7 +41,7 @@ def fpair(typingctx, a, b):
 @intrinsic
 def tofloat(typingctx, v):
     def codegen(context, builder, sig, args):
-        return builder.sitofp(args[0], _V8F32)
+        return builder.sitofp(args[0], V8F32)
 
     return F32x8(v), codegen
 
@@ -50,7 +51,7 @@ def fma(typingctx, a, b, c):
     """a * b + c, lane by lane."""
 
     def codegen(context, builder, sig, args):
-        return builder.fadd(builder.fmul(args[0], args[1], flags=_FAST), args[2], flags=_FAST)
+        return builder.fadd(builder.fmul(args[0], args[1], flags=FAST), args[2], flags=FAST)
 
     return F32x8(a, b, c), codegen
 
@@ -58,7 +59,7 @@ def fma(typingctx, a, b, c):
 @intrinsic
 def fmul(typingctx, a, b):
     def codegen(context, builder, sig, args):
-        return builder.fmul(args[0], args[1], flags=_FAST)
+        return builder.fmul(args[0], args[1], flags=FAST)
 
     return F32x8(a, b), codegen
 
@@ -68,7 +69,7 @@ def fload(typingctx, arr, off):
     """8 floats at arr[off:] (a float32 array)."""
 
     def codegen(context, builder, sig, args):
-        return builder.load(_ptr(context, builder, sig.args[0], args[0], args[1], _V8F32), align=4)
+        return builder.load(ptr(context, builder, sig.args[0], args[0], args[1], V8F32), align=4)
 
     return F32x8(arr, off), codegen
 
@@ -79,9 +80,9 @@ def hsum(typingctx, v):
 
     def codegen(context, builder, sig, args):
         fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_F32, [_F32, _V8F32]), "llvm.vector.reduce.fadd.v8f32"
+            builder.module, ir.FunctionType(F32, [F32, V8F32]), "llvm.vector.reduce.fadd.v8f32"
         )
-        return builder.call(fn, [ir.Constant(_F32, 0.0), args[0]], fastmath=_FAST)
+        return builder.call(fn, [ir.Constant(F32, 0.0), args[0]], fastmath=FAST)
 
     return types.float32(v), codegen
 
@@ -89,7 +90,7 @@ def hsum(typingctx, v):
 @intrinsic
 def fadd(typingctx, a, b):
     def codegen(context, builder, sig, args):
-        return builder.fadd(args[0], args[1], flags=_FAST)
+        return builder.fadd(args[0], args[1], flags=FAST)
 
     return F32x8(a, b), codegen
 
@@ -102,11 +103,11 @@ def expand(typingctx, out, off, u, sa, sb, ma, mb):
         out, off, u = args[:3]
         sa, sb, ma, mb = (context.cast(builder, v, t, types.float32) for v, t in zip(args[3:], sig.args[3:]))
         for q in range(4):
-            part = builder.shuffle_vector(u, u, ir.Constant(_V8I32, list(range(8 * q, 8 * q + 8))))
+            part = builder.shuffle_vector(u, u, ir.Constant(V8I32, list(range(8 * q, 8 * q + 8))))
             s, m = (sa, ma) if q < 2 else (sb, mb)
-            v = builder.fmul(builder.uitofp(part, _V8F32), _splat(builder, s, _V8F32), flags=_FAST)
-            v = builder.fadd(v, _splat(builder, m, _V8F32), flags=_FAST)
-            p = _ptr(context, builder, sig.args[0], out, builder.add(off, ir.Constant(off.type, 8 * q)), _V8F32)
+            v = builder.fmul(builder.uitofp(part, V8F32), splat(builder, s, V8F32), flags=FAST)
+            v = builder.fadd(v, splat(builder, m, V8F32), flags=FAST)
+            p = ptr(context, builder, sig.args[0], out, builder.add(off, ir.Constant(off.type, 8 * q)), V8F32)
             builder.store(v, p, align=4)
         return context.get_dummy_value()
 
@@ -128,8 +129,8 @@ def hload(typingctx, arr, off):
     """8 IEEE half floats at arr[off:] (a uint16 array) as F32x8."""
 
     def codegen(context, builder, sig, args):
-        v = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I16, 8)), align=2)
-        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), _V8F32)
+        v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(I16, 8)), align=2)
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), V8F32)
 
     return F32x8(arr, off), codegen
 
@@ -139,9 +140,9 @@ def bload(typingctx, arr, off):
     """8 bfloat16 at arr[off:] (a uint16 array) as F32x8."""
 
     def codegen(context, builder, sig, args):
-        v = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I16, 8)), align=2)
-        v = builder.shl(builder.zext(v, _V8I32), ir.Constant(_V8I32, [16] * 8))
-        return builder.bitcast(v, _V8F32)
+        v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(I16, 8)), align=2)
+        v = builder.shl(builder.zext(v, V8I32), ir.Constant(V8I32, [16] * 8))
+        return builder.bitcast(v, V8F32)
 
     return F32x8(arr, off), codegen
 
@@ -151,7 +152,7 @@ def fstore(typingctx, arr, off, v):
     """arr[off:off+8] = v (a float32 array)."""
 
     def codegen(context, builder, sig, args):
-        builder.store(args[2], _ptr(context, builder, sig.args[0], args[0], args[1], _V8F32), align=4)
+        builder.store(args[2], ptr(context, builder, sig.args[0], args[0], args[1], V8F32), align=4)
         return context.get_dummy_value()
 
     return types.none(arr, off, v), codegen
@@ -163,6 +164,16 @@ def fsplat_at(typingctx, arr, off):
     that differ by constants stay one address register plus displacements)."""
 
     def codegen(context, builder, sig, args):
-        return _splat(builder, builder.load(_ptr(context, builder, sig.args[0], args[0], args[1]), align=4), _V8F32)
+        return splat(builder, builder.load(ptr(context, builder, sig.args[0], args[0], args[1]), align=4), V8F32)
 
     return F32x8(arr, off), codegen
+
+
+@intrinsic
+def float_of_bits(typingctx, bits):
+    """The float32 whose bits are the int32 `bits`."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], F32)
+
+    return types.float32(types.int32), codegen

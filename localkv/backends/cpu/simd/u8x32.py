@@ -1,4 +1,4 @@
-"""A few SIMD vector values and operations for numba kernels, written as LLVM IR intrinsics.
+"""The byte and integer SIMD operations of the kernels (U8x32, I32x8), as LLVM IR intrinsics.
 
 numba's loop vectorizer does not turn the block loops of the quantized formats into packed
 integer multiply-adds (it gathered, or left them scalar), so the kernels spell the vectors out:
@@ -11,59 +11,23 @@ AVX2, vpmaddubsw + vpmaddwd when every u < 128 (`dot7`: the pairs cannot saturat
 else the bytes widened to int16 first; on other CPUs plain widening multiplies and adds,
 lowered by LLVM. All are exact. The choice follows the features numba compiles for, which
 are part of numba's cache key, so a cached kernel never runs on a CPU it was not built for.
-The float lanes (F32x8) are in _simd_f32.
-
-Offsets are in elements of the array passed (bytes for uint8 arrays); arrays must be
-C-contiguous, and nothing is bounds-checked: callers keep offsets inside the array.
+The float lanes (F32x8) are in f32x8, the types and IR helpers in vec (offsets as there).
 """
 
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model
+from numba.extending import intrinsic
 
-_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-_V8I32, _V8F32, _V32I8 = ir.VectorType(_I32, 8), ir.VectorType(_F32, 8), ir.VectorType(_I8, 32)
-_FAST = ("fast",)
-
-
-class Vec(types.Type):
-    """An LLVM vector held in registers: U8x32, I32x8 or F32x8."""
-
-    def __init__(self, name: str, llvm_type):
-        self.llvm_type = llvm_type
-        super().__init__(name=name)
-
-
-@register_model(Vec)
-class _VecModel(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, fe_type.llvm_type)
-
-
-U8x32 = Vec("U8x32", _V32I8)
-I32x8 = Vec("I32x8", _V8I32)
-F32x8 = Vec("F32x8", _V8F32)
-
-
-def _ptr(context, builder, arrty, arr, off, vec_type=None):
-    """Address of element `off` of a C-contiguous array, as a pointer to vec_type (or the element)."""
-    data = context.make_array(arrty)(context, builder, value=arr).data
-    p = builder.gep(data, [builder.sext(off, ir.IntType(64)) if off.type.width < 64 else off])
-    return builder.bitcast(p, vec_type.as_pointer()) if vec_type is not None else p
-
-
-def _splat(builder, value, vec_type):
-    v = builder.insert_element(ir.Constant(vec_type, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vec_type.count), [0] * vec_type.count))
+from localkv.backends.cpu.simd.vec import F32, I8, I16, I32, V8I32, V32I8, I32x8, U8x32, features, function, ptr, splat
 
 
 def _byte(builder, value):
-    return builder.trunc(value, _I8) if value.type.width > 8 else value
+    return builder.trunc(value, I8) if value.type.width > 8 else value
 
 
 def _has_vnni(context) -> bool:
-    feats = getattr(context.codegen(), "_tm_features", "") or ""
+    feats = features(context)
     return "+avxvnni" in feats or ("+avx512vnni" in feats and "+avx512vl" in feats)
 
 
@@ -75,7 +39,7 @@ def load32(typingctx, arr, off):
     """32 bytes at arr[off:]."""
 
     def codegen(context, builder, sig, args):
-        return builder.load(_ptr(context, builder, sig.args[0], args[0], args[1], _V32I8), align=1)
+        return builder.load(ptr(context, builder, sig.args[0], args[0], args[1], V32I8), align=1)
 
     return U8x32(arr, off), codegen
 
@@ -85,11 +49,11 @@ def nibbles(typingctx, arr, off):
     """The 16 bytes at arr[off:] as 32 values: their low nibbles, then their high nibbles."""
 
     def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(_I8, 16)
-        v = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
+        v16 = ir.VectorType(I8, 16)
+        v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
         lo = builder.and_(v, ir.Constant(v16, [15] * 16))
         hi = builder.lshr(v, ir.Constant(v16, [4] * 16))
-        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
 
     return U8x32(arr, off), codegen
 
@@ -99,10 +63,10 @@ def bits(typingctx, word):
     """Byte j = bit j of a 32-bit word (0 or 1)."""
 
     def codegen(context, builder, sig, args):
-        v32 = ir.VectorType(_I32, 32)
-        w = _splat(builder, builder.trunc(args[0], _I32) if args[0].type.width > 32 else args[0], v32)
+        v32 = ir.VectorType(I32, 32)
+        w = splat(builder, builder.trunc(args[0], I32) if args[0].type.width > 32 else args[0], v32)
         w = builder.and_(builder.lshr(w, ir.Constant(v32, list(range(32)))), ir.Constant(v32, [1] * 32))
-        return builder.trunc(w, _V32I8)
+        return builder.trunc(w, V32I8)
 
     return U8x32(word), codegen
 
@@ -110,7 +74,7 @@ def bits(typingctx, word):
 def _byte_op(op):
     def typer(typingctx, v, k):
         def codegen(context, builder, sig, args):
-            return getattr(builder, op)(args[0], _splat(builder, _byte(builder, args[1]), _V32I8))
+            return getattr(builder, op)(args[0], splat(builder, _byte(builder, args[1]), V32I8))
 
         return U8x32(v, k), codegen
 
@@ -137,27 +101,27 @@ def bor(typingctx, a, b):
 @intrinsic
 def izero(typingctx):
     def codegen(context, builder, sig, args):
-        return ir.Constant(_V8I32, [0] * 8)
+        return ir.Constant(V8I32, [0] * 8)
 
     return I32x8(), codegen
 
 
 def _dot_codegen(context, small: bool):
     """The builder function of `dot` for the CPU numba compiles for. small: every u < 128."""
-    feats = getattr(context.codegen(), "_tm_features", "") or ""
+    feats = features(context)
     if _has_vnni(context):
 
         def vnni(builder, acc, u, s):
-            fn = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32, [_V8I32] * 3)
-            return builder.call(fn, [acc, builder.bitcast(u, _V8I32), builder.bitcast(s, _V8I32)])
+            fn = function(builder, "llvm.x86.avx512.vpdpbusd.256", V8I32, [V8I32] * 3)
+            return builder.call(fn, [acc, builder.bitcast(u, V8I32), builder.bitcast(s, V8I32)])
 
         return vnni
-    v16 = ir.VectorType(_I16, 16)
+    v16 = ir.VectorType(I16, 16)
     if "+avx2" in feats and small:  # u * s pairs fit int16 (vpmaddubsw saturates past 32767)
 
         def maddubs(builder, acc, u, s):
-            pairs = builder.call(_intrinsic_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [_V32I8] * 2), [u, s])
-            quads = builder.call(_intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [v16] * 2),
+            pairs = builder.call(function(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [V32I8] * 2), [u, s])
+            quads = builder.call(function(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [v16] * 2),
                                  [pairs, ir.Constant(v16, [1] * 16)])  # fmt: skip
             return builder.add(acc, quads)
 
@@ -165,29 +129,25 @@ def _dot_codegen(context, small: bool):
     if "+avx2" in feats:  # bytes widened to int16 first: exact for any u
 
         def madd16(builder, acc, u, s):
-            fn = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [v16] * 2)
-            v32 = ir.VectorType(_I16, 32)
+            fn = function(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [v16] * 2)
+            v32 = ir.VectorType(I16, 32)
             uw, sw = builder.zext(u, v32), builder.sext(s, v32)
-            lo, hi = (ir.Constant(ir.VectorType(_I32, 16), list(range(k, k + 16))) for k in (0, 16))
+            lo, hi = (ir.Constant(ir.VectorType(I32, 16), list(range(k, k + 16))) for k in (0, 16))
             a = builder.call(fn, [builder.shuffle_vector(uw, uw, lo), builder.shuffle_vector(sw, sw, lo)])
             b = builder.call(fn, [builder.shuffle_vector(uw, uw, hi), builder.shuffle_vector(sw, sw, hi)])
-            q = builder.call(_intrinsic_fn(builder, "llvm.x86.avx2.phadd.d", _V8I32, [_V8I32] * 2), [a, b])
-            return builder.add(acc, builder.shuffle_vector(q, q, ir.Constant(_V8I32, [0, 1, 4, 5, 2, 3, 6, 7])))
+            q = builder.call(function(builder, "llvm.x86.avx2.phadd.d", V8I32, [V8I32] * 2), [a, b])
+            return builder.add(acc, builder.shuffle_vector(q, q, ir.Constant(V8I32, [0, 1, 4, 5, 2, 3, 6, 7])))
 
         return madd16
 
     def generic(builder, acc, u, s):
-        v32 = ir.VectorType(_I32, 32)
+        v32 = ir.VectorType(I32, 32)
         p = builder.mul(builder.zext(u, v32), builder.sext(s, v32), flags=("nsw",))
         for i in range(4):
-            acc = builder.add(acc, builder.shuffle_vector(p, p, ir.Constant(_V8I32, list(range(i, 32, 4)))))
+            acc = builder.add(acc, builder.shuffle_vector(p, p, ir.Constant(V8I32, list(range(i, 32, 4)))))
         return acc
 
     return generic
-
-
-def _intrinsic_fn(builder, name, ret, args):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
 def _dot_typer(small: bool):
@@ -214,9 +174,9 @@ def half(typingctx, arr, off):
     """The IEEE half float stored (little-endian) at byte off of a uint8 array, as float32."""
 
     def codegen(context, builder, sig, args):
-        p = _ptr(context, builder, sig.args[0], args[0], args[1])
+        p = ptr(context, builder, sig.args[0], args[0], args[1])
         h = builder.load(builder.bitcast(p, ir.HalfType().as_pointer()), align=1)
-        return builder.fpext(h, _F32)
+        return builder.fpext(h, F32)
 
     return types.float32(arr, off), codegen
 
@@ -227,7 +187,7 @@ def at(typingctx, arr, off):
     negative-index and bounds handling of numba's indexing."""
 
     def codegen(context, builder, sig, args):
-        return builder.load(_ptr(context, builder, sig.args[0], args[0], args[1]))
+        return builder.load(ptr(context, builder, sig.args[0], args[0], args[1]))
 
     return arr.dtype(arr, off), codegen
 
@@ -237,8 +197,8 @@ def u32(typingctx, arr, off):
     """The little-endian uint32 at byte off of a uint8 array."""
 
     def codegen(context, builder, sig, args):
-        p = _ptr(context, builder, sig.args[0], args[0], args[1])
-        return builder.zext(builder.load(builder.bitcast(p, _I32.as_pointer()), align=1), ir.IntType(64))
+        p = ptr(context, builder, sig.args[0], args[0], args[1])
+        return builder.zext(builder.load(builder.bitcast(p, I32.as_pointer()), align=1), ir.IntType(64))
 
     return types.int64(arr, off), codegen
 
@@ -251,15 +211,15 @@ def _lanes_typer(small: bool):
 
         def codegen(context, builder, sig, args):
             u, xi, off = args
-            words = builder.bitcast(u, _V8I32)
+            words = builder.bitcast(u, V8I32)
             dot_impl = _dot_codegen(context, small)
             out = []
             for half_ in range(2):
-                acc = ir.Constant(_V8I32, [0] * 8)
+                acc = ir.Constant(V8I32, [0] * 8)
                 for k in range(4 * half_, 4 * half_ + 4):
-                    b = builder.bitcast(builder.shuffle_vector(words, words, ir.Constant(_V8I32, [k] * 8)), _V32I8)
+                    b = builder.bitcast(builder.shuffle_vector(words, words, ir.Constant(V8I32, [k] * 8)), V32I8)
                     at = builder.add(off, ir.Constant(off.type, 32 * k))
-                    x = builder.load(_ptr(context, builder, sig.args[1], xi, at, _V32I8), align=1)
+                    x = builder.load(ptr(context, builder, sig.args[1], xi, at, V32I8), align=1)
                     acc = dot_impl(builder, acc, b, x)
                 out.append(acc)
             return context.make_tuple(builder, sig.return_type, out)
@@ -279,11 +239,11 @@ def prefetch(typingctx, arr, off):
     never faults, so off may run past the end of the array."""
 
     def codegen(context, builder, sig, args):
-        p = builder.bitcast(_ptr(context, builder, sig.args[0], args[0], args[1]), ir.IntType(8).as_pointer())
+        p = builder.bitcast(ptr(context, builder, sig.args[0], args[0], args[1]), ir.IntType(8).as_pointer())
         fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [p.type, _I32, _I32, _I32]), "llvm.prefetch.p0"
+            builder.module, ir.FunctionType(ir.VoidType(), [p.type, I32, I32, I32]), "llvm.prefetch.p0"
         )
-        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
         return context.get_dummy_value()
 
     return types.none(arr, off), codegen

@@ -1,4 +1,5 @@
-"""The K-quant super-block products (Q4_K, Q6_K) as LLVM IR on 64-byte vectors, for _superblock.
+"""The K-quant super-block products (Q4_K, Q6_K) as LLVM IR on 64-byte vectors, for
+kernels/superblock.
 
 One call multiplies a whole 256-value super-block of weights with int8 activations in integers,
 the way llama.cpp's K-quant dots do: the unsigned weight bytes times the activation bytes in
@@ -10,34 +11,25 @@ Q6_K's -32) multiply the activations' sums per 32 / per 16 values, given precomp
 by the integer mins or scales (vpmaddwd), returned as one integer per super-block.
 
 With AVX-512 BW the vectors are zmm registers; with AVX2 each 64-byte operation runs as two
-256-bit ones; elsewhere plain widening IR that LLVM lowers. Offsets as in _simd (elements of
+256-bit ones; elsewhere plain widening IR that LLVM lowers. Offsets as in vec (elements of
 the arrays given, C-contiguous, nothing bounds-checked).
 """
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from localkv.backends.quant._simd import _F32, _FAST, _I8, _I16, _I32, Vec, _ptr, _splat
+from localkv.backends.cpu.simd.vec import F32, FAST, I8, I16, I32, Vec, features, function, ptr, splat
 
-_V64I8, _V32I8, _V16I8 = ir.VectorType(_I8, 64), ir.VectorType(_I8, 32), ir.VectorType(_I8, 16)
-_V32I16, _V16I16, _V8I16 = ir.VectorType(_I16, 32), ir.VectorType(_I16, 16), ir.VectorType(_I16, 8)
-_V16I32, _V8I32, _V16F32 = ir.VectorType(_I32, 16), ir.VectorType(_I32, 8), ir.VectorType(_F32, 16)
+_V64I8, _V32I8, _V16I8 = ir.VectorType(I8, 64), ir.VectorType(I8, 32), ir.VectorType(I8, 16)
+_V32I16, _V16I16, _V8I16 = ir.VectorType(I16, 32), ir.VectorType(I16, 16), ir.VectorType(I16, 8)
+_V16I32, _V8I32, _V16F32 = ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(F32, 16)
 
 F32x16 = Vec("F32x16", _V16F32)
 
 
-def _feats(context) -> str:
-    return getattr(context.codegen(), "_tm_features", "") or ""
-
-
-def _fn(builder, name, ret, args):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-
 def _mask(values):
-    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
+    return ir.Constant(ir.VectorType(I32, len(values)), list(values))
 
 
 def _halves(builder, v):
@@ -60,44 +52,44 @@ def _pairs_add(builder, v, wide):
 def _maddubs(context, builder, u, s):
     """<64 x i8> unsigned u, signed s -> <32 x i16>: u[2i] s[2i] + u[2i+1] s[2i+1] (callers keep
     these sums inside int16: vpmaddubsw saturates)."""
-    f = _feats(context)
+    f = features(context)
     if "+avx512bw" in f:
-        return builder.call(_fn(builder, "llvm.x86.avx512.pmaddubs.w.512", _V32I16, [_V64I8] * 2), [u, s])
+        return builder.call(function(builder, "llvm.x86.avx512.pmaddubs.w.512", _V32I16, [_V64I8] * 2), [u, s])
     if "+avx2" in f:
-        fn = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8] * 2)
+        fn = function(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8] * 2)
         (ua, ub), (sa, sb) = _halves(builder, u), _halves(builder, s)
         return _join(builder, builder.call(fn, [ua, sa]), builder.call(fn, [ub, sb]))
-    v = ir.VectorType(_I16, 64)
+    v = ir.VectorType(I16, 64)
     p = builder.mul(builder.zext(u, v), builder.sext(s, v), flags=("nsw",))
     return _pairs_add(builder, p, _V32I16)
 
 
 def _madd(context, builder, a, b):
     """int16 vectors a, b (32, 16 or 8 lanes) -> int32 lanes a[2i] b[2i] + a[2i+1] b[2i+1]."""
-    n, f = a.type.count, _feats(context)
-    out = ir.VectorType(_I32, n // 2)
+    n, f = a.type.count, features(context)
+    out = ir.VectorType(I32, n // 2)
     if n == 32 and "+avx512bw" in f:
-        return builder.call(_fn(builder, "llvm.x86.avx512.pmaddw.d.512", out, [a.type] * 2), [a, b])
+        return builder.call(function(builder, "llvm.x86.avx512.pmaddw.d.512", out, [a.type] * 2), [a, b])
     if n == 32 and "+avx2" in f:
         (aa, ab), (ba, bb) = _halves(builder, a), _halves(builder, b)
         return _join(builder, _madd(context, builder, aa, ba), _madd(context, builder, ab, bb))
     if n == 16 and "+avx2" in f:
-        return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", out, [a.type] * 2), [a, b])
+        return builder.call(function(builder, "llvm.x86.avx2.pmadd.wd", out, [a.type] * 2), [a, b])
     if n == 8 and "+sse2" in f:
-        return builder.call(_fn(builder, "llvm.x86.sse2.pmadd.wd", out, [a.type] * 2), [a, b])
-    wide = ir.VectorType(_I32, n)
+        return builder.call(function(builder, "llvm.x86.sse2.pmadd.wd", out, [a.type] * 2), [a, b])
+    wide = ir.VectorType(I32, n)
     return _pairs_add(builder, builder.mul(builder.sext(a, wide), builder.sext(b, wide), flags=("nsw",)), out)
 
 
 def _load(context, builder, arrty, arr, off, vec_type):
-    return builder.load(_ptr(context, builder, arrty, arr, off, vec_type), align=1)
+    return builder.load(ptr(context, builder, arrty, arr, off, vec_type), align=1)
 
 
 def _at(builder, off, k):
     return builder.add(off, ir.Constant(off.type, k))
 
 
-def _byte_splat(builder, vec_type, k):
+def _bytesplat(builder, vec_type, k):
     return ir.Constant(vec_type, [k] * vec_type.count)
 
 
@@ -108,25 +100,25 @@ def _spread(builder, scales, picks, width):
 
 def _finish(context, builder, sig, acc, isum, msum, scale):
     """(acc + float(isum) * scale, msum) as the intrinsic's tuple."""
-    s = _splat(builder, context.cast(builder, scale, sig.args[-1], types.float32), _V16F32)
-    acc = builder.fadd(builder.fmul(builder.sitofp(isum, _V16F32), s, flags=_FAST), acc, flags=_FAST)
-    reduce = _fn(builder, "llvm.vector.reduce.add.v" + str(msum.type.count) + "i32", _I32, [msum.type])
+    s = splat(builder, context.cast(builder, scale, sig.args[-1], types.float32), _V16F32)
+    acc = builder.fadd(builder.fmul(builder.sitofp(isum, _V16F32), s, flags=FAST), acc, flags=FAST)
+    reduce = function(builder, "llvm.vector.reduce.add.v" + str(msum.type.count) + "i32", I32, [msum.type])
     m = builder.sext(builder.call(reduce, [msum]), ir.IntType(64))
     return context.make_tuple(builder, sig.return_type, [acc, m])
 
 
 def _q4k_scales(context, builder, arrty, w, blk):
     """The 12 packed bytes at blk + 4 -> <16 x i16>: the 8 six-bit scales, then the 8 mins."""
-    u = [builder.load(builder.bitcast(_ptr(context, builder, arrty, w, _at(builder, blk, 4 + 4 * i)),
-                                      _I32.as_pointer()), align=1) for i in range(3)]  # fmt: skip
-    k1, k2, k3 = (ir.Constant(_I32, k) for k in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
-    sh = lambda v, k: builder.lshr(v, ir.Constant(_I32, k))  # noqa: E731
-    hi = lambda v: builder.shl(builder.and_(sh(v, 6), k3), ir.Constant(_I32, 4))  # noqa: E731
+    u = [builder.load(builder.bitcast(ptr(context, builder, arrty, w, _at(builder, blk, 4 + 4 * i)),
+                                      I32.as_pointer()), align=1) for i in range(3)]  # fmt: skip
+    k1, k2, k3 = (ir.Constant(I32, k) for k in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+    sh = lambda v, k: builder.lshr(v, ir.Constant(I32, k))  # noqa: E731
+    hi = lambda v: builder.shl(builder.and_(sh(v, 6), k3), ir.Constant(I32, 4))  # noqa: E731
     words = [builder.and_(u[0], k1), builder.or_(builder.and_(u[2], k2), hi(u[0])),
              builder.and_(u[1], k1), builder.or_(builder.and_(sh(u[2], 4), k2), hi(u[1]))]  # fmt: skip
-    v = ir.Constant(ir.VectorType(_I32, 4), ir.Undefined)
+    v = ir.Constant(ir.VectorType(I32, 4), ir.Undefined)
     for i, word in enumerate(words):
-        v = builder.insert_element(v, word, ir.Constant(_I32, i))
+        v = builder.insert_element(v, word, ir.Constant(I32, i))
     return builder.zext(builder.bitcast(v, _V16I8), _V16I16)
 
 
@@ -145,8 +137,8 @@ def q4k_block(typingctx, acc, w, blk, xp, bs, sb, scale):
         isum = ir.Constant(_V16I32, [0] * 16)
         for h in range(2):
             v = _load(context, builder, sig.args[1], w, _at(builder, blk, 16 + 64 * h), _V64I8)
-            lo = builder.and_(v, _byte_splat(builder, _V64I8, 15))
-            hi = builder.lshr(v, _byte_splat(builder, _V64I8, 4))
+            lo = builder.and_(v, _bytesplat(builder, _V64I8, 15))
+            hi = builder.lshr(v, _bytesplat(builder, _V64I8, 4))
             for k, u in enumerate((lo, hi)):
                 x = _load(context, builder, sig.args[3], xp, _at(builder, xo, 128 * h + 64 * k), _V64I8)
                 sc = _spread(builder, sm32, (4 * h + k, 4 * h + k + 2), 16)
@@ -171,11 +163,11 @@ def q6k_block(typingctx, acc, w, blk, xq, bs, sb, scale):
         sc32 = builder.shuffle_vector(sc, sc, _mask(list(range(16)) * 2))
         xo = builder.mul(sb, ir.Constant(sb.type, 256))
         isum = ir.Constant(_V16I32, [0] * 16)
-        c = lambda k: _byte_splat(builder, _V64I8, k)  # noqa: E731
+        c = lambda k: _bytesplat(builder, _V64I8, k)  # noqa: E731
         for h in range(2):
             ql = _load(context, builder, sig.args[1], w, _at(builder, blk, 64 * h), _V64I8)
             qh = _load(context, builder, sig.args[1], w, _at(builder, blk, 128 + 32 * h), _V32I8)
-            qh = _join(builder, qh, builder.lshr(qh, _byte_splat(builder, _V32I8, 2)))  # bits 0-1 | 2-3
+            qh = _join(builder, qh, builder.lshr(qh, _bytesplat(builder, _V32I8, 2)))  # bits 0-1 | 2-3
             u01 = builder.or_(builder.and_(ql, c(15)), builder.shl(builder.and_(qh, c(3)), c(4)))
             u23 = builder.or_(builder.lshr(ql, c(4)), builder.shl(builder.and_(builder.lshr(qh, c(4)), c(3)), c(4)))
             for k, u in enumerate((u01, u23)):
@@ -201,7 +193,7 @@ def whsum(typingctx, v):
     """The sum of the 16 lanes."""
 
     def codegen(context, builder, sig, args):
-        fn = _fn(builder, "llvm.vector.reduce.fadd.v16f32", _F32, [_F32, _V16F32])
-        return builder.call(fn, [ir.Constant(_F32, 0.0), args[0]], fastmath=_FAST)
+        fn = function(builder, "llvm.vector.reduce.fadd.v16f32", F32, [F32, _V16F32])
+        return builder.call(fn, [ir.Constant(F32, 0.0), args[0]], fastmath=FAST)
 
     return types.float32(v), codegen

@@ -1,0 +1,52 @@
+"""The CPU backend (CpuBackend: numpy, OpenBLAS and numba kernels) and everything it computes
+with. Read it bottom up:
+- simd/: the LLVM IR vocabulary the kernels are written in (vec: vector types and IR helpers;
+  u8x32: bytes and integer dot products; f32x8: float lanes; wide: 64-byte K-quant products;
+  amx: AMX tile instructions);
+- kernels/: the numba kernels (attention, decode, elementwise; matmul_few for every block type;
+  superblock, the Q4_K / Q6_K kernel of one or two rows, a 256-value super-block at a time in
+  integers; float_few; amx, prefill on AMX tiles), their one option set and self-checks;
+- quant/: weights kept in their GGUF encoding (types, formats: the block decoders, QTensor,
+  the numpy fallback, the entry points into the kernels, matmul_few / matmul_many / get_rows);
+- build: the one load() of every kernel, the LOCALKV_CPU_KERNELS switch, numba's threading
+  layer, the source-hash guard over this whole tree, and the one record of what loaded;
+  jit_cache: loading cached kernels without numba's compiler tables;
+- compiled: the attention and element-wise kernels called on numpy arrays; attention: the
+  numpy attention over the paged pool (and where the kernels take over); threads: the cores
+  other processes leave idle;
+- backend: the op set and CpuBackend.
+
+Only build imports the kernel modules (once numba has imported); everything else runs
+without numba, on the numpy path.
+"""
+
+from localkv.backends.cpu.backend import (
+    KERNEL_ROWS,
+    CpuBackend,
+    DecodeBatch,
+    Tails,
+    act_dtype,
+    add_residual,
+    decode,
+    frozen_table,
+    frozen_tails,
+    gather_kv,
+    gelu_mul,
+    head_rmsnorm,
+    kv_dtype,
+    linear,
+    logits,
+    paged_attention,
+    rmsnorm,
+    rope,
+    rope_tables,
+    shared_prefix_decode,
+    silu_mul,
+    uses_kernels,
+    write_kv,
+)
+
+__all__ = ["KERNEL_ROWS", "CpuBackend", "DecodeBatch", "Tails", "act_dtype", "add_residual", "decode",
+           "frozen_table", "frozen_tails", "gather_kv", "gelu_mul", "head_rmsnorm", "kv_dtype", "linear", "logits",
+           "paged_attention", "rmsnorm", "rope", "rope_tables", "shared_prefix_decode", "silu_mul", "uses_kernels",
+           "write_kv"]  # fmt: skip

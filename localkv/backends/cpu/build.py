@@ -1,0 +1,218 @@
+"""Loading the CPU kernels: one load() for every numba kernel of the backend (attention,
+element-wise, the weight types' matmuls, AMX), the switch that turns them off, numba's
+threading layer, the guard that drops numba's cache when any source here changed, and the one
+record of what loaded (`state`).
+
+Threads: numba's OpenMP layer starts a kernel at once (its workers spin between kernels); the
+sleeping "workqueue" layer wakes its workers for each, which over the ~200 kernels of a step
+costs more than it saves, so only "omp" is used. Spinning workers and OpenBLAS's own
+spinning workers must not run at once on a small machine (a kernel start then waits for a time
+slice), so while kernels run the model keeps BLAS on one thread (see CpuBackend.begin_forward),
+and localkv/__init__ shortens OpenBLAS's spin after a call (OPENBLAS_THREAD_TIMEOUT) and that
+of numba's OpenMP workers (GOMP_SPINCOUNT).
+
+LOCALKV_CPU_KERNELS=0 turns the kernels off (numpy/BLAS only); so does a missing numba or a
+missing OpenMP runtime (libgomp). Compiled code is cached beside the kernel files (numba's
+cache), and each kernel module's self-checks (kernels.self_check) run as it loads: a group
+that fails stays off and its callers take the numpy path.
+"""
+
+import contextlib
+import hashlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from localkv.backends.cpu.jit_cache import tables_deferred
+from localkv.backends.vm import drop_file_pages
+from localkv.errors import first_line
+
+ROOT = Path(__file__).parent  # every .py file under it can be inlined into a cached kernel
+
+
+@dataclass(slots=True)
+class State:
+    """What load() found in this process, and the kernel modules it loaded."""
+
+    ok: bool | None = None  # the attention and element-wise kernels run; None until load() tried
+    why: str | None = None  # why they do not
+    types: dict[str, str | None] = field(default_factory=dict)  # weight type -> None (runs) or why not
+    amx: dict[str, str | None] = field(default_factory=dict)  # "" (the tile unit) or block type -> same
+    attention: ModuleType | None = None  # kernels.attention, decode, elementwise once checked
+    decode: ModuleType | None = None
+    elementwise: ModuleType | None = None
+    weights: ModuleType | None = None  # quant.compiled, once a weight type's kernels passed
+    amx_kernels: ModuleType | None = None  # kernels.amx, once the tile unit is granted
+
+
+state = State()
+_lock = threading.Lock()
+
+
+def load(types: Iterable[str] = (), progress: bool = False) -> bool:
+    """Import numba, pin its threading layer to OpenMP, and compile (or load from numba's
+    cache) and self-check the attention and element-wise kernels, then those of these weight
+    types only (with their AMX kernels where the CPU has the unit). True when all of them can
+    run; otherwise those that can still do, and the others' reasons are kept (why_not,
+    quant.why_not). Safe to call again. With progress, a first compile (seconds; cached for
+    later runs) is reported on stderr."""
+    from localkv.backends.cpu.quant.tensor import SUPPORTED
+
+    types = sorted(set(types))
+    for t in types:
+        if t not in SUPPORTED:
+            raise ValueError(f"weight type {t} is not supported")
+    with _lock:
+        t0 = time.perf_counter()
+        first = state.ok is None
+        if first:
+            state.ok, state.why = _load()
+        todo = [t for t in types if t not in state.types]
+        if todo and not state.ok:
+            state.types.update(dict.fromkeys(todo, state.why or "the CPU kernels are off"))
+        elif todo:
+            with tables_deferred():
+                _load_types(todo)
+        took = time.perf_counter() - t0
+        if progress and state.ok and (first or todo) and took > 1.0:
+            print(f"compiled the CPU kernels in {took:.1f}s (cached for later runs)", file=sys.stderr)
+    return bool(state.ok) and all(state.types[t] is None for t in types)
+
+
+def active() -> bool:
+    """The attention and element-wise kernels loaded and can run."""
+    return bool(state.ok)
+
+
+def why_not() -> str | None:
+    return state.why
+
+
+def release_compiler() -> bool:
+    """Drop numba's compiler from this process's resident memory once the kernels have loaded.
+    Loading them runs LLVM (libllvmlite.so), which leaves tens of MB of its code resident; it
+    runs again only if a kernel of a new signature compiles, and its pages then come back from
+    the page cache. A run that never compiles more holds that much less. True when the kernel
+    took the advice."""
+    return active() and drop_file_pages("/libllvmlite.so") > 0
+
+
+def _load() -> tuple[bool, str | None]:
+    """The switch, numba, its threading layer and the kernels every model runs."""
+    if os.environ.get("LOCALKV_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False, "LOCALKV_CPU_KERNELS=0"
+    try:
+        with _absent(*_UNUSED_BY_NUMBA):
+            import numba
+    except ImportError as e:
+        return False, f"numba not installed ({e})"
+    if not os.environ.get("NUMBA_THREADING_LAYER"):
+        numba.config.THREADING_LAYER = "omp"
+    try:
+        drop_stale_cache()
+        with _absent("scipy.linalg"), tables_deferred():
+            from localkv.backends.cpu.kernels import CHECKS, attention, decode, elementwise
+
+            if not all(check() for check in CHECKS["base"]):
+                return False, "kernel self-check failed"
+        if numba.threading_layer() != "omp":
+            return False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
+    except Exception as e:  # no OpenMP runtime, a numba/numpy mismatch, an unwritable cache...
+        return False, f"numba kernels unavailable ({type(e).__name__}: {first_line(e)})"
+    state.attention, state.decode, state.elementwise = attention, decode, elementwise
+    return True, None
+
+
+def _load_types(types: list[str]):
+    """The weight kernels of these types, then the AMX ones of those that passed (called under
+    _lock, with numba's tables deferred)."""
+    try:
+        import localkv.backends.cpu.quant.compiled as weights  # its import registers the checks
+    except Exception as e:  # a numba/llvm mismatch...
+        state.types.update(dict.fromkeys(types, f"weight kernels unavailable ({type(e).__name__}: {first_line(e)})"))
+        return
+    for t in types:
+        state.types[t] = _passes("weights", t, f"{t} kernel")
+    ready = [t for t in types if state.types[t] is None]
+    if ready:
+        state.weights = weights
+        _load_amx(ready)
+
+
+def _load_amx(types: list[str]):
+    """The AMX tile unit, once per process, then the kernel that decodes each of these types."""
+    from localkv.backends.cpu.quant.types import BLOCK_TYPES
+
+    if "" not in state.amx:
+        try:
+            import localkv.backends.cpu.kernels.amx as amx
+
+            state.amx[""] = amx.enable()
+        except Exception as e:  # a numba or LLVM without these intrinsics
+            state.amx[""] = f"AMX kernels unavailable ({type(e).__name__}: {first_line(e)})"
+        state.amx_kernels = amx if state.amx[""] is None else None
+    for t in types:
+        if t in BLOCK_TYPES:
+            state.amx[t] = state.amx[""] or _passes("amx", t, f"{t} AMX kernel")
+
+
+def _passes(group: str, qtype: str, what: str) -> str | None:
+    """None when the self-checks of `group` pass for qtype, else why not."""
+    from localkv.backends.cpu.kernels import CHECKS
+
+    try:
+        return None if all(check(qtype) for check in CHECKS[group]) else f"{what} self-check failed"
+    except Exception as e:  # a numba/llvm mismatch, an unwritable cache...
+        return f"{what}s unavailable ({type(e).__name__}: {first_line(e)})"
+
+
+def drop_stale_cache(root: Path = ROOT) -> bool:
+    """numba's cache knows only the file of the kernel it compiled, not the SIMD helpers,
+    decoders and other kernels it inlined from the other files here: drop every cached kernel
+    under root when any .py file under it changed (its name or its text). True when it did."""
+    digest = hashlib.sha1()
+    for p in sorted(root.rglob("*.py")):
+        digest.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
+    stamp = root / "__pycache__" / "kernel_sources.sha1"
+    try:
+        if stamp.exists() and stamp.read_text() == digest.hexdigest():
+            return False
+        for p in root.rglob("__pycache__/*.nb[ic]"):
+            p.unlink(missing_ok=True)
+        stamp.parent.mkdir(exist_ok=True)
+        stamp.write_text(digest.hexdigest())
+    except OSError:  # a read-only install: numba caches elsewhere, keyed on the files' times
+        pass
+    return True
+
+
+# What numba imports at its own import and never uses for these kernels: scipy for a version
+# check, yaml to read a .numba_config.yaml (imported when the working directory has one)
+_UNUSED_BY_NUMBA = ("scipy",) if os.path.exists(".numba_config.yaml") else ("scipy", "yaml")
+
+
+@contextlib.contextmanager
+def _absent(*names: str):
+    """Modules that read as absent while numba imports or loads the kernels, unless already
+    imported: importing one (or a submodule) raises ImportError, which numba takes as "not
+    installed". Afterwards they import normally.
+
+    The first kernel numba loads makes it import its numpy registries, and with them
+    scipy.linalg, to find a BLAS for np.dot and np.linalg in jitted code: no kernel here uses
+    either, and the import costs a start time and memory (scipy.linalg and its own
+    OpenBLAS); numba then marks its BLAS support off for this process. Numba's own import
+    imports scipy (a version check) and yaml (for a config file)."""
+    names = [n for n in names if n not in sys.modules]
+    for name in names:
+        sys.modules[name] = None  # importing it (or a submodule) raises ImportError
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]

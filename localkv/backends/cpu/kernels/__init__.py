@@ -1,0 +1,41 @@
+"""The numba kernels, imported by build.load once numba has imported (not before: the rest of
+the backend runs without numba):
+- attention: a chunk of keys at a time on 8 x 8 register tiles: the shared prefix of many
+  decoding sequences, and a prefill pass's causal attention (flash-style online softmax);
+- decode: one query token per sequence (decode steps, the forks' own tails), vectors along
+  the head dimension;
+- elementwise: fused one-pass RMSNorm, RoPE, SwiGLU and causal mask-and-max for prefill;
+- matmul_few: the decode matmuls of 1-8 activation rows on every block type (int8 activations,
+  integer multiply-adds), and the dequantizer;
+- superblock: Q4_K and Q6_K with one or two rows, a 256-value super-block at a time in integers;
+- float_few: the decode matmuls of F32 / F16 / BF16 weights (float FMAs);
+- amx: prefill matmuls of block-type weights on Intel AMX bf16 tiles.
+
+Every kernel compiles with one of the option sets here, and each module registers the checks
+build.load runs when it loads them (`self_check`).
+"""
+
+from collections.abc import Callable
+
+# Parallel loops (prange) on numba's OpenMP workers; SER on the calling thread; EXACT: serial,
+# without fastmath, for code that must see inf and nan as they are
+PAR = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
+SER = dict(fastmath=True, boundscheck=False, cache=True, nogil=True)
+EXACT = dict(boundscheck=False, cache=True, nogil=True)
+
+# group -> checks, in the order registered. "base" (the attention and element-wise kernels):
+# check() -> bool; "weights" and "amx": check(qtype) -> bool, for each weight type loaded
+CHECKS: dict[str, list[Callable[..., bool]]] = {"base": [], "weights": [], "amx": []}
+
+
+def self_check(group: str):
+    """Register the decorated function as a load-time check of `group`: it compiles (or loads
+    from the cache) the builds the model calls, with the array kinds it passes, and compares
+    their results with numpy's. build.load runs them; a False or an exception turns the group
+    off."""
+
+    def register(check):
+        CHECKS[group].append(check)
+        return check
+
+    return register
