@@ -3,7 +3,7 @@
 import numpy as np
 
 from localkv import backends
-from localkv.backends import vm
+from localkv.backends import Backend, vm
 from localkv.config import KV_DTYPES, EngineConfig
 from localkv.errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
 from localkv.hub.fit import check_fits
@@ -34,19 +34,19 @@ class Engine:
 
             self._threads_limit = threadpool_limits(limits=cfg.threads)  # held for the engine's life
         self.threads = cfg.threads or _blas_threads()
-        self.ops = backends.select(cfg.device, self.threads)  # before the model loads: a missing GPU fails fast
+        self.backend = backends.select(cfg.device, self.threads)  # before the model loads: a missing GPU fails fast
         backends.tune_malloc()
         self.path = resolve_model(cfg.model, progress=progress)
-        check_fits(self.path, cfg.kv_mem, kv_on_host=self.ops.xp is np)  # before mapping anything
+        check_fits(self.path, cfg.kv_mem, kv_on_host=self.backend.xp is np)  # before mapping anything
         self.loaded = loaded = load_model(self.path, progress=progress)
-        self.cfg, self.tokenizer = loaded.config, loaded.tokenizer
-        check_backend(self.cfg, self.ops)  # an architecture the backend cannot run: one line, before the device
-        self.kv_dtype = _kv_dtype(cfg.kv_dtype, self.ops)
-        self.ops.start(progress)  # kernels, after the model: a bad model fails first
-        weights, model_cfg = loaded.weights, self.cfg
-        if not getattr(self.ops, "quant_weights", False):  # a backend without kernels on quantized weights
-            weights, model_cfg = dense_weights(weights, self.cfg, np.dtype(self.ops.act_dtype))
-        self.model = Llama(model_cfg, self.ops.prepare_weights(weights), self.ops, n_ctx=cfg.ctx)
+        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
+        check_backend(self.model_config, self.backend)  # an architecture it cannot run: one line, before the device
+        self.kv_dtype = _kv_dtype(cfg.kv_dtype, self.backend)
+        self.backend.start(progress)  # kernels, after the model: a bad model fails first
+        weights, run_cfg = loaded.weights, self.model_config  # run_cfg: as the model computes (dense: NEOX RoPE)
+        if not self.backend.caps.quant_weights:  # a backend without kernels on quantized weights
+            weights, run_cfg = dense_weights(weights, self.model_config, np.dtype(self.backend.act_dtype))
+        self.model = Llama(run_cfg, self.backend.prepare_weights(weights), self.backend, n_ctx=cfg.ctx)
         self.stats = Stats()
         self.pool = self._new_pool()
         # validates the policy and opens the offload tier before any generation starts
@@ -54,8 +54,8 @@ class Engine:
         self.ctx = self._context()  # tokens one sequence may hold: --ctx, checked against the model and the pool
         # K/V of another dtype, RoPE order or format must never be read as these: all in the key
         dtype = self.kv_dtype.name
-        rope = f"rope-{model_cfg.rope_style}{self.model.rope_variant}"
-        salt = f"{self.cfg.fingerprint}:{cfg.block_size}:{dtype}:{rope}:{KV_FORMAT}"
+        rope = f"rope-{run_cfg.rope_style}{self.model.rope_variant}"
+        salt = f"{self.model_config.fingerprint}:{cfg.block_size}:{dtype}:{rope}:{KV_FORMAT}"
         self.kv = KVManager(self.pool, salt=salt.encode())
         self.prefix_caching = cfg.prefix_cache
         # entries in the pool's own dtype: loading is a checked copy, no conversion
@@ -64,7 +64,7 @@ class Engine:
             self.disk = DiskStore(max_bytes=cfg.disk_cache_size, dtype=dtype)
 
     def _new_pool(self) -> BlockPool:
-        m = self.cfg
+        m = self.model_config
         per_block = self.kv_bytes_per_token * self.config.block_size
         if self.config.kv_mem < per_block:
             raise LocalkvError(f"--kv-mem {self.config.kv_mem} bytes is smaller than one KV block ({per_block} bytes)")
@@ -75,7 +75,7 @@ class Engine:
             m.n_kv_heads,
             m.head_dim,
             dtype=self.kv_dtype,
-            xp=self.ops.xp,
+            xp=self.backend.xp,
             stats=self.stats,
         )
         if pool.xp is np:
@@ -85,12 +85,12 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers, in the pool's dtype."""
-        return 2 * self.cfg.n_layers * self.cfg.kv_dim * self.kv_dtype.itemsize
+        return 2 * self.model_config.n_layers * self.model_config.kv_dim * self.kv_dtype.itemsize
 
     @property
     def cpu_kernels(self) -> bool:
         """Whether decode steps run their matmuls on compiled few-row kernels."""
-        return self.ops.uses_kernels(1)
+        return self.backend.uses_kernels(1)
 
     @property
     def block_size(self) -> int:
@@ -204,7 +204,7 @@ class Engine:
         if not self.prefix_caching:
             return seq, 0
         mem, disk = self.kv.match_prefix(
-            seq, _DiskPrefix(self.disk, self.cfg.fingerprint, self.pool) if self.disk else None
+            seq, _DiskPrefix(self.disk, self.model_config.fingerprint, self.pool) if self.disk else None
         )
         if self.disk:
             self.disk.record(len(prompt_ids), mem + disk)
@@ -217,7 +217,7 @@ class Engine:
         they are checked (a corrupt entry is dropped by read) before being trusted."""
         if not self.disk or not seq.hashable:
             return
-        fp, name, bs = self.cfg.fingerprint, self.cfg.name, self.block_size
+        fp, name, bs = self.model_config.fingerprint, self.model_config.name, self.block_size
         for i in range(n_cached // bs, min(n_prompt // bs, len(seq.block_hashes))):
             h, toks = seq.block_hashes[i], tuple(seq.tokens[i * bs : (i + 1) * bs])
             if self.disk.contains(fp, h) and self.disk.read(fp, h, toks) is not None:
@@ -231,7 +231,7 @@ class Engine:
     def _context(self) -> int:
         """--ctx (default: the model's context). One it asks for must fit the model's context and,
         for one sequence, the pool (under a KV budget, only the budget's blocks are held)."""
-        ctx, model_ctx, bs = self.config.ctx, self.cfg.ctx_len, self.block_size
+        ctx, model_ctx, bs = self.config.ctx, self.model_config.ctx_len, self.block_size
         if ctx is None:
             return model_ctx
         if ctx > model_ctx:
@@ -255,7 +255,7 @@ class Engine:
         if n_prompt == 0:
             raise LocalkvError("empty prompt: nothing to run")
         if n_prompt >= ctx:
-            whose = "the model's context" if ctx == self.cfg.ctx_len else "the context (--ctx)"
+            whose = "the model's context" if ctx == self.model_config.ctx_len else "the context (--ctx)"
             raise ContextOverflow(f"prompt is {n_prompt} tokens; {whose} holds {ctx} (shorten the prompt)")
         if ev.policy == "none" and ev.budget is not None and n_prompt > ev.budget:
             raise BudgetReached(
@@ -312,13 +312,15 @@ def _blas_threads() -> int:
         return os.cpu_count() or 1
 
 
-def _kv_dtype(choice: str, ops) -> np.dtype:
+def _kv_dtype(choice: str, backend: Backend) -> np.dtype:
     """The KV pool's dtype for EngineConfig.kv_dtype on this backend ("auto": the backend's own)."""
     if choice == "auto":
-        return np.dtype(ops.kv_dtype)
+        return np.dtype(backend.kv_dtype)
     dtype = np.dtype(KV_DTYPES[choice])
-    if dtype.name not in getattr(ops, "kv_dtypes", (np.dtype(ops.kv_dtype).name,)):
-        raise LocalkvError(f"--kv-dtype {choice}: the {ops.name} backend keeps K/V in {np.dtype(ops.kv_dtype).name}")
+    if dtype.name not in backend.caps.kv_dtypes:
+        raise LocalkvError(
+            f"--kv-dtype {choice}: the {backend.name} backend keeps K/V in {np.dtype(backend.kv_dtype).name}"
+        )
     return dtype
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from localkv.backends.base import Capabilities
 from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.errors import ModelError
@@ -189,7 +190,14 @@ async def test_chat_turn_on_every_architecture(name, vocabularies):
 
 
 class _Backend:
-    name, attention_options = "CUDA", frozenset()
+    name = "CUDA"
+    caps = Capabilities(
+        shared_prefix=False,
+        batched_decode=True,
+        quant_weights=True,
+        kv_dtypes=("float16",),
+        attention_options=frozenset(),
+    )
 
 
 @pytest.mark.parametrize("name, refused", [("gemma2", True), ("gemma3", True), ("qwen3", False), ("phi3", False)])

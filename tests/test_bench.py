@@ -202,7 +202,7 @@ def engine(real_model_path):
 
 def _check(rows, engines, engine):
     assert [(r["engine"], r["test"]) for r in rows] == [(e, t) for t in ("pp16", "tg4") for e in engines]
-    ours = "CPU AMX" if engine.ops.prefill_amx else "CPU"  # where the model's prefill ran on AMX
+    ours = "CPU AMX" if engine.backend.prefill_amx else "CPU"  # where the model's prefill ran on AMX
     for r in rows:
         assert r.keys() >= LLAMA_BENCH_KEYS
         assert r["backend"] == (ours if r["engine"] == "localkv" else "CPU")

@@ -65,7 +65,9 @@ def cache_entries(path) -> int:
     """Run a prompt of 3 full blocks through the model with the disk cache on: its entries."""
     eng = Engine(EngineConfig(model=str(path), block_size=8, kv_mem="4MiB"))
     Generation(eng, list(range(3, 30)), SamplingParams(temperature=0, max_tokens=2)).run()
-    return sum(m["entries"] for m in DiskStore().stats()["models"] if m["fingerprint"] == eng.cfg.fingerprint[:16])
+    return sum(
+        m["entries"] for m in DiskStore().stats()["models"] if m["fingerprint"] == eng.model_config.fingerprint[:16]
+    )
 
 
 # ------------------------------------------------------------------ show

@@ -84,11 +84,11 @@ def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch, amx):
     def blas_threads():
         return {i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"}
 
-    ops = Engine(EngineConfig(model=tiny, threads=2)).ops
-    monkeypatch.setattr(ops, "prefill_amx", amx)
-    ops.begin_forward(1)
+    backend = Engine(EngineConfig(model=tiny, threads=2)).backend
+    monkeypatch.setattr(backend, "prefill_amx", amx)
+    backend.begin_forward(1)
     assert blas_threads() == {1}
-    ops.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill
+    backend.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill
     assert blas_threads() == ({1} if amx else {2})
     assert numba.get_num_threads() == (min(2, numba_threads()) if amx else 1)
 
@@ -104,9 +104,9 @@ def test_a_prefill_pass_gives_a_large_causal_attention_every_thread(tiny, kernel
     monkeypatch.setattr(cpu_threads, "INTERVAL", 1e9)  # the engine's 2 threads, whatever else runs here
     seen = []
     monkeypatch.setattr(build.state.attention, "paged_causal", lambda *a: seen.append(numba.get_num_threads()))
-    ops = Engine(EngineConfig(model=tiny, threads=2)).ops
-    monkeypatch.setattr(ops, "prefill_amx", False)  # BLAS multiplies the pass
-    ops.begin_forward(ops_numpy.KERNEL_ROWS + 1)
+    backend = Engine(EngineConfig(model=tiny, threads=2)).backend
+    monkeypatch.setattr(backend, "prefill_amx", False)  # BLAS multiplies the pass
+    backend.begin_forward(ops_numpy.KERNEL_ROWS + 1)
     kv = np.zeros((32, 16, 4, 64), np.float16)  # 512 tokens of 4 kv heads
     shapes = ((16, 512), (4, 32), (16, 512))  # 2^27 multiply-adds, 2^17, 2^27
     assert 512 * 256 * 16 * 64 >= cpu_kernels.PARALLEL_CAUSAL > 32 * 16 * 4 * 64
@@ -114,7 +114,7 @@ def test_a_prefill_pass_gives_a_large_causal_attention_every_thread(tiny, kernel
         q = np.zeros((tokens, heads, 64), np.float32)
         cpu_kernels.causal_attention(q, kv, kv, np.arange(tokens // 16), tokens, 0.125)
     assert seen == [2, 1, 2] and numba.get_num_threads() == 1
-    ops.begin_forward(1)  # a decode pass: every kernel on the engine's threads
+    backend.begin_forward(1)  # a decode pass: every kernel on the engine's threads
     cpu_kernels.causal_attention(np.zeros((64, 4, 64), np.float32), kv, kv, np.arange(4), 64, 0.125)
     assert seen[-1] == 2
 

@@ -2,10 +2,10 @@
 
 tests/cuda_emu compiles the unchanged .cu files with the system C++ compiler against a shim of the
 CUDA device API (each CUDA thread a fiber; barriers, warp shuffles, fp16, guard pages around every
-buffer) and launches the kernels as the CUDA backend does (cuda_emu/host.py: same grids, blocks,
-argument lists and dtypes; the constants read from cuda_kernels.py's source). The pools are fp16
-as on the GPU, other blocks of the pool hold garbage, block tables are shuffled; outputs start as
-NaN so an element a kernel fails to write shows. The emulator's own semantics: cuda_emu/test_emulator.py.
+buffer), and the backend's own launch code runs them through the CuPy stand-in (cuda_emu/host.py:
+numpy arrays in and out). The pools are fp16 as on the GPU, other blocks of the pool hold garbage,
+block tables are shuffled; outputs start as NaN so an element a kernel fails to write shows. The
+emulator's own semantics: cuda_emu/test_emulator.py.
 
 Tolerances: the kernels compute in fp32 from fp16 inputs and round each output once to fp16, so
 an fp16 output differs from numpy's fp32 result by its rounding, at most 2^-11 relative (rtol
@@ -13,9 +13,11 @@ an fp16 output differs from numpy's fp32 result by its rounding, at most 2^-11 r
 zero where fp32 sums cancel; fp32 outputs (lse, mass, fp32 element-wise ops) within 1e-5 to 1e-4;
 K/V writes and block copies are exact."""
 
+import math
+
 import numpy as np
 import pytest
-from cuda_emu import compiler, host, settings
+from cuda_emu import LAUNCHED, compiler, host, settings
 
 from localkv.backends import cpu as ops_numpy
 
@@ -29,8 +31,23 @@ OTHER_HEAD_DIMS = [32, 96, 256]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernels():
-    return host.modules()  # built once (cached across runs by a hash of the sources)
+def backend():
+    """The CUDA backend on the CuPy stand-in (kernels built on first use, cached across runs by a
+    hash of the sources)."""
+    with host.standin():
+        yield
+
+
+RAN: set[str] = set()  # this module's tests that ran in this process
+LAUNCHED_HERE: set[str] = set()  # the kernels they launched
+
+
+@pytest.fixture(autouse=True)
+def _count_launches(request):
+    before = LAUNCHED.copy()
+    yield
+    RAN.add(request.node.nodeid)
+    LAUNCHED_HERE.update(k for k, n in LAUNCHED.items() if n > before[k])
 
 
 def _pool(rng, n_ctx, kvh, hd, bs, extra=5):
@@ -117,9 +134,7 @@ def test_batched_decode_with_different_context_lengths(part, hd, H, kvh):
     for i, t in enumerate(tables):
         bt[i, : len(t)] = t
     q = rng.standard_normal((len(lens), H, hd)).astype(np.float16)
-    q16, qs = host.q_rows(q)
-    lens32 = np.array(lens, np.int32)
-    out, lse, nparts = host.decode(q16, qs, k, v, bt, bt.shape[1], lens32, 0, 0.1, max(lens), part=part)
+    out, lse, nparts = host.decode(q, k, v, bt, np.array(lens, np.int32), 0.1, max(lens), part=part)
     assert nparts > 1 or part == 1 << 20
     for i, n in enumerate(lens):
         ref = ops_numpy.paged_attention(
@@ -280,16 +295,23 @@ def test_silu_mul(dtype):
 # ---------------------------------------------------------------- coverage
 
 
-def test_every_kernel_the_backend_launches_is_tested_here():
-    """cuda_kernels.KERNELS against the kernels the tests above launch: a kernel added there fails
-    here until a test launches it (quant_matvec.cu's: test_cuda_quant.py)."""
+def test_every_kernel_the_backend_launches_is_tested_here(request):
+    """cuda_kernels.KERNELS against the kernels the tests above launched: a kernel added there
+    fails here until a test launches it (quant_matvec.cu's: test_cuda_quant.py). Needs every
+    test of the module run in this process (skipped when xdist or -k splits it)."""
+    others = _tests_in(request.module) - 1
+    if len(RAN) < others:
+        pytest.skip(f"{others - len(RAN)} of this module's tests ran elsewhere or not at all")
     c = host.constants()
-    tested = {
-        f"{kind}_hd{hd}"
-        for kind in ("paged_decode", "paged_prefill", "attention_mass")
-        for hd in (64, 128, *OTHER_HEAD_DIMS)
-    }
-    tested |= {"paged_decode_reduce", "copy_blocks_f16"}
-    tested |= {f"{op}_{t}" for op in ("write_kv", "rmsnorm", "rope", "rope_pairs", "silu_mul") for t in ("f16", "f32")}
-    assert tested == {k for f, names in c.kernels.items() if f != "quant_matvec.cu" for k in names}
+    want = {k for f, names in c.kernels.items() if f != "quant_matvec.cu" for k in names}
+    assert want - LAUNCHED_HERE == set()
     assert set(c.head_dims) == {64, 128, *OTHER_HEAD_DIMS}
+
+
+def _tests_in(module) -> int:
+    """The test items a module's test functions make, parametrizations multiplied out."""
+    n = 0
+    for name, f in vars(module).items():
+        if name.startswith("test_") and callable(f):
+            n += math.prod(len(m.args[1]) for m in getattr(f, "pytestmark", []) if m.name == "parametrize")
+    return n

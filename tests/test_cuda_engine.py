@@ -102,7 +102,7 @@ def test_the_engine_runs_the_cuda_backend(device, gpu):
     from localkv.backends.cuda import CudaBackend
     from localkv.backends.cuda_quant import DeviceQ
 
-    assert isinstance(gpu.ops, CudaBackend) and gpu.pool.k.dtype == np.float16
+    assert isinstance(gpu.backend, CudaBackend) and gpu.pool.k.dtype == np.float16
     assert isinstance(gpu.model.w["0.wqkv"], DeviceQ) and gpu.model.w["0.wqkv"].qtype == "Q4_1"
     assert isinstance(gpu.model.w["tok_embd"], DeviceQ) and gpu.model.w["tok_embd"].qtype == "Q8_0"
     assert gpu.model.cfg.rope_style == "normal"  # GGUF's Q/K row order, kept: pairwise RoPE

@@ -282,7 +282,7 @@ def test_rope_frequency_factors_of_the_file_are_applied(tmp_path):
     factors = np.array([1, 1, 1, 2, 4, 8, 16, 40], np.float32)  # head width 16: 8 frequencies
     path = write_gguf(tmp_path / "f.gguf", ctx=128, extra={"rope_freqs.weight": factors})
     eng = engine(path)
-    assert eng.cfg.rope_freq_factors == tuple(factors.tolist())
+    assert eng.model_config.rope_freq_factors == tuple(factors.tolist())
     got = eng.prefill(Sequence(PROMPT))
     np.testing.assert_allclose(got, dense_reference(PROMPT, freq_factors=factors)[-1], rtol=1e-3, atol=1e-3)
     assert np.abs(got - dense_reference(PROMPT)[-1]).max() > 1e-2  # the factors matter here

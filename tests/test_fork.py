@@ -132,10 +132,10 @@ def test_branches_decode_together(tiny, monkeypatch, n):
         return linear(x, w, kind)
 
     monkeypatch.setattr(eng.model, "forward", counting_forward)
-    monkeypatch.setattr(eng.ops, "linear", counting_linear)  # the model's weight matmuls
+    monkeypatch.setattr(eng.backend, "linear", counting_linear)  # the model's weight matmuls
     monkeypatch.setattr(ops_numpy.backend, "linear", counting_linear)  # the logits (backends.cpu.backend.logits)
     Generation(eng, PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True), n=n).run()
-    layers = eng.cfg.n_layers
+    layers = eng.model_config.n_layers
     assert forwards == [len(PROMPT)] + [n] * 5  # the prompt once, then 5 steps of n rows each
     assert weight_rows == [len(PROMPT)] * 4 * layers + [n] * 4 * layers * 5
     if eng.cpu_kernels:  # logits through the kernels too: the prompt's last row, then all n rows at once

@@ -7,6 +7,7 @@ CPU: the backend's host code through the CuPy stand-in (tests/cupy_standin), its
 CUDA emulator (tests/cuda_emu). The backend.select checks at the top need neither.
 """
 
+import dataclasses
 import sys
 import types
 
@@ -288,19 +289,21 @@ class TestKernels:
 
     @pytest.mark.parametrize("n_tokens", [None, 5])
     def test_copy_blocks(self, cp, oc, n_tokens):
+        from localkv.backends.cuda_kv import copy_blocks
+
         rng = np.random.default_rng(7)
         shape = (3, 10, 8, 2, 64)
         k = rng.standard_normal(shape).astype(np.float16)
         v = rng.standard_normal(shape).astype(np.float16)
         kg, vg = cp.asarray(k), cp.asarray(v)
         src, dst = [1, 4, 6], [0, 9, 2]
-        oc.copy_blocks(kg, vg, src, dst, n_tokens)
+        copy_blocks(kg, vg, src, dst, n_tokens)
         n = 8 if n_tokens is None else n_tokens
         k[:, dst, :n], v[:, dst, :n] = k[:, src, :n], v[:, src, :n]
         np.testing.assert_array_equal(oc.to_host(kg), k)
         np.testing.assert_array_equal(oc.to_host(vg), v)
         with pytest.raises(ValueError):
-            oc.copy_blocks(kg, vg, [1, 2], [2, 3])  # a destination is also a source
+            copy_blocks(kg, vg, [1, 2], [2, 3])  # a destination is also a source
 
     @pytest.mark.parametrize("dtype", [np.float16, np.float32])
     @pytest.mark.parametrize("D", [64, 576, 4096])
@@ -467,7 +470,7 @@ class TestModel:
         prompts = [rng.integers(3, 261, n).tolist() for n in (20, 33, 5)]
         batched, _, _, _ = _run_model(gpu, pg, prompts, chunk=64, decode_steps=3)
         _, gpu2, _, pg2 = self._models(cp, oc, tiny_model)
-        gpu2.ops.batched_decode = False
+        gpu2.backend.caps = dataclasses.replace(gpu2.backend.caps, batched_decode=False)
         single, _, _, _ = _run_model(gpu2, pg2, prompts, chunk=64, decode_steps=3)
         for b, r in zip(batched, single):
             _assert_logits_close(b, r, rel=5e-3)

@@ -183,7 +183,7 @@ class ChatApp(App):
 
     def _update_header(self) -> None:
         system = preview(self.system, 48) if self.system else "none"
-        self.title, self.sub_title = self.engine.cfg.name, f"{self.engine.ops.name} · system: {system}"
+        self.title, self.sub_title = self.engine.model_config.name, f"{self.engine.backend.name} · system: {system}"
 
     def _tick(self) -> None:
         """Panel refresh: the worker's copy while it runs, else a fresh one (the engine is idle)."""
@@ -340,7 +340,7 @@ class ChatApp(App):
             self._update_header()
             ev = self.engine.config.evict
             budget = f", budget {ev.budget} tokens" if ev.budget is not None else ""
-            await self.transcript.say(f"ready: {self.engine.cfg.name}, KV policy {ev.policy}{budget}")
+            await self.transcript.say(f"ready: {self.engine.model_config.name}, KV policy {ev.policy}{budget}")
         self.busy = self.engine is None
         self._tick()
 

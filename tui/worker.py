@@ -116,7 +116,7 @@ def generate(
     if not error or r.tokens:
         try:
             done.user_id, ids = turn.save(
-                engine.cfg.name, prompt, [(r.text, r.completion_tokens)], r.prompt_tokens, params
+                engine.model_config.name, prompt, [(r.text, r.completion_tokens)], r.prompt_tokens, params
             )
             done.cid, done.reply_id = turn.conversation_id, ids[0]
         except LocalkvError as e:

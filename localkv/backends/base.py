@@ -1,24 +1,45 @@
-"""What a backend provides: the small op set the model's one forward pass is written in.
+"""What a backend provides: the op set the model's one forward pass is written in.
 
 A backend is an object (CpuBackend, CudaBackend) that owns its device state: thread pools and
-compiled kernels on the CPU, kernel modules on the GPU. The model reads capability flags, never
-the backend's type or module, to choose between equivalent ways of computing the same thing.
+compiled kernels on the CPU, kernel modules on the GPU. The model and the engine read its
+Capabilities (`backend.caps`), never the backend's type or module, to choose between equivalent
+ways of computing the same thing. Every member below exists on every backend; a method whose
+capability a backend lacks raises (missing_ability) instead of being absent, so callers never
+probe with getattr.
 """
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """The optional abilities of a backend, fixed by its code (so no defaults: a backend states
+    each one)."""
+
+    shared_prefix: bool  # shared_prefix_decode, frozen_tails: single-token sequences score a common prefix once
+    batched_decode: bool  # decode, decode_batch: one call per layer for many single-token sequences
+    quant_weights: bool  # computes on QTensor/QStack weights (others get model.weights.dense_weights)
+    kv_dtypes: tuple[str, ...]  # the KV pool dtypes (numpy names) EngineConfig.kv_dtype may choose
+    attention_options: frozenset[str]  # what paged_attention takes beyond Llama's: "softcap", "window"
+
+
+def missing_ability(backend: str, method: str, flag: str) -> RuntimeError:
+    """The error of a method called on a backend whose Capabilities say it lacks it."""
+    return RuntimeError(f"the {backend} backend has no {method} (caps.{flag} is False): a bug in the caller's logic")
+
+
 class Backend(Protocol):
     name: str  # "CPU" | "CUDA": what `bench` and the panel print
+    caps: Capabilities
     xp: Any  # the array module of pool and activations: numpy or cupy
     act_dtype: Any  # activations
-    kv_dtype: Any  # the KV pool
-    shared_prefix: bool  # has shared_prefix_decode (forks score their common prefix once)
-    batched_decode: bool  # has paged_decode (one launch for many single-token sequences)
-    prefill_amx: bool  # the model's prefill matmuls run on AMX tiles (set by prepare_weights)
-    attention_options: frozenset  # what paged_attention takes beyond Llama's: "softcap", "window"
+    kv_dtype: Any  # the KV pool's default ("auto")
+    # the model's prefill matmuls run on AMX tiles: a fact about the loaded weights' types, found
+    # by prepare_weights, not an ability of the backend's code, so state here and not in caps
+    prefill_amx: bool
 
     def start(self, progress: bool) -> None:
         """Once the model is known to load: compile or load kernels, so no step pays for it."""
@@ -44,10 +65,12 @@ class Backend(Protocol):
 
     def rmsnorm(self, x, w, eps: float) -> Any: ...
 
-    def rope_tables(self, head_dim: int, max_pos: int, theta: float) -> tuple[Any, Any]: ...
+    def rope_tables(self, head_dim: int, max_pos: int, theta: float, factors=None) -> tuple[Any, Any]:
+        """cos/sin [max_pos, head_dim/2]; factors divide the frequencies (Llama 3's rope_freqs)."""
 
-    def rope(self, x, cos, sin) -> Any:
-        """Rotate halves ("NEOX" order) of x [T, heads, hd] in place; cos/sin [T, hd/2]."""
+    def rope(self, x, cos, sin, style: str = "neox") -> Any:
+        """RoPE in place on x [T, heads, hd]; cos/sin [T, hd/2]; style "neox" rotates the halves,
+        "normal" adjacent pairs (ModelConfig.rope_style)."""
 
     def add_residual(self, x, y) -> Any:
         """x += y in place (a block's output into the residual stream [T, dim]); returns x."""
@@ -67,8 +90,29 @@ class Backend(Protocol):
     def frozen_table(self, block_table) -> Any:
         """A block table as this backend reads it, made once per forward pass."""
 
-    def paged_attention(self, q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass=None, extra=None):
+    def paged_attention(
+        self, q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass=None, extra=None, **options
+    ):
         """Causal attention of q [T, H, hd] (the last T tokens of an n_ctx context) over the K/V
-        found through block_table; see backends/cpu.py for mass and extra."""
+        found through block_table; see backends/cpu/attention.py for mass and extra; options: the
+        caps.attention_options the model's architecture needs (softcap=, window=)."""
 
     def to_host(self, x) -> np.ndarray: ...
+
+    # caps.batched_decode
+
+    def decode_batch(self, tables: list, n_ctx: list[int]) -> Any:
+        """The block tables and context lengths of single-token sequences as decode reads them,
+        made once per forward pass."""
+
+    def decode(self, q, k_layer, v_layer, batch, scale: float) -> Any:
+        """Attention of B sequences of one query token each (q [B, H, hd]) through a decode_batch."""
+
+    # caps.shared_prefix
+
+    def frozen_tails(self, tails) -> Any:
+        """[(frozen tail table, tokens)] per sequence after a shared prefix, made once per forward pass."""
+
+    def shared_prefix_decode(self, q, k_layer, v_layer, prefix_table, tails, scale: float) -> Any:
+        """Decode attention of B sequences (q [B, H, hd]) whose tables all begin with prefix_table:
+        the prefix scored once for all, each tail on its own, merged; as paged_attention per sequence."""

@@ -33,10 +33,11 @@ import numpy as np
 
 import localkv.backends.cpu as cpu
 import localkv.backends.cuda_quant as cuda_quant
+from localkv.backends.base import Capabilities, missing_ability
 from localkv.backends.cpu.quant import QStack, QTensor
 from localkv.backends.cuda_attention import DecodeBatch, paged_attention, paged_decode
 from localkv.backends.cuda_kernels import F16, F32, THREADS, compile_all, dev, elem_strides, grid1d, kernel
-from localkv.backends.cuda_kv import copy_blocks, frozen_table, write_kv
+from localkv.backends.cuda_kv import frozen_table, write_kv
 
 xp = cp
 name = "CUDA"
@@ -204,11 +205,14 @@ class CudaBackend:
     xp = cp
     act_dtype = act_dtype
     kv_dtype = kv_dtype
-    shared_prefix = False
-    batched_decode = True
+    caps = Capabilities(
+        shared_prefix=False,
+        batched_decode=True,
+        quant_weights=True,  # cuda_quant
+        kv_dtypes=("float16",),
+        attention_options=frozenset(),  # no soft-cap, no sliding window: Gemma is refused (model.llama.check_backend)
+    )
     prefill_amx = False
-    quant_weights = True  # computes on QTensor/QStack weights (cuda_quant)
-    attention_options = frozenset()  # no soft-cap, no sliding window: Gemma is refused (model.llama.check_backend)
 
     rmsnorm = staticmethod(rmsnorm)
     rope_tables = staticmethod(rope_tables)
@@ -221,7 +225,6 @@ class CudaBackend:
     write_kv = staticmethod(write_kv)
     frozen_table = staticmethod(frozen_table)
     paged_attention = staticmethod(paged_attention)
-    copy_blocks = staticmethod(copy_blocks)
     uses_kernels = staticmethod(uses_kernels)
     begin_forward = staticmethod(begin_forward)
     to_host = staticmethod(to_host)
@@ -242,3 +245,11 @@ class CudaBackend:
     def decode(q, k_layer, v_layer, batch: DecodeBatch, scale: float):
         """One paged_decode launch for the batch's sequences (one query token each)."""
         return paged_decode(q, k_layer, v_layer, batch.tables, batch.lens, scale, batch.max_ctx)
+
+    @staticmethod
+    def frozen_tails(tails):
+        raise missing_ability("CUDA", "frozen_tails", "shared_prefix")
+
+    @staticmethod
+    def shared_prefix_decode(q, k_layer, v_layer, prefix_table, tails, scale: float):
+        raise missing_ability("CUDA", "shared_prefix_decode", "shared_prefix")

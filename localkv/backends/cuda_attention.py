@@ -12,6 +12,8 @@ code with the CPU backend's algorithm (correct, slower).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cupy as cp
 import numpy as np
 
@@ -47,21 +49,57 @@ def _kernels_ok(hd, k_layer, v_layer) -> bool:
     return hd in KERNEL_HEAD_DIMS and pool_layer_ok(k_layer) and pool_layer_ok(v_layer)
 
 
-def _decode_partition(work_blocks: int, max_ctx: int) -> tuple[int, int]:
+@dataclass(frozen=True, slots=True)
+class Split:
+    """How split-K decode partitions a context: `part` tokens a partition (None: the backend's
+    choice, _decode_partition) for a GPU of `sm_count` SMs (None: the device's). The backend
+    runs the defaults; the emulator tests set them to reach partition counts on short contexts."""
+
+    part: int | None = None
+    sm_count: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Contexts:
+    """Where decode's B sequences read their K/V: block tables [B, width] (or one table [width])
+    int32 on the device, and their lengths: `lens` [B] int32 on the device, or `fixed` > 0 for
+    all (then lens is never read); max_ctx bounds them on the host (it sizes the partitions)."""
+
+    tables: object
+    lens: object
+    fixed: int
+    max_ctx: int
+
+
+@dataclass(frozen=True, slots=True)
+class Attended:
+    """The attention kernels' outputs: out [rows, H, hd] fp16, lse [rows, H] fp32, and the
+    split-K partitions decode ran (1 for prefill)."""
+
+    out: object
+    lse: object
+    parts: int
+
+
+def _decode_partition(work_blocks: int, max_ctx: int, sms: int) -> tuple[int, int]:
     """(partition size, partitions) for split-K decode: about 4 thread blocks per SM in all,
     partitions of at least 256 tokens (multiples of 64), one partition for short contexts."""
-    want = max(1, -(-4 * sm_count(cp.cuda.Device().id) // max(1, work_blocks)))
+    want = max(1, -(-4 * sms // max(1, work_blocks)))
     part = max(256, -(-max_ctx // want))
     part = -(-part // 64) * 64
     return part, max(1, -(-max_ctx // part))
 
 
-def _launch_decode(
-    out, lse, q16, q_stride, k_layer, v_layer, tables, bt_stride, ctx_lens, ctx_fixed, B, H, kvh, scale, max_ctx
-):
-    hd, bs = k_layer.shape[3], k_layer.shape[1]
+def _launch_decode(out, lse, q16, q_stride: int, k_layer, v_layer, ctx: Contexts, scale: float, split: Split) -> int:
+    """paged_decode_hd* (and the reduce when it splits) for q16 [B, H, hd]; returns the partitions."""
+    B, H, hd = q16.shape
+    kvh, bs = k_layer.shape[2], k_layer.shape[1]
     hchunks = -(-(H // kvh) // GMAX[hd])
-    part, nparts = _decode_partition(B * kvh * hchunks, max_ctx)
+    if split.part is None:
+        sms = split.sm_count or sm_count(cp.cuda.Device().id)
+        part, nparts = _decode_partition(B * kvh * hchunks, ctx.max_ctx, sms)
+    else:
+        part, nparts = split.part, max(1, -(-ctx.max_ctx // split.part))
     if nparts == 1:
         part_acc = part_ml = lse  # never touched by the kernel when num_parts == 1
     else:
@@ -79,10 +117,10 @@ def _launch_decode(
             np.int64(q_stride),
             k_layer,
             v_layer,
-            tables,
-            np.int32(bt_stride),
-            ctx_lens,
-            np.int32(ctx_fixed),
+            ctx.tables,
+            np.int32(ctx.tables.shape[-1]),
+            ctx.lens,
+            np.int32(ctx.fixed),
             np.int32(H),
             np.int32(kvh),
             np.int32(bs),
@@ -100,14 +138,65 @@ def _launch_decode(
                 lse,
                 part_acc,
                 part_ml,
-                ctx_lens,
-                np.int32(ctx_fixed),
+                ctx.lens,
+                np.int32(ctx.fixed),
                 np.int32(H),
                 np.int32(hd),
                 np.int32(part),
                 np.int32(nparts),
             ),
         )
+    return nparts
+
+
+def _launch_prefill(out, lse, q16, q_stride: int, k_layer, v_layer, bt, n_ctx: int, scale: float) -> None:
+    """paged_prefill_hd* for the T query rows of q16 [T, H, hd], the last T of n_ctx."""
+    T, H, hd = q16.shape
+    kvh = k_layer.shape[2]
+    hchunks = -(-(H // kvh) // GMAX[hd])
+    kernel("paged_attention.cu", f"paged_prefill_hd{hd}")(
+        (-(-T // PREFILL_WARPS), kvh * hchunks),
+        (PREFILL_WARPS * 32,),
+        (out, lse, q16, np.int64(q_stride), k_layer, v_layer, bt, *_shape_args(q16, k_layer, n_ctx, scale)),
+    )
+
+
+def _shape_args(q16, k_layer, n_ctx: int, scale: float) -> tuple:
+    """The arguments the prefill and mass kernels end with: n_ctx, T, H, kv heads, block size, scale."""
+    T, H = q16.shape[:2]
+    bs, kvh = k_layer.shape[1:3]
+    return np.int32(n_ctx), np.int32(T), np.int32(H), np.int32(kvh), np.int32(bs), np.float32(scale)
+
+
+def attention_kernels(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass=None, *, split=Split()):
+    """paged_attention's kernel path, once its checks have passed (hd in KERNEL_HEAD_DIMS, pool
+    layers as the kernels read them): T == 1 the split-K decode, T > 1 the prefill kernel, then
+    the attention mass when asked for. Returns Attended."""
+    T, H, hd = q.shape
+    bt = dev(block_table, np.int32)
+    q16, qs = _q_rows(q)
+    out = cp.empty((T, H, hd), cp.float16)
+    lse = cp.empty((T, H), cp.float32)
+    parts = 1
+    if T == 1:
+        parts = _launch_decode(out, lse, q16, qs, k_layer, v_layer, Contexts(bt, bt, n_ctx, n_ctx), scale, split)
+    else:
+        _launch_prefill(out, lse, q16, qs, k_layer, v_layer, bt, n_ctx, scale)
+    if mass is not None:
+        _add_mass(mass, lse, q16, qs, k_layer, bt, n_ctx, scale)
+    return Attended(out, lse, parts)
+
+
+def decode_kernels(q, k_layer, v_layer, tables, lens, scale: float, max_ctx: int, *, out=None, split=Split()):
+    """paged_decode's kernel path: q [B, H, hd], tables [B, width] and lens [B] int32 on the
+    device, max_ctx a host-side bound on lens. Returns Attended (out: `out` when given)."""
+    B, H, hd = q.shape
+    q16, qs = _q_rows(q)
+    if out is None:
+        out = cp.empty((B, H, hd), cp.float16)
+    lse = cp.empty((B, H), cp.float32)
+    parts = _launch_decode(out, lse, q16, qs, k_layer, v_layer, Contexts(tables, lens, 0, max_ctx), scale, split)
+    return Attended(out, lse, parts)
 
 
 def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass=None, extra=None):
@@ -127,59 +216,18 @@ def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, 
         raise ValueError(f"paged_attention: {len(block_table)} blocks of {bs} cannot hold {n_ctx} tokens")
     if extra is not None or (mass is not None and mass.ndim == 2) or not _kernels_ok(hd, k_layer, v_layer):
         return _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass, extra)
-    bt = dev(block_table, np.int32)
-    q16, qs = _q_rows(q)
-    out = cp.empty((T, H, hd), cp.float16)
-    lse = cp.empty((T, H), cp.float32)
-    if T == 1:
-        _launch_decode(out, lse, q16, qs, k_layer, v_layer, bt, len(bt), bt, n_ctx, 1, H, kvh, scale, n_ctx)
-    else:
-        hchunks = -(-(H // kvh) // GMAX[hd])
-        kernel("paged_attention.cu", f"paged_prefill_hd{hd}")(
-            (-(-T // PREFILL_WARPS), kvh * hchunks),
-            (PREFILL_WARPS * 32,),
-            (
-                out,
-                lse,
-                q16,
-                np.int64(qs),
-                k_layer,
-                v_layer,
-                bt,
-                np.int32(n_ctx),
-                np.int32(T),
-                np.int32(H),
-                np.int32(kvh),
-                np.int32(bs),
-                np.float32(scale),
-            ),
-        )
-    if mass is not None:
-        _add_mass(mass, lse, q16, qs, k_layer, bt, n_ctx, T, H, kvh, scale)
+    out = attention_kernels(q, k_layer, v_layer, block_table, n_ctx, scale, mass).out
     return out if q.dtype == F16 else out.astype(q.dtype)
 
 
-def _add_mass(mass, lse, q16, qs, k_layer, bt, n_ctx, T, H, kvh, scale):
+def _add_mass(mass, lse, q16, q_stride: int, k_layer, bt, n_ctx: int, scale: float) -> None:
+    """attention_mass_hd*: the weight each of the n_ctx keys received from q16's rows, added to mass."""
     direct = isinstance(mass, cp.ndarray) and mass.dtype == F32 and mass.flags.c_contiguous and mass.shape == (n_ctx,)
     target = mass if direct else cp.zeros(n_ctx, cp.float32)
-    hd, bs = k_layer.shape[3], k_layer.shape[1]
-    kernel("paged_attention.cu", f"attention_mass_hd{hd}")(
+    kernel("paged_attention.cu", f"attention_mass_hd{k_layer.shape[3]}")(
         (-(-n_ctx // MASS_WARPS),),
         (MASS_WARPS * 32,),
-        (
-            target,
-            lse,
-            q16,
-            np.int64(qs),
-            k_layer,
-            bt,
-            np.int32(n_ctx),
-            np.int32(T),
-            np.int32(H),
-            np.int32(kvh),
-            np.int32(bs),
-            np.float32(scale),
-        ),
+        (target, lse, q16, np.int64(q_stride), k_layer, bt, *_shape_args(q16, k_layer, n_ctx, scale)),
     )
     if direct:
         return
@@ -212,28 +260,7 @@ def paged_decode(q, k_layer, v_layer, block_tables, context_lens, scale: float, 
             return res
         out[...] = res
         return out
-    q16, qs = _q_rows(q)
-    if out is None:
-        out = cp.empty((B, H, hd), cp.float16)
-    lse = cp.empty((B, H), cp.float32)
-    _launch_decode(
-        out,
-        lse,
-        q16,
-        qs,
-        k_layer,
-        v_layer,
-        tables,
-        tables.shape[1],
-        lens,
-        0,
-        B,
-        H,
-        kvh,
-        scale,
-        int(max_ctx or tables.shape[1] * bs),
-    )
-    return out
+    return decode_kernels(q, k_layer, v_layer, tables, lens, scale, int(max_ctx or tables.shape[1] * bs), out=out).out
 
 
 def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=None, extra=None):

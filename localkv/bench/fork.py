@@ -35,7 +35,7 @@ def run(o: Options) -> Report:
     size = FORK_QUICK if o.quick else FORK_FULL
     n, gen = size["n"], size["gen"]
     eng = o.new_engine(prefix_cache=False)  # every rep prefills its prompt: no hit from the rep before
-    n_prompt = min(size["prompt"], eng.cfg.ctx_len - gen - 1)
+    n_prompt = min(size["prompt"], eng.model_config.ctx_len - gen - 1)
     reps = o.reps or (1 if o.quick else 3)  # medians of 3: one rep alone moves with the machine's load
     ours, theirs = measure(o, eng, text_ids(eng, n_prompt), n, gen, reps)
     rows = [_our_row(ours, n, n_prompt, gen, eng.block_size)]

@@ -125,7 +125,7 @@ def speed_rows(
     rows = []
     try:
         for t in tests:
-            vocab = engine.cfg.vocab_size
+            vocab = engine.model_config.vocab_size
             for i in range(warmup):
                 for r in runners:
                     say(f"{t.name} {r.name} warmup {i + 1}/{warmup}")
@@ -144,11 +144,11 @@ def speed_rows(
 
 def _backend(engine: Engine) -> str:
     """llama-bench's backend column for our rows: the device, and AMX where prefill ran on it."""
-    return engine.ops.name + (" AMX" if engine.ops.prefill_amx else "")
+    return engine.backend.name + (" AMX" if engine.backend.prefill_amx else "")
 
 
 def _row(engine: Engine, t: Test, name: str, secs: list[float]) -> dict:
-    cfg = engine.cfg
+    cfg = engine.model_config
     ts = [(t.n_prompt + t.n_gen) / s for s in secs]
     ns = [int(s * 1e9) for s in secs]
     return {

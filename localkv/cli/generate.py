@@ -67,7 +67,7 @@ def run(
     finally:
         bar.close()
     r = gen.result
-    _, reply_ids = turn.save(eng.cfg.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens, params)
+    _, reply_ids = turn.save(eng.model_config.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens, params)
     if as_json:
         out = _result_json(eng, r)
         if params.logprobs is not None:
@@ -131,7 +131,7 @@ def fork(
     finally:
         bar.close()
     _, reply_ids = turn.save(
-        eng.cfg.name, text, [(b.text, len(b.tokens)) for b in res.branches], res.prompt_tokens, params
+        eng.model_config.name, text, [(b.text, len(b.tokens)) for b in res.branches], res.prompt_tokens, params
     )
     short = turn.store.short_id if turn.store is not None else (lambda i: None)
     bs = eng.block_size
@@ -189,7 +189,7 @@ def fork(
 
 def _result_json(engine, r) -> dict:
     return {
-        "model": engine.cfg.name,
+        "model": engine.model_config.name,
         "text": r.text,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from localkv.backends.base import Backend
 from localkv.errors import ModelError
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.evict import AttendExtras
@@ -26,15 +27,15 @@ class Span:
 ROPE_POSITIONS = 4096  # RoPE table rows made at start; more as positions are used
 
 
-def check_backend(cfg: ModelConfig, ops):
+def check_backend(cfg: ModelConfig, backend: Backend):
     """Refuse, in one line and before any weight reaches the device, a model whose attention
-    needs what the backend's paged_attention does not take (ops.attention_options)."""
+    needs what the backend's paged_attention does not take (caps.attention_options)."""
     needs = {"softcap": cfg.attn_softcap > 0, "window": bool(cfg.local_layers)}
-    missing = sorted(k for k, need in needs.items() if need and k not in getattr(ops, "attention_options", ()))
+    missing = sorted(k for k, need in needs.items() if need and k not in backend.caps.attention_options)
     if missing:
         what = {"softcap": "attention soft-capping", "window": "sliding-window attention"}
         raise ModelError(
-            f"{cfg.name}: the {ops.name} backend cannot run {cfg.arch} models yet "
+            f"{cfg.name}: the {backend.name} backend cannot run {cfg.arch} models yet "
             f"({', '.join(what[k] for k in missing)}); use --device cpu"
         )
 
@@ -43,14 +44,15 @@ class Rope:
     """cos/sin tables of one RoPE variant (base, frequency divisors, attention factor), grown as
     positions are used (a model's context may be millions of tokens; eviction runs past it)."""
 
-    def __init__(self, ops, head_dim: int, theta: float, factors, attn_factor: float):
-        self.ops, self.head_dim, self.theta, self.factors, self.attn_factor = ops, head_dim, theta, factors, attn_factor
-        self.cos = self.sin = ops.xp.empty((0, head_dim // 2), np.float32)
+    def __init__(self, backend: Backend, head_dim: int, theta: float, factors, attn_factor: float):
+        self.backend, self.head_dim, self.theta = backend, head_dim, theta
+        self.factors, self.attn_factor = factors, attn_factor
+        self.cos = self.sin = backend.xp.empty((0, head_dim // 2), np.float32)
 
     def ensure(self, n: int):
         if n > len(self.cos):
             extra = {} if self.factors is None else {"factors": self.factors}
-            cos, sin = self.ops.rope_tables(self.head_dim, max(n, 2 * len(self.cos)), self.theta, **extra)
+            cos, sin = self.backend.rope_tables(self.head_dim, max(n, 2 * len(self.cos)), self.theta, **extra)
             if self.attn_factor != 1.0:  # llama.cpp's rope attn_factor scales both (Phi-3 LongRoPE)
                 cos, sin = cos * np.float32(self.attn_factor), sin * np.float32(self.attn_factor)
             self.cos, self.sin = cos, sin
@@ -60,19 +62,19 @@ class Llama:
     """The forward pass, written once in the backend's op set (localkv/backends/base.py); what an
     architecture adds (model/arch.py) are optional steps switched on by ModelConfig's fields."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict, ops, n_ctx: int | None = None):
+    def __init__(self, cfg: ModelConfig, weights: dict, backend: Backend, n_ctx: int | None = None):
         """n_ctx: the context the engine serves (default the model's): LongRoPE picks its factors by it."""
-        self.cfg, self.w, self.ops = cfg, weights, ops
+        self.cfg, self.w, self.backend = cfg, weights, backend
         factors, self.rope_variant = cfg.rope_freq_factors, ""
         if cfg.rope_factors_long is not None and (n_ctx or cfg.ctx_len) > cfg.rope_orig_ctx:
             factors, self.rope_variant = cfg.rope_factors_long, "-long"  # K rows differ: part of the cache key
         if cfg.rope_scale != 1.0:  # linear scaling: every frequency divided by the factor
             factors = tuple(f * cfg.rope_scale for f in (factors or (1.0,) * (cfg.head_dim // 2)))
-        self.rope = Rope(ops, cfg.head_dim, cfg.rope_theta, factors, cfg.rope_attn_factor)
+        self.rope = Rope(backend, cfg.head_dim, cfg.rope_theta, factors, cfg.rope_attn_factor)
         self.local = frozenset(cfg.local_layers)
         self.rope_local = self.rope
         if cfg.rope_theta_local:  # Gemma 3's local layers: their own base, unscaled
-            self.rope_local = Rope(ops, cfg.head_dim, cfg.rope_theta_local, None, 1.0)
+            self.rope_local = Rope(backend, cfg.head_dim, cfg.rope_theta_local, None, 1.0)
         self.ensure_positions(min(cfg.ctx_len, ROPE_POSITIONS))
         self.scale = cfg.attn_scale or float(1.0 / np.sqrt(cfg.head_dim))
         # the output matrix [vocab, dim], stored [out, in] like every other: the embedding when tied
@@ -92,21 +94,21 @@ class Llama:
         spans (decodes, also those that share a step with other requests' prompt chunks) in one
         batched call, over their common prefix when they have one; every other span (and every
         span of an architecture whose attention needs options) through its own table."""
-        ops = self.ops
+        backend = self.backend
         single = [sp for sp in spans if sp.length == 1 and sp.extras is None] if self.plain_attention else []
         shared = self._shared_prefix(single, block_size)
         batch = self._decode_batch(single) if shared is None and single else None
         if shared is None and batch is None:
             single = []
         batched = {id(sp) for sp in single}
-        others = [(sp, ops.frozen_table(sp.block_table)) for sp in spans if id(sp) not in batched]
-        rows = ops.xp.asarray([sp.start for sp in single]) if single and others else None
+        others = [(sp, backend.frozen_table(sp.block_table)) for sp in spans if id(sp) not in batched]
+        rows = backend.xp.asarray([sp.start for sp in single]) if single and others else None
         return AttentionPlan(rows, shared, batch, others)
 
     def _shared_prefix(self, spans: list[Span], block_size: int):
         """(prefix table, [(tail table, tail tokens)]) when the single-token spans share leading
         full blocks (the forks of one prompt, requests with one system prompt); else None."""
-        if len(spans) < 2 or not self.ops.shared_prefix:
+        if len(spans) < 2 or not self.backend.caps.shared_prefix:
             return None
         first = spans[0].block_table
         p = min(len(sp.block_table) for sp in spans)
@@ -116,8 +118,8 @@ class Llama:
         p = min(p, min((sp.n_ctx - 1) // block_size for sp in spans))  # prefix blocks are full, tails non-empty
         if p < 1:
             return None
-        freeze = self.ops.frozen_table
-        return freeze(first[:p]), self.ops.frozen_tails(
+        freeze = self.backend.frozen_table
+        return freeze(first[:p]), self.backend.frozen_tails(
             [(freeze(sp.block_table[p:]), sp.n_ctx - p * block_size) for sp in spans]
         )
 
@@ -131,12 +133,12 @@ class Llama:
         logit_rows: list[int],
     ) -> np.ndarray:
         """Runs T tokens; writes their K/V at slots; returns logits [len(logit_rows), vocab]."""
-        cfg, w, ops = self.cfg, self.w, self.ops
-        xp = ops.xp
+        cfg, w, backend = self.cfg, self.w, self.backend
+        xp = backend.xp
         T = len(tokens)
         tokens, positions, slots = xp.asarray(tokens), xp.asarray(positions), xp.asarray(slots)
-        ops.begin_forward(T)
-        x = ops.embed(w["tok_embd"], tokens)
+        backend.begin_forward(T)
+        x = backend.embed(w["tok_embd"], tokens)
         if cfg.embed_scale != 1.0:
             x *= x.dtype.type(cfg.embed_scale)
         rope = self.rope.cos[positions], self.rope.sin[positions]
@@ -145,18 +147,18 @@ class Llama:
         )
         plan = self._plan(spans, pool.block_size)
         for i in range(cfg.n_layers):
-            h = ops.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
+            h = backend.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
             q, k, v = self._qkv(h, i, *(rope_local if i in self.local else rope))
             kl, vl = pool.k[i], pool.v[i]
-            ops.write_kv(kl, vl, slots, k, v)
+            backend.write_kv(kl, vl, slots, k, v)
             attn = self._attention(i, q, kl, vl, plan)
-            ops.add_residual(x, self._post_norm(ops.linear(attn.reshape(T, -1), w[f"{i}.wo"], "wo"), i, "attn"))
-            h = ops.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
-            gu = ops.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")
-            act = ops.gelu_mul(gu) if cfg.mlp == "gelu" else ops.silu_mul(gu)
-            ops.add_residual(x, self._post_norm(ops.linear(act, w[f"{i}.w_down"], "w_down"), i, "ffn"))
-        h = ops.rmsnorm(x[xp.asarray(logit_rows)], w["out_norm"], cfg.rms_eps)
-        logits = ops.logits(h, self.w_out)
+            backend.add_residual(x, self._post_norm(backend.linear(attn.reshape(T, -1), w[f"{i}.wo"], "wo"), i, "attn"))
+            h = backend.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
+            gu = backend.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")
+            act = backend.gelu_mul(gu) if cfg.mlp == "gelu" else backend.silu_mul(gu)
+            backend.add_residual(x, self._post_norm(backend.linear(act, w[f"{i}.w_down"], "w_down"), i, "ffn"))
+        h = backend.rmsnorm(x[xp.asarray(logit_rows)], w["out_norm"], cfg.rms_eps)
+        logits = backend.logits(h, self.w_out)
         if cfg.final_softcap:  # Gemma 2: on the host's float32 logits
             logits = np.tanh(logits / np.float32(cfg.final_softcap)) * np.float32(cfg.final_softcap)
         return logits
@@ -164,16 +166,16 @@ class Llama:
     def _qkv(self, h, i: int, cos, sin):
         """q [T, H, hd], k and v [T, kvh, hd] of layer i: projected (plus biases), q/k heads
         normalised where the architecture does, RoPE applied."""
-        cfg, w, ops = self.cfg, self.w, self.ops
+        cfg, w, backend = self.cfg, self.w, self.backend
         H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = ops.linear(h, w[f"{i}.wqkv"], "wqkv")
+        qkv = backend.linear(h, w[f"{i}.wqkv"], "wqkv")
         if cfg.qkv_bias:
             qkv += w[f"{i}.bqkv"]
         qkv = qkv.reshape(len(h), H + 2 * K, hd)
         if cfg.qk_norm:
-            ops.head_rmsnorm(qkv[:, :H], w[f"{i}.q_norm"], cfg.rms_eps)
-            ops.head_rmsnorm(qkv[:, H : H + K], w[f"{i}.k_norm"], cfg.rms_eps)
-        ops.rope(qkv[:, : H + K], cos, sin, *self.rope_style)
+            backend.head_rmsnorm(qkv[:, :H], w[f"{i}.q_norm"], cfg.rms_eps)
+            backend.head_rmsnorm(qkv[:, H : H + K], w[f"{i}.k_norm"], cfg.rms_eps)
+        backend.rope(qkv[:, : H + K], cos, sin, *self.rope_style)
         return qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
 
     def _post_norm(self, out, i: int, which: str):
@@ -181,14 +183,14 @@ class Llama:
         has post-norms (Gemma)."""
         if not self.cfg.post_norms:
             return out
-        return self.ops.rmsnorm(out, self.w[f"{i}.post_{which}_norm"], self.cfg.rms_eps)
+        return self.backend.rmsnorm(out, self.w[f"{i}.post_{which}_norm"], self.cfg.rms_eps)
 
     def _attention(self, i: int, q, kl, vl, plan: "AttentionPlan"):
         """Attention of every row of the pass: the batched single-token spans in one call, the
         rest span by span."""
         if not plan.others:
             return self._batched(q, kl, vl, plan)
-        attn = self.ops.xp.empty(q.shape, dtype=q.dtype)
+        attn = self.backend.xp.empty(q.shape, dtype=q.dtype)
         if plan.rows is not None:
             attn[plan.rows] = self._batched(q[plan.rows], kl, vl, plan)
         self._attend(i, q, kl, vl, plan.others, attn)
@@ -196,13 +198,13 @@ class Llama:
 
     def _batched(self, q, kl, vl, plan: "AttentionPlan"):
         if plan.shared is not None:  # a common prefix, scored once for all its queries
-            return self.ops.shared_prefix_decode(q, kl, vl, *plan.shared, self.scale)
-        return self.ops.decode(q, kl, vl, plan.batch, self.scale)  # one launch for all
+            return self.backend.shared_prefix_decode(q, kl, vl, *plan.shared, self.scale)
+        return self.backend.decode(q, kl, vl, plan.batch, self.scale)  # one launch for all
 
     def _attend(self, i: int, q, kl, vl, spans: list[tuple[Span, object]], attn):
         """Attention of each span's rows through its own table (with the KV policy's extra keys
         and attention mass, a soft-cap, a sliding window where they apply), into attn."""
-        xp, cfg = self.ops.xp, self.cfg
+        xp, cfg = self.backend.xp, self.cfg
         opts = {"softcap": cfg.attn_softcap} if cfg.attn_softcap else {}
         if i in self.local:
             opts["window"] = cfg.sliding_window
@@ -213,13 +215,13 @@ class Llama:
             if extra is not None:
                 extra = tuple(xp.asarray(a, dtype=kl.dtype) for a in extra)
             mass = None if ex is None or ex.mass is None else ex.mass[i]
-            attn[rows] = self.ops.paged_attention(q[rows], kl, vl, table, sp.n_ctx, self.scale, mass, extra, **opts)
+            attn[rows] = self.backend.paged_attention(q[rows], kl, vl, table, sp.n_ctx, self.scale, mass, extra, **opts)
 
     def _decode_batch(self, spans: list[Span]):
         """The backend's batch of single-token spans for its one-launch decode, when it has one."""
-        if not self.ops.batched_decode:
+        if not self.backend.caps.batched_decode:
             return None
-        return self.ops.decode_batch([sp.block_table for sp in spans], [sp.n_ctx for sp in spans])
+        return self.backend.decode_batch([sp.block_table for sp in spans], [sp.n_ctx for sp in spans])
 
 
 @dataclass(slots=True)

@@ -155,7 +155,7 @@ def _check_model(request: Request, name: str | None):
     runner: Runner = request.app.state.runner
     known = {request.app.state.model_id, runner.config.model}
     if runner.engine is not None:
-        known.add(runner.engine.cfg.name)
+        known.add(runner.engine.model_config.name)
     if name not in known:
         raise ApiError(
             404,
@@ -229,7 +229,9 @@ def build(engine, ask: Ask) -> list[Generation]:
         if ask.kind == "chat":
             prompts = [tok.encode(tok.render_chat(ask.messages, add_generation_prompt=True))]
         else:
-            prompts = [tok.encode(p) if isinstance(p, str) else _ids(p, engine.cfg.vocab_size) for p in ask.prompts]
+            prompts = [
+                tok.encode(p) if isinstance(p, str) else _ids(p, engine.model_config.vocab_size) for p in ask.prompts
+            ]
     except LocalkvError as e:  # the model's chat template refused the conversation (or failed on it)
         raise bad(str(e), "messages") from None
     try:

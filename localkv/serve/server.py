@@ -85,8 +85,8 @@ def serve(engine: EngineConfig, opts: ServeOptions, say=print) -> None:
             return
         e = runner.engine
         say(
-            f"localkv serve: {e.cfg.name} ready in {runner.load_s:.1f}s; KV pool {e.pool.num_blocks} blocks of "
-            f"{e.block_size} tokens; up to {opts.max_seqs} sequences at once"
+            f"localkv serve: {e.model_config.name} ready in {runner.load_s:.1f}s; KV pool {e.pool.num_blocks} "
+            f"blocks of {e.block_size} tokens; up to {opts.max_seqs} sequences at once"
         )
 
     runner.on_state = on_state

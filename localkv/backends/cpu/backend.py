@@ -12,6 +12,7 @@ import numpy as np
 import localkv.backends.cpu.build as build
 import localkv.backends.cpu.compiled as cpu_kernels
 import localkv.backends.cpu.quant as quant
+from localkv.backends.base import Capabilities
 from localkv.backends.cpu.attention import f32, frozen_table, gather_kv, merge, paged_attention, partial
 from localkv.backends.cpu.threads import CoreShare
 
@@ -283,11 +284,13 @@ class CpuBackend:
     xp = np
     act_dtype = act_dtype
     kv_dtype = kv_dtype
-    kv_dtypes = ("float32", "float16")  # what EngineConfig.kv_dtype may choose here
-    shared_prefix = True
-    batched_decode = True  # decode(): one kernel call per layer for all single-token sequences
-    quant_weights = True  # computes on QTensor/QStack weights (others get model.weights.dense_weights)
-    attention_options = frozenset({"softcap", "window"})  # what paged_attention takes beyond Llama's
+    caps = Capabilities(
+        shared_prefix=True,
+        batched_decode=True,  # decode(): one kernel call per layer for all single-token sequences
+        quant_weights=True,
+        kv_dtypes=("float32", "float16"),
+        attention_options=frozenset({"softcap", "window"}),
+    )
 
     rmsnorm = staticmethod(rmsnorm)
     rope_tables = staticmethod(rope_tables)
