@@ -55,9 +55,9 @@ def test_a_step_mixes_decodes_with_prompt_chunks(tiny, monkeypatch):
     eng = engine(tiny, prefill_chunk=16)
     steps, step = [], eng.step
 
-    def spy(seqs, *a, **k):
-        steps.append(list(k["counts"]))
-        return step(seqs, *a, **k)
+    def spy(plan, *a, **k):
+        steps.append(list(plan.counts))
+        return step(plan, *a, **k)
 
     monkeypatch.setattr(eng, "step", spy)
     sched = Scheduler(eng)
@@ -141,7 +141,7 @@ def test_max_seqs_caps_what_runs_at_once(tiny, monkeypatch):
     eng = engine(tiny)
     sched = Scheduler(eng, max_seqs=2)
     widths, step = [], eng.step
-    monkeypatch.setattr(eng, "step", lambda seqs, *a, **k: widths.append(len(seqs)) or step(seqs, *a, **k))
+    monkeypatch.setattr(eng, "step", lambda plan, *a, **k: widths.append(len(plan.seqs)) or step(plan, *a, **k))
     gens = [Generation(eng, p, GREEDY, queued=True) for p in PROMPTS]
     for g in gens:
         sched.add(g)
@@ -191,7 +191,7 @@ def test_decodes_in_a_step_with_a_prompt_chunk_get_the_logits_they_get_alone(tin
         return eng, a, b, c
 
     eng, a, b, c = setup()
-    mixed = eng.step([a, b, c], counts=[1, 1, 20])
+    mixed = eng.forward([a, b, c], counts=[1, 1, 20])
     eng, a, b, c = setup()
-    alone = np.stack([eng.step([s], counts=[n])[0] for s, n in ((a, 1), (b, 1), (c, 20))])
+    alone = np.stack([eng.forward([s], counts=[n])[0] for s, n in ((a, 1), (b, 1), (c, 20))])
     np.testing.assert_allclose(mixed, alone, rtol=1e-4, atol=1e-4)

@@ -32,16 +32,21 @@ def to_host(x) -> np.ndarray:
 
 
 class Policy(Protocol):
-    """One per engine. Per step and sequence the engine calls plan (every sequence first: it
-    may raise BudgetReached), then, once the pool check passed, make_room, append_slots,
-    extras, the forward and after_forward. Committing a plan releases exactly
-    len(plan.victims) blocks, so the engine can check the pool before anything changes."""
+    """One per engine. A step is planned once (kv/step_plan.py): plan for every sequence (it
+    may raise BudgetReached; again only for a batch the scheduler changed after a preemption).
+    Once the pool check passed, the commit calls reserve with every plan, then per sequence
+    make_room, append_slots, extras, the forward and after_forward. plan changes nothing, and
+    committing a plan releases exactly len(plan.victims) blocks, so the pool is checked before
+    anything changes; reserve takes whatever else the plans need (and may raise, changing
+    nothing) so that make_room cannot fail part-way."""
 
     config: EvictConfig
 
     def chunk_limit(self) -> int | None: ...  # most tokens one step may append to a sequence
 
     def plan(self, seq: Sequence, n_new: int) -> RoomPlan: ...
+
+    def reserve(self, plans: list[RoomPlan]) -> None: ...
 
     def make_room(self, seq: Sequence, plan: RoomPlan) -> None: ...
 
@@ -52,5 +57,7 @@ class Policy(Protocol):
     def fork(self, parent: Sequence, child: Sequence) -> None: ...
 
     def free(self, seq: Sequence) -> None: ...
+
+    def rollback(self, seq: Sequence, n: int) -> None: ...  # forget seq's last n tokens, or raise LocalkvError
 
     def active_tokens(self, seq: Sequence) -> int: ...  # K/V tokens one layer attended to in seq's last forward
