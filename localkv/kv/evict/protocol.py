@@ -32,13 +32,15 @@ def to_host(x) -> np.ndarray:
 
 
 class Policy(Protocol):
-    """One per engine. A step is planned once (kv/step_plan.py): plan for every sequence (it
-    may raise BudgetReached; again only for a batch the scheduler changed after a preemption).
-    Once the pool check passed, the commit calls reserve with every plan, then per sequence
-    make_room, append_slots, extras, the forward and after_forward. plan changes nothing, and
-    committing a plan releases exactly len(plan.victims) blocks, so the pool is checked before
-    anything changes; reserve takes whatever else the plans need (and may raise, changing
-    nothing) so that make_room cannot fail part-way."""
+    """One per engine. Each step is planned once (kv/step_plan.py): plan for every sequence of
+    the batch (it may raise BudgetReached), again only over a batch the scheduler changed (a
+    preemption, a sequence out of budget); plan changes nothing. Once the pool check passed,
+    the commit calls reserve with all the plans, make_room per sequence, append_slots, then per
+    sequence extras, the forward and after_forward. Committing a plan releases exactly
+    len(plan.victims) blocks, so the pool is checked before anything changes; reserve takes
+    what else the plans need (it may raise, changing nothing), so make_room cannot fail
+    part-way. After the forward a step's last tokens may be rolled back (StepPlan): rollback
+    forgets them, or raises LocalkvError, changing nothing, if the policy acted on them."""
 
     config: EvictConfig
 
