@@ -12,6 +12,7 @@ from localkv.kv.block_pool import BlockPool
 from localkv.kv.block_tables import KVManager
 from localkv.kv.disk_store import DiskStore
 from localkv.kv.evict import make_policy
+from localkv.kv.step_plan import StepPlan, commit, plan_step, rollback
 from localkv.model.llama import Llama, Span, check_backend
 from localkv.model.loader import load_model
 from localkv.model.weights import dense_weights
@@ -96,42 +97,25 @@ class Engine:
     def block_size(self) -> int:
         return self.pool.block_size
 
-    @property
-    def blocks_used(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free
-
     # ------------------------------------------------------------ steps
 
-    def step(
-        self,
-        seqs: list[Sequence],
-        max_tokens: int | None = None,
-        all_logits: bool = False,
-        counts: list[int] | None = None,
-    ) -> np.ndarray:
-        """One forward pass over the pending tokens of seqs: `counts[i]` of seqs[i] when given,
-        else as many as fit max_tokens in order; returns logits [len(seqs), vocab] for each
-        sequence's last processed token (with all_logits: [tokens processed, vocab], one row
-        per token). A step that raises changes nothing."""
-        if counts is None:
-            counts = self.chunk_counts(seqs, max_tokens)
-        if not all(0 < n <= len(s.pending) for s, n in zip(seqs, counts)):
-            raise LocalkvError("internal: a step count outside a sequence's pending tokens (a bug in the caller)")
-        tokens, positions, slots, spans, rows = [], [], [], [], []
-        # every plan, then the pool check, before any sequence is touched: a failed step changes nothing
-        plans = [self.policy.plan(s, n) for s, n in zip(seqs, counts)]
-        need = sum(self.kv.need(s, n) for s, n in zip(seqs, counts))
-        free = self.pool.num_free + sum(len(p.victims) for p in plans)  # each victim frees one block
-        if need > free:
-            raise PoolExhausted(f"KV pool exhausted: this step needs {need} blocks, {free} are free (raise --kv-mem)")
-        for seq, plan in zip(seqs, plans):
-            self.policy.make_room(seq, plan)
-        for seq, n in zip(seqs, counts):
-            chunk = seq.pending[:n]
-            start = len(tokens)
-            positions.extend(range(seq.num_computed, seq.num_computed + n))
-            slots.append(self.kv.append_slots(seq, n))
-            tokens.extend(chunk)
+    def plan(self, seqs: list[Sequence], counts: list[int]) -> StepPlan:
+        """The KV work of a step of counts[i] pending tokens of seqs[i] (a StepPlan: the room each
+        policy makes, the sequences out of budget, the blocks needed and the pool's shortfall),
+        made once per step for step to commit. Changes nothing."""
+        return plan_step(self.policy, self.kv, seqs, counts)
+
+    def step(self, plan: StepPlan, all_logits: bool = False) -> np.ndarray:
+        """Commit a plan and run its one forward pass; returns logits [len(plan.seqs), vocab] for
+        each sequence's last new token (with all_logits: [tokens run, vocab], one row per token).
+        A plan that cannot be committed (sequences out of budget: BudgetReached; a pool short of
+        blocks: PoolExhausted; a stale plan: RuntimeError) raises before anything changes."""
+        slots = commit(self.policy, self.kv, plan)
+        tokens, positions, spans, rows = [], [], [], []
+        for seq, n in zip(plan.seqs, plan.counts):
+            start, first = len(tokens), seq.num_computed - n  # committed: the new tokens count as computed
+            positions.extend(range(first, first + n))
+            tokens.extend(seq.tokens[first : first + n])
             spans.append(Span(start, n, np.asarray(seq.block_table), seq.num_stored, self.policy.extras(seq)))
             rows.append(len(tokens) - 1)
         if all_logits:
@@ -140,11 +124,25 @@ class Engine:
         logits = self.model.forward(
             np.asarray(tokens), np.asarray(positions), np.concatenate(slots), spans, self.pool, rows
         )
-        for seq, sp in zip(seqs, spans):
+        for seq, sp in zip(plan.seqs, spans):
             self.policy.after_forward(seq, sp.extras, sp.length)
             if self.prefix_caching:
                 self.kv.register_full_blocks(seq)
         return logits
+
+    def forward(
+        self,
+        seqs: list[Sequence],
+        max_tokens: int | None = None,
+        counts: list[int] | None = None,
+        all_logits: bool = False,
+    ) -> np.ndarray:
+        """Plan and commit one step at once, for a caller that owns its sequences (prefill, score,
+        decode, benches): counts[i] pending tokens of seqs[i] when given, else as many as fit
+        max_tokens in order. A sequence out of its KV budget raises BudgetReached."""
+        if counts is None:
+            counts = self.chunk_counts(seqs, max_tokens)
+        return self.step(self.plan(seqs, counts), all_logits)
 
     def chunk_counts(self, seqs: list[Sequence], max_tokens: int | None = None) -> list[int]:
         """Pending tokens each sequence gets in one step of at most max_tokens (in order), within
@@ -157,12 +155,10 @@ class Engine:
             left -= counts[-1]
         return counts
 
-    def blocks_short(self, seqs: list[Sequence], counts: list[int]) -> int:
-        """How many more free blocks a step of these counts needs than the pool has (<= 0: it
-        fits). Changes nothing; raises BudgetReached as step would."""
-        plans = [self.policy.plan(s, n) for s, n in zip(seqs, counts)]
-        need = sum(self.kv.need(s, n) for s, n in zip(seqs, counts))
-        return need - self.pool.num_free - sum(len(p.victims) for p in plans)
+    def rollback(self, seq: Sequence, n: int):
+        """Drop seq's last n tokens, all computed (a rejected speculative draft); StepPlan says
+        what this may touch. Under a policy that cannot roll back: LocalkvError, nothing changed."""
+        rollback(self.policy, self.kv, seq, n)
 
     def fork(self, seq: Sequence) -> Sequence:
         child = self.kv.fork(seq)
@@ -176,7 +172,7 @@ class Engine:
     def prefill(self, seq: Sequence) -> np.ndarray:
         """Run all pending tokens of seq in chunks; logits of the last one."""
         while True:
-            logits = self.step([seq], self.config.prefill_chunk)
+            logits = self.forward([seq], self.config.prefill_chunk)
             if not seq.pending:
                 return logits[0]
 
@@ -186,14 +182,14 @@ class Engine:
         try:
             out = []
             while seq.pending:  # a KV budget can make steps shorter than prefill_chunk
-                out.append(self.step([seq], self.config.prefill_chunk, all_logits=True))
+                out.append(self.forward([seq], self.config.prefill_chunk, all_logits=True))
             return np.concatenate(out)
         finally:
             self.free(seq)
 
     def decode(self, seqs: list[Sequence]) -> np.ndarray:
         """One token per sequence, all in one batched pass."""
-        return self.step(seqs)
+        return self.forward(seqs)
 
     # ------------------------------------------------------------ prefix cache
 
@@ -251,7 +247,7 @@ class Engine:
         """Refuse, before any work, a request of n_seqs replies (forks of one prompt) that cannot
         fit the context, the KV budget or the pool's free blocks (with queued: the whole pool,
         which a request waiting its turn in a shared scheduler may get)."""
-        ctx, ev, bs = self.ctx, self.policy.config, self.block_size
+        ctx, ev = self.ctx, self.policy.config
         if n_prompt == 0:
             raise LocalkvError("empty prompt: nothing to run")
         if n_prompt >= ctx:
@@ -262,11 +258,7 @@ class Engine:
                 f"prompt is {n_prompt} tokens, more than the KV budget of {ev.budget} "
                 "(raise --kv-budget or choose an --evict policy)"
             )
-        total = n_prompt + max_tokens if ev.policy != "none" else min(n_prompt + max_tokens, ctx)
-        if ev.budget is not None:
-            total = min(total, ev.budget + bs)
-        shared = n_prompt // bs if n_seqs > 1 else 0  # full prompt blocks every fork shares
-        need = shared + n_seqs * (-(-total // bs) - shared)
+        need, total = self._blocks_for(n_prompt, max_tokens, n_seqs)
         free = self.pool.num_blocks if queued else self.pool.num_free
         if need > free and n_seqs > 1:
             raise PoolExhausted(
@@ -278,6 +270,23 @@ class Engine:
                 f"request needs {need} KV blocks ({total} tokens), the pool has {free} "
                 f"free of {self.pool.num_blocks} (raise --kv-mem or lower --max-tokens)"
             )
+
+    def admits(self, n_prompt: int, n_seqs: int) -> bool:
+        """Whether the pool's free blocks hold a request's start: its prompt and the first token
+        of each of its n_seqs branches (cached prompt blocks count as free already). Growing
+        past that is the scheduler's to handle, by preemption."""
+        return self._blocks_for(n_prompt, 1, n_seqs)[0] <= self.pool.num_free
+
+    def _blocks_for(self, n_prompt: int, n_new: int, n_seqs: int) -> tuple[int, int]:
+        """Blocks that n_seqs forks of an n_prompt-token prompt hold with up to n_new tokens each,
+        and the tokens one of them holds: the full prompt blocks once, the rest per fork; under a
+        KV budget, at most the budget's share each (policy none: at most the context)."""
+        ev, bs = self.policy.config, self.block_size
+        total = n_prompt + n_new if ev.policy != "none" else min(n_prompt + n_new, self.ctx)
+        if ev.budget is not None:
+            total = min(total, ev.budget + bs)
+        shared = min(n_prompt, total) // bs if n_seqs > 1 else 0  # full prompt blocks every fork shares
+        return shared + n_seqs * (-(-total // bs) - shared), total
 
 
 class _DiskPrefix:

@@ -65,9 +65,9 @@ class Result:
     ttft_s: float = 0.0  # from the request (its prefix lookup included) to the first sampled token
     prompt_s: float = 0.0  # from the request to the prompt's logits: prefix lookup and prefill
     eval_s: float = 0.0
-    peak_blocks: int = 0
+    peak_blocks: int = 0  # most distinct blocks this request's sequences held at once
     unshared_blocks: int = 0  # what the branches would hold without sharing
-    cow_copies: int = 0
+    cow_copies: int = 0  # shared blocks this request's sequences copied before writing
 
     @property
     def text(self) -> str:
@@ -138,7 +138,6 @@ class Generation:
         self.root: Sequence | None = None  # the prompt's sequence until it forks into the branches
         self.done = False
         self._out: deque[Piece] = deque()  # appended on the engine's thread, read by the consumer
-        self._cow0 = engine.stats.cow_copies
         self._t_prefilled = 0.0
         self._persisted = False
         self._admitted = False
@@ -234,14 +233,13 @@ class Generation:
     def preempt(self) -> None:
         """Free every block; admit() and the scheduler recompute the prompt and each live
         branch's tokens later (its sampler and text carry on)."""
-        eng = self.engine
         self._admitted = False
         if self.root is not None:
-            eng.free(self.root)
+            self._free(self.root)
             self.root = None
         for b in self.result.branches:
             if b.seq is not None:
-                eng.free(b.seq)
+                self._free(b.seq)
                 b.seq = None
 
     def cancel(self, reason: str, detail: str = "") -> None:
@@ -278,7 +276,7 @@ class Generation:
                 seq.tokens.extend(b.tokens)
                 b.seq = seq
             if not holders:
-                eng.free(root)
+                self._free(root)
             self._after_advance()
             return
         seqs = [root] + [eng.fork(root) for _ in range(self.n - 1)]
@@ -332,25 +330,30 @@ class Generation:
         """Free the sequences of finished branches at once (their blocks go to other requests);
         when every branch is done, record, flush and finish."""
         eng, r = self.engine, self.result
-        r.peak_blocks = max(r.peak_blocks, eng.blocks_used)
+        held = [self.root] if self.root is not None else [b.seq for b in r.branches if b.seq is not None]
+        r.peak_blocks = max(r.peak_blocks, eng.kv.blocks_held(held))
         for b in r.branches:
             if b.finish_reason and b.seq is not None:
                 self._persist(b.seq)
                 b.stored = b.seq.num_stored
-                eng.free(b.seq)
+                self._free(b.seq)
                 b.seq = None
         if self.done or any(not b.finish_reason for b in r.branches) or self.root is not None and not r.branches:
             return
         if self.root is not None:
-            eng.free(self.root)
+            self._free(self.root)
             self.root = None
         r.eval_s = time.perf_counter() - (self._t_prefilled or time.perf_counter())
         bs = eng.block_size
         r.unshared_blocks = sum(-(-b.stored // bs) for b in r.branches)
-        r.cow_copies = eng.stats.cow_copies - self._cow0
         for b in r.branches:
             self._emit(b, b.streamer.flush(), last=True)
         self.done = True
+
+    def _free(self, seq: Sequence):
+        """Free one of this request's sequences, its copies-on-write counted as the request's."""
+        self.result.cow_copies += seq.cow_copies
+        self.engine.free(seq)
 
     def _persist(self, seq: Sequence):
         """Write the prompt's full blocks to the disk cache, once, before the first branch

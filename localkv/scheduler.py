@@ -1,12 +1,14 @@
 """Continuous batching: many requests through one engine and one block pool.
 
 Every step takes the running sequences' next tokens (decodes first) plus chunks of waiting
-prompts, up to a token budget, and runs them as one forward pass. Requests join and leave
-between steps. A request is admitted when seats (sequences) and free blocks allow; one whose
-prompt starts with the full blocks another request is still prefilling waits until they are
-computed, so a shared system prompt is computed once and hit by the rest. When the pool runs
-dry, the newest request is preempted: its blocks are freed, and it is recomputed later from its
-prompt and what it generated so far (freed blocks keep their hashes, so most come back from the
+prompts, up to a token budget, and runs them as one forward pass. The engine plans that batch
+once (Engine.plan) and commits exactly that plan (Engine.step); the scheduler asks the engine,
+never the KV policy or the pool. Requests join and leave between steps. A request is admitted
+when seats (sequences) and free blocks allow (Engine.admits); one whose prompt starts with the
+full blocks another request is still prefilling waits until they are computed, so a shared
+system prompt is computed once and hit by the rest. When the plan finds the pool short, the
+newest request is preempted: its blocks are freed, and it is recomputed later from its prompt
+and what it generated so far (freed blocks keep their hashes, so most come back from the
 prefix cache); it is never dropped.
 
 The scheduler knows requests only through the small protocol below (Generation implements it).
@@ -20,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from localkv.engine import Engine
-from localkv.errors import BudgetReached
+from localkv.kv.step_plan import StepPlan
 from localkv.sequence import Sequence
 
 
@@ -39,7 +41,7 @@ class Request(Protocol):
 
     def on_logits(self, rows: dict[int, np.ndarray]) -> None: ...  # seq id -> logits, for finished chunks
 
-    def out_of_budget(self, seq: Sequence, reason: str) -> None: ...  # the KV policy cannot make room
+    def out_of_budget(self, seq: Sequence, reason: str) -> None: ...  # the KV policy cannot make room: end seq
 
     def preempt(self) -> None: ...  # free every block; resume later from scratch
 
@@ -80,21 +82,17 @@ class Scheduler:
     # ------------------------------------------------------------ the engine's thread
 
     def step(self) -> bool:
-        """Admit, batch, run one forward pass, hand out the logits. Returns whether a forward
-        pass ran."""
+        """Admit, batch, plan, run one forward pass, hand out the logits. Returns whether a
+        forward pass ran."""
         self._take_inbox()
         self._admit()
-        seqs, counts, owners = self._batch()
-        while seqs and self.engine.blocks_short(seqs, counts) > 0:
-            if not self._preempt_newest(keep=self.running[0]):
-                raise RuntimeError("a lone request outgrew the KV pool (check_fits should have refused it)")
-            seqs, counts, owners = self._batch()
-        if not seqs:
+        plan, owners = self._plan()
+        if not plan.seqs:
             self._reap()
             return False
-        logits = self.engine.step(seqs, counts=counts)
+        logits = self.engine.step(plan)
         rows: dict[int, dict[int, np.ndarray]] = {}
-        for seq, row, req in zip(seqs, logits, owners):
+        for seq, row, req in zip(plan.seqs, logits, owners):
             if not seq.pending:  # its whole chunk is computed: the row is its next token's
                 rows.setdefault(id(req), {})[seq.id] = row
         for req in dict.fromkeys(owners):
@@ -102,6 +100,26 @@ class Scheduler:
                 req.on_logits(rows[id(req)])
         self._reap()
         return True
+
+    def _plan(self) -> tuple[StepPlan, list[Request]]:
+        """The batch and the engine's plan for it, made once. A sequence the KV policy cannot
+        make room for is handed back to its request (which ends it) and the batch planned again
+        without it; while the pool is short, the newest request is preempted and the smaller
+        batch planned. Returns the plan and the request of each of its sequences."""
+        told: set[int] = set()
+        while True:
+            seqs, counts, owners = self._batch()
+            plan = self.engine.plan(seqs, counts)
+            if plan.out_of_budget:  # one at a time: ending it may unshare blocks another can then evict
+                seq, why = plan.out_of_budget[0]
+                if seq.id in told:
+                    raise RuntimeError(f"sequence {seq.id} ran on after out_of_budget: a bug in the request's logic")
+                told.add(seq.id)
+                next(r for s, r in zip(seqs, owners) if s is seq).out_of_budget(seq, why)
+            elif plan.fits:
+                return plan, owners
+            elif not self._preempt_newest(keep=self.running[0]):
+                raise RuntimeError("a lone request outgrew the KV pool (check_fits should have refused it)")
 
     def abort_all(self, reason: str) -> list[Request]:
         """Finish every request, queued or running, and free its blocks: what a server does when
@@ -135,7 +153,7 @@ class Scheduler:
             req = self.waiting[0]
             if self._seats() + req.n > self.max_seqs and self.running:
                 break
-            if self._blocks_for(req) > self.engine.pool.num_free and self.running:
+            if not self.engine.admits(len(req.prompt), req.n) and self.running:
                 break
             self.waiting.popleft()
             if self._shares_a_prefilling_prefix(req):
@@ -144,11 +162,6 @@ class Scheduler:
             req.admit()
             self.running.append(req)
         self.waiting.extendleft(reversed(held))
-
-    def _blocks_for(self, req: Request) -> int:
-        """Blocks to admit req: its prompt (cached blocks count as free already) and one per
-        branch to start decoding."""
-        return -(-len(req.prompt) // self.engine.block_size) + req.n
 
     def _shares_a_prefilling_prefix(self, req: Request) -> bool:
         """Whether a running request is still computing full blocks that req's prompt begins
@@ -162,7 +175,8 @@ class Scheduler:
         )
 
     def _batch(self) -> tuple[list[Sequence], list[int], list[Request]]:
-        """Decodes first, then prompt chunks, within the token budget and the KV policy."""
+        """Decodes first, then prompt chunks, within the token budget and the KV policy's chunk
+        limit."""
         decode, prefill = [], []
         for req in self.running:
             for seq in req.schedulable():
@@ -175,11 +189,6 @@ class Scheduler:
             n = self.engine.chunk_counts([seq], min(left, self.chunk))[0]
             if req.prefilling():
                 n = min(n, self._until_waited_blocks(req) or n)
-            try:
-                self.engine.policy.plan(seq, n)
-            except BudgetReached as e:
-                req.out_of_budget(seq, str(e))
-                continue
             seqs.append(seq)
             counts.append(n)
             owners.append(req)

@@ -14,6 +14,7 @@ class Sequence:
     num_stored: int = 0  # tokens whose K/V the block table holds (fewer than computed once blocks are evicted)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the leading full blocks
     hashable: bool = True  # false once eviction broke the block <-> position correspondence
+    cow_copies: int = 0  # shared blocks this sequence copied before writing into them
     id: int = field(default_factory=lambda: next(_ids))
 
     @property

@@ -213,7 +213,7 @@ def _chunked(engine, ids, forced):
     Engine.score), then of one decode step per forced token; and the sequence."""
     seq, out = Sequence(list(ids)), []
     while seq.pending:
-        out.append(engine.step([seq], engine.config.prefill_chunk, all_logits=True))
+        out.append(engine.forward([seq], engine.config.prefill_chunk, all_logits=True))
     for t in forced:
         seq.tokens.append(t)
         out.append(engine.decode([seq]))

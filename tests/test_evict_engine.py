@@ -78,9 +78,10 @@ def test_h2o_attends_to_its_heavy_hitters(tiny):
     seq_peak = []
     real_step = eng.step
 
-    def step(seqs, *a, **kw):
-        out = real_step(seqs, *a, **kw)
-        seq_peak.append((len(seqs[0].block_table), eng.policy.active_tokens(seqs[0])))
+    def step(plan, *a, **kw):
+        out = real_step(plan, *a, **kw)
+        seq = plan.seqs[0]
+        seq_peak.append((len(seq.block_table), eng.policy.active_tokens(seq)))
         return out
 
     eng.step = step
@@ -129,12 +130,12 @@ def test_a_step_that_fails_the_pool_check_changes_nothing(tiny):
     table = list(a.block_table)
     n_events = len(eng.stats.events)
     with pytest.raises(PoolExhausted, match="needs 2 blocks, 1 are free"):
-        eng.step([a, b])
+        eng.forward([a, b])
     assert (a.block_table, a.num_stored, a.num_computed, a.hashable) == (table, 48, 48, True)
     assert (len(b.block_table), b.num_stored) == (1, 10)
     assert eng.stats.evictions == 0 and len(eng.stats.events) == n_events and eng.pool.num_free == 0
     eng.free(b)  # with B gone, the same step for A alone runs: it evicts one block and appends
-    eng.step([a])
+    eng.forward([a])
     assert (len(a.block_table), a.num_stored, a.hashable, eng.stats.evictions) == (3, 33, False, 1)
 
 

@@ -55,9 +55,9 @@ def test_a_step_mixes_decodes_with_prompt_chunks(tiny, monkeypatch):
     eng = engine(tiny, prefill_chunk=16)
     steps, step = [], eng.step
 
-    def spy(seqs, *a, **k):
-        steps.append(list(k["counts"]))
-        return step(seqs, *a, **k)
+    def spy(plan, *a, **k):
+        steps.append(list(plan.counts))
+        return step(plan, *a, **k)
 
     monkeypatch.setattr(eng, "step", spy)
     sched = Scheduler(eng)
@@ -141,7 +141,7 @@ def test_max_seqs_caps_what_runs_at_once(tiny, monkeypatch):
     eng = engine(tiny)
     sched = Scheduler(eng, max_seqs=2)
     widths, step = [], eng.step
-    monkeypatch.setattr(eng, "step", lambda seqs, *a, **k: widths.append(len(seqs)) or step(seqs, *a, **k))
+    monkeypatch.setattr(eng, "step", lambda plan, *a, **k: widths.append(len(plan.seqs)) or step(plan, *a, **k))
     gens = [Generation(eng, p, GREEDY, queued=True) for p in PROMPTS]
     for g in gens:
         sched.add(g)
@@ -191,7 +191,94 @@ def test_decodes_in_a_step_with_a_prompt_chunk_get_the_logits_they_get_alone(tin
         return eng, a, b, c
 
     eng, a, b, c = setup()
-    mixed = eng.step([a, b, c], counts=[1, 1, 20])
+    mixed = eng.forward([a, b, c], counts=[1, 1, 20])
     eng, a, b, c = setup()
-    alone = np.stack([eng.step([s], counts=[n])[0] for s, n in ((a, 1), (b, 1), (c, 20))])
+    alone = np.stack([eng.forward([s], counts=[n])[0] for s, n in ((a, 1), (b, 1), (c, 20))])
     np.testing.assert_allclose(mixed, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_each_request_reports_its_own_kv_figures_in_a_shared_scheduler(tiny):
+    """Two requests in one step loop: each one's peak blocks and copies-on-write are those of its
+    own sequences (what it gets alone), not the pool's."""
+    eng = engine(tiny, prefix_cache=False)
+    sched = Scheduler(eng)
+    fork = Generation(eng, PROMPTS[2], GREEDY, n=3, queued=True)  # 23 tokens: 3 branches share the partial block
+    lone = Generation(eng, PROMPTS[1], GREEDY, queued=True)
+    for g in (fork, lone):
+        sched.add(g)
+    drain(sched, [fork, lone])
+    alone = Generation(engine(tiny, prefix_cache=False), PROMPTS[2], GREEDY, n=3).run()
+    assert (fork.result.peak_blocks, fork.result.cow_copies) == (alone.peak_blocks, alone.cow_copies)
+    assert fork.result.cow_copies == 2  # the last branch to write holds the block alone
+    assert lone.result.cow_copies == 0 and lone.result.peak_blocks == -(-(7 + 12 - 1) // 8)
+
+
+class FakeRequest:
+    """The scheduler's Request protocol and no more: one sequence that appends token 5 until it
+    has max_tokens, and a log of what the scheduler did to it."""
+
+    n = 1
+
+    def __init__(self, name: str, engine: Engine, prompt: list[int], max_tokens: int, log: list):
+        self.name, self.engine, self.prompt, self.max_tokens, self.log = name, engine, prompt, max_tokens, log
+        self.seq, self.generated, self.done = None, [], False
+
+    def admit(self):
+        self.log.append(("admit", self.name, self.engine.pool.num_free))
+        self.seq, _ = self.engine.open_sequence(self.prompt)
+        self.seq.tokens += self.generated  # a preempted request recomputes what it had
+
+    def schedulable(self):
+        return [self.seq] if self.seq is not None and self.seq.pending else []
+
+    def prefilling(self):
+        return self.seq is not None and self.seq.num_computed < len(self.prompt)
+
+    def prompt_computed(self):
+        return min(self.seq.num_computed, len(self.prompt)) if self.seq is not None else 0
+
+    def on_logits(self, rows):
+        self.generated.append(5)
+        if len(self.generated) == self.max_tokens:
+            self.cancel("done")
+        else:
+            self.seq.tokens.append(5)
+
+    def out_of_budget(self, seq, reason):
+        self.cancel("kv_budget")
+
+    def preempt(self):
+        self.log.append(("preempt", self.name))
+        self.engine.free(self.seq)
+        self.seq = None
+
+    def cancel(self, reason):
+        self.log.append((reason, self.name))
+        if self.seq is not None:
+            self.engine.free(self.seq)
+        self.seq, self.done = None, True
+
+
+def test_admission_is_first_come_and_preemption_takes_the_newest(tiny):
+    """Four requests of 24 prompt tokens growing to 48 (6 blocks each) in a pool of 14 blocks:
+    requests are admitted in arrival order and only while the pool holds their start; when it
+    runs short, the newest running request is preempted and goes back to the head of the queue,
+    ahead of those that arrived after it. Replayed against a model of that rule."""
+    eng = engine(tiny, kv_mem=14 * engine(tiny).pool.bytes_per_block, prefix_cache=False)
+    sched, log = Scheduler(eng, max_seqs=3), []
+    reqs = [FakeRequest(c, eng, RNG.integers(3, 261, 24).tolist(), 24, log) for c in "ABCD"]
+    for r in reqs:
+        sched.add(r)
+    drain(sched, reqs)
+    waiting, running = list("ABCD"), []
+    for what, name, *free in log:
+        if what == "admit":
+            assert name == waiting.pop(0) and (free[0] >= 4 or not running), log  # 24 tokens and the first: 4 blocks
+            running.append(name)
+        elif what == "preempt":
+            assert name == running.pop(), log
+            waiting.insert(0, name)
+        else:
+            running.remove(name)
+    assert not waiting and not running and sched.preemptions == sum(w == "preempt" for w, *_ in log) > 0
+    assert all(r.generated == [5] * 24 for r in reqs) and eng.pool.num_free == eng.pool.num_blocks

@@ -39,7 +39,7 @@ def perplexity(engine, tokens: list[int], chunk: int = 16) -> tuple[float, int]:
     try:
         while seq.pending:
             start = seq.num_computed
-            logits = engine.step([seq], chunk, all_logits=True)
+            logits = engine.forward([seq], chunk, all_logits=True)
             peak = max(peak, engine.policy.active_tokens(seq))
             for i, row in enumerate(logits):
                 pos = start + i + 1  # row i predicts the token after it

@@ -122,6 +122,13 @@ class BlockPool:
             block.hash, block.tokens = h, tokens
             self.cached[h] = bid
 
+    def unregister(self, bid: int):
+        """Make a block no longer findable by its hash (its tokens are about to change)."""
+        block = self.blocks[bid]
+        if block.hash is not None:  # then cached[hash] is this block (first writer wins)
+            del self.cached[block.hash]
+            block.hash, block.tokens = None, ()
+
     def lookup(self, h: int, tokens: tuple[int, ...]) -> int | None:
         bid = self.cached.get(h)
         if bid is None or self.blocks[bid].tokens != tokens:  # verify: a hash is not proof

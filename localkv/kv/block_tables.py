@@ -69,6 +69,7 @@ class KVManager:
         self.pool.copy_block(old, new, seq.num_stored % self.bs)
         self.pool.release(old)
         seq.block_table[-1] = new
+        seq.cow_copies += 1
         self.pool.stats.emit("cow", seq.id, new, reason=f"copy of shared block {old}")
 
     # ------------------------------------------------------------ prefix cache
@@ -160,3 +161,30 @@ class KVManager:
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed = seq.num_stored = 0
+
+    def rollback(self, seq: Sequence, n: int):
+        """Drop seq's last n tokens, all computed and stored (see StepPlan for what this may
+        touch): blocks left empty are released (a registered one keeps its hash: its K/V is
+        still that of the tokens the hash names); the block left partly filled loses its
+        registration if seq holds it alone, since the next write overwrites it."""
+        keep = seq.num_stored - n
+        if seq.pending or seq.num_stored != seq.num_computed or not 0 <= keep <= seq.num_stored:
+            raise RuntimeError(
+                f"rolling back {n} of sequence {seq.id}'s {seq.num_stored} stored tokens "
+                f"({len(seq.pending)} pending): a bug in the caller's logic"
+            )
+        held = -(-keep // self.bs)
+        for bid in reversed(seq.block_table[held:]):
+            self.pool.release(bid)
+        del seq.block_table[held:]
+        if keep % self.bs and self.pool.blocks[seq.block_table[-1]].ref_count == 1:
+            self.pool.unregister(seq.block_table[-1])
+        del seq.block_hashes[keep // self.bs :]
+        del seq.tokens[keep:]
+        seq.num_computed = seq.num_stored = keep
+
+    def blocks_held(self, seqs: list[Sequence]) -> int:
+        """Distinct blocks these sequences hold (a shared one counts once)."""
+        if len(seqs) == 1:
+            return len(seqs[0].block_table)
+        return len({bid for s in seqs for bid in s.block_table})

@@ -66,11 +66,11 @@ def test_stop_ends_the_reply_and_keeps_what_came(engine, fake_clock):
 def test_a_failure_mid_reply_keeps_and_saves_what_came(engine, fake_clock, monkeypatch):
     step, calls = engine.step, []
 
-    def failing(seqs, *a, **k):
-        calls.append(len(seqs))
+    def failing(plan, *a, **k):
+        calls.append(len(plan.seqs))
         if len(calls) == 4:  # the prefill, two decode steps, then the failure
             raise RuntimeError("device lost")
-        return step(seqs, *a, **k)
+        return step(plan, *a, **k)
 
     monkeypatch.setattr(engine, "step", failing)
     store = ConversationStore()

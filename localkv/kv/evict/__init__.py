@@ -44,6 +44,9 @@ class NoPolicy:
             )
         return RoomPlan()
 
+    def reserve(self, plans: list[RoomPlan]) -> None:
+        pass
+
     def make_room(self, seq: Sequence, plan: RoomPlan) -> None:
         if plan.victims:
             raise RuntimeError("policy none evicts nothing: a plan with victims is a bug in the caller's logic")
@@ -59,6 +62,9 @@ class NoPolicy:
 
     def free(self, seq: Sequence) -> None:
         pass
+
+    def rollback(self, seq: Sequence, n: int) -> None:
+        pass  # nothing here depends on the tokens: the block table is all there is
 
     def active_tokens(self, seq: Sequence) -> int:
         return seq.num_stored

@@ -12,7 +12,7 @@ import numpy as np
 from localkv.errors import LocalkvError
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.evict.budget import EvictConfig
-from localkv.kv.evict.protocol import AttendExtras, to_host
+from localkv.kv.evict.protocol import AttendExtras, RoomPlan, to_host
 from localkv.kv.evict.window import SeqState, TablePositions, WindowPolicy
 from localkv.sequence import Sequence
 from localkv.stats import Stats
@@ -71,6 +71,16 @@ class OffloadTier:
         self.kmin, self.kmax = np.pad(self.kmin, pad), np.pad(self.kmax, pad)
         self.free_slots.extend(range(capacity - 1, n - 1, -1))
 
+    def reserve(self, n: int):
+        """Free slots for n more blocks, the spill file grown now: raises LocalkvError, changing
+        nothing, when the disk is full (an offload itself then cannot fail)."""
+        if len(self.free_slots) >= n:
+            return
+        capacity = 2 * self.capacity
+        while capacity - len(self.entries) < n:
+            capacity *= 2
+        self._grow(capacity)
+
     def blocks_of(self, seq_id: int) -> list[tuple[int, int]]:
         """(start position, slot) of a sequence's offloaded blocks, by position."""
         return sorted((start, slot) for (sid, start), slot in self.entries.items() if sid == seq_id)
@@ -82,8 +92,7 @@ class OffloadTier:
         bid = seq.block_table[i]
         if pool.blocks[bid].ref_count != 1:
             raise RuntimeError(f"block {bid} is shared and cannot be offloaded: a bug in the caller's logic")
-        if not self.free_slots:
-            self._grow(2 * self.capacity)
+        self.reserve(1)
         slot = self.free_slots.pop()
         k = to_host(pool.k[:, bid])  # [L, bs, kvh, hd]
         self.kv[slot, 0], self.kv[slot, 1] = k.transpose(0, 2, 1, 3), to_host(pool.v[:, bid]).transpose(0, 2, 1, 3)
@@ -138,13 +147,19 @@ def _open_spill(directory: Path):
 
 
 def _reserve(f, nbytes: int):
-    """Grow the spill file with real disk space: a sparse file would crash on write when full."""
+    """Grow the spill file with real disk space: a sparse file would crash on write when full.
+    A failure leaves the file at its old size (fallocate may have taken part of the space)."""
+    old = os.fstat(f.fileno()).st_size
     try:
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(f.fileno(), 0, nbytes)
         else:
             f.truncate(nbytes)
     except OSError as e:
+        try:
+            f.truncate(old)
+        except OSError:
+            pass  # a longer file is harmless: the tier maps only its own capacity
         raise LocalkvError(f"cannot grow the KV offload file to {nbytes} bytes: {e.strerror or e}") from None
 
 
@@ -246,6 +261,9 @@ class OffloadPolicy(WindowPolicy):
 
     def new_state(self) -> OffloadSeqState:
         return OffloadSeqState(TablePositions(self.block_size))
+
+    def reserve(self, plans: list[RoomPlan]) -> None:
+        self.tier.reserve(sum(len(p.victims) for p in plans))
 
     def remove(self, seq: Sequence, state: SeqState, victims: list[int]) -> None:
         for i in reversed(victims):

@@ -32,16 +32,23 @@ def to_host(x) -> np.ndarray:
 
 
 class Policy(Protocol):
-    """One per engine. Per step and sequence the engine calls plan (every sequence first: it
-    may raise BudgetReached), then, once the pool check passed, make_room, append_slots,
-    extras, the forward and after_forward. Committing a plan releases exactly
-    len(plan.victims) blocks, so the engine can check the pool before anything changes."""
+    """One per engine. Each step is planned once (kv/step_plan.py): plan for every sequence of
+    the batch (it may raise BudgetReached), again only over a batch the scheduler changed (a
+    preemption, a sequence out of budget); plan changes nothing. Once the pool check passed,
+    the commit calls reserve with all the plans, make_room per sequence, append_slots, then per
+    sequence extras, the forward and after_forward. Committing a plan releases exactly
+    len(plan.victims) blocks, so the pool is checked before anything changes; reserve takes
+    what else the plans need (it may raise, changing nothing), so make_room cannot fail
+    part-way. After the forward a step's last tokens may be rolled back (StepPlan): rollback
+    forgets them, or raises LocalkvError, changing nothing, if the policy acted on them."""
 
     config: EvictConfig
 
     def chunk_limit(self) -> int | None: ...  # most tokens one step may append to a sequence
 
     def plan(self, seq: Sequence, n_new: int) -> RoomPlan: ...
+
+    def reserve(self, plans: list[RoomPlan]) -> None: ...
 
     def make_room(self, seq: Sequence, plan: RoomPlan) -> None: ...
 
@@ -52,5 +59,7 @@ class Policy(Protocol):
     def fork(self, parent: Sequence, child: Sequence) -> None: ...
 
     def free(self, seq: Sequence) -> None: ...
+
+    def rollback(self, seq: Sequence, n: int) -> None: ...  # forget seq's last n tokens, or raise LocalkvError
 
     def active_tokens(self, seq: Sequence) -> int: ...  # K/V tokens one layer attended to in seq's last forward

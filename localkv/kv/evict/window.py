@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from localkv.errors import BudgetReached
+from localkv.errors import BudgetReached, LocalkvError
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.evict.budget import EvictConfig, ceil_div
 from localkv.kv.evict.protocol import AttendExtras, RoomPlan
@@ -172,6 +172,9 @@ class WindowPolicy:
             )
         return RoomPlan(victims)
 
+    def reserve(self, plans: list[RoomPlan]) -> None:
+        pass
+
     def make_room(self, seq: Sequence, plan: RoomPlan) -> None:
         if plan.victims:
             check_plan(seq, plan, self.pool)
@@ -193,6 +196,14 @@ class WindowPolicy:
 
     def free(self, seq: Sequence) -> None:
         self.seqs.pop(seq.id, None)
+
+    def rollback(self, seq: Sequence, n: int) -> None:
+        """Refused: the blocks a step's tokens pushed out of the window (and, for h2o, the
+        attention mass of their queries) cannot be taken back."""
+        raise LocalkvError(
+            f"--evict {self.config.policy} cannot drop tokens once computed (it evicted or scored for them); "
+            "use --evict none"
+        )
 
     def active_tokens(self, seq: Sequence) -> int:
         return seq.num_stored
