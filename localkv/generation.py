@@ -103,9 +103,10 @@ class Result:
 class Generation:
     """One request: a prompt, n branches, how they are sampled. Iterate for the Deltas that have
     text as tokens are sampled (it drives its own Scheduler), or hand it to a shared Scheduler
-    (the server) and read .events(); .result holds the record. A request that could never fit the context, the
-    KV budget or the pool is refused when it is made, before any work. Ctrl-C during iteration
-    ends it cleanly (live branches finish 'interrupted') and is re-raised."""
+    (the server) and read .events(): Deltas and a Finished per branch. .result holds the record.
+    A request that could never fit the context, the KV budget or the pool is refused when it is
+    made, before any work. Ctrl-C during iteration ends it cleanly (live branches finish
+    'interrupted') and is re-raised."""
 
     def __init__(
         self,

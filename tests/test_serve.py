@@ -18,8 +18,9 @@ import pytest
 
 from localkv.config import EngineConfig
 from localkv.serve.metrics import parse
+from localkv.serve.options import ServeOptions
 from localkv.serve.runner import Runner
-from localkv.serve.server import BackgroundServer, ServeOptions
+from localkv.serve.server import BackgroundServer
 from tiny_model import write_gguf
 
 KEY = "test-key"

@@ -16,8 +16,6 @@ from localkv.serve.app import create_app
 from localkv.serve.options import ServeOptions
 from localkv.serve.runner import Runner
 
-__all__ = ["BackgroundServer", "ServeOptions", "listen", "serve"]
-
 
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: any free one, checked by ServeOptions.validate);
