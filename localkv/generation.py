@@ -22,6 +22,7 @@ import numpy as np
 
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
+from localkv.events import Delta, Finished, Usage
 from localkv.model.tokenizer import TokenStreamer
 from localkv.progress import PrefillProgress
 from localkv.sampling import Sampler, SamplingParams, TokenLogprob
@@ -46,14 +47,7 @@ class Branch:
     stored: int = 0  # tokens of K/V it held when it finished
     stops: StopScanner = field(default_factory=lambda: StopScanner(()))
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, with params.logprobs
-
-
-@dataclass(slots=True)
-class Piece:
-    """Text streamed by branch `branch`."""
-
-    branch: int
-    text: str
+    streamed: int = 0  # of its tokens, those already in a Delta
 
 
 @dataclass(slots=True)
@@ -107,11 +101,12 @@ class Result:
 
 
 class Generation:
-    """One request: a prompt, n branches, how they are sampled. Iterate for Pieces as tokens are
-    sampled (it drives its own Scheduler), or hand it to a shared Scheduler (the server) and
-    read .pieces(); .result holds the record. A request that could never fit the context, the
-    KV budget or the pool is refused when it is made, before any work. Ctrl-C during iteration
-    ends it cleanly (live branches finish 'interrupted') and is re-raised."""
+    """One request: a prompt, n branches, how they are sampled. Iterate for the Deltas that have
+    text as tokens are sampled (it drives its own Scheduler), or hand it to a shared Scheduler
+    (the server) and read .events(): Deltas and a Finished per branch. .result holds the record.
+    A request that could never fit the context, the KV budget or the pool is refused when it is
+    made, before any work. Ctrl-C during iteration ends it cleanly (live branches finish
+    'interrupted') and is re-raised."""
 
     def __init__(
         self,
@@ -121,9 +116,12 @@ class Generation:
         n: int = 1,
         queued: bool = False,
         on_progress: Callable[[PrefillProgress], None] | None = None,
+        first_choice: int = 0,
     ):
         """on_progress: called with the prefill's progress after each step that computed part of
-        the prompt, and once when it is done (when this Generation drives its own scheduler)."""
+        the prompt, and once when it is done (when this Generation drives its own scheduler).
+        first_choice: the choice number of branch 0 in its events (a server request with several
+        prompts numbers its choices across them)."""
         self._t0 = time.perf_counter()  # TTFT counts the wait, the prefix lookup and the prefill
         self.params = (params or SamplingParams()).validate()
         if n < 1:
@@ -132,12 +130,13 @@ class Generation:
         c = self.params.constraint  # a bad grammar fails here, before any work
         self.grammar = _compile(c, engine.tokenizer) if c is not None else None
         self.on_progress = on_progress
+        self.first_choice = first_choice
         self.engine, self.n, self.prompt = engine, n, list(prompt_ids)
         self.result = Result([], len(prompt_ids), load_s=engine.loaded.load_s)
         self.stop_ids = frozenset() if self.params.ignore_eos else frozenset(engine.tokenizer.stop_ids)
         self.root: Sequence | None = None  # the prompt's sequence until it forks into the branches
         self.done = False
-        self._out: deque[Piece] = deque()  # appended on the engine's thread, read by the consumer
+        self._out: deque[Delta | Finished] = deque()  # appended on the engine's thread, read by the consumer
         self._t_prefilled = 0.0
         self._persisted = False
         self._admitted = False
@@ -145,15 +144,15 @@ class Generation:
 
     # ------------------------------------------------------------ for its consumer
 
-    def __iter__(self) -> Iterator[Piece]:
+    def __iter__(self) -> Iterator[Delta]:
         sched = Scheduler(self.engine, max_seqs=self.n)
         sched.add(self)
         try:
             while not self.done:
                 sched.step()
                 self._report_progress()
-                yield from self.pieces()
-            yield from self.pieces()
+                yield from self._pieces()
+            yield from self._pieces()
         except KeyboardInterrupt:
             self.cancel("interrupted")
             raise
@@ -177,10 +176,13 @@ class Generation:
         r = self.result
         return PrefillProgress(done, r.prompt_tokens, r.cached_tokens, time.perf_counter() - self._t0)
 
-    def pieces(self) -> Iterator[Piece]:
-        """The text streamed since the last call (safe from another thread)."""
+    def events(self) -> Iterator[Delta | Finished]:
+        """The events since the last call, in order (safe from another thread)."""
         while self._out:
             yield self._out.popleft()
+
+    def _pieces(self) -> Iterator[Delta]:
+        return (e for e in self.events() if isinstance(e, Delta) and e.text)
 
     def run(self) -> Result:
         for _ in self:
@@ -315,16 +317,23 @@ class Generation:
                 b.finish_reason = "context"
 
     def _emit(self, b: Branch, text: str, last: bool = False):
-        """Stream a branch's text past its stop strings (last: the branch ended, release what
-        was held back)."""
+        """Stream a branch's text past its stop strings, with the tokens sampled since its last
+        Delta (last: the branch ended, release what was held back and say why it ended)."""
         shown = b.stops.push(text)
         if b.stops.hit and not b.finish_reason:
             b.finish_reason, b.stop_detail = "stop", f"stop string {b.stops.hit!r}"
         elif last:
             shown += b.stops.flush()
         b.text += shown
-        if shown:
-            self._out.append(Piece(b.index, shown))
+        choice = self.first_choice + b.index
+        if shown or last and b.streamed < len(b.tokens):
+            ids, lps = tuple(b.tokens[b.streamed :]), tuple(b.logprobs[b.streamed :])
+            b.streamed = len(b.tokens)
+            self._out.append(Delta(choice, shown, ids, lps))
+        if last:
+            r, first = self.result, b.index == 0  # the prompt's figures come with the first choice
+            used = Usage(r.prompt_tokens, r.cached_tokens, len(b.tokens)) if first else Usage(0, 0, len(b.tokens))
+            self._out.append(Finished(choice, b.finish_reason, b.stop_detail, used, r.ttft_s if first else 0.0))
 
     def _after_advance(self):
         """Free the sequences of finished branches at once (their blocks go to other requests);

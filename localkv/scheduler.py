@@ -54,7 +54,7 @@ class Scheduler:
         prefill_chunk); one prompt advances at most prefill_chunk tokens a step, so a budget
         above it lets several prompts share a step (vLLM's long-prefill threshold)."""
         if max_seqs < 1:
-            raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
+            raise RuntimeError(f"max_seqs {max_seqs} < 1: a bug in the caller's logic")
         self.engine, self.max_seqs = engine, max_seqs
         self.chunk = engine.config.prefill_chunk
         self.token_budget = max(token_budget or self.chunk, 1)

@@ -3,7 +3,7 @@
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -33,6 +33,13 @@ class Stats:
         counter = _COUNTERS.get(kind)
         if counter:
             setattr(self, counter, getattr(self, counter) + 1)
+
+    def snapshot(self, events: int = 0) -> "Stats":
+        """A copy that stays as it is while the engine moves on: the counters now and the last
+        `events` events. Take it on the engine's thread (the event deque must not be iterated
+        while another thread appends to it)."""
+        last = list(self.events)[-events:] if events > 0 else []
+        return replace(self, events=deque(last, maxlen=self.events.maxlen))
 
 
 _COUNTERS = {"evict": "evictions", "offload": "offloads", "recall": "recalls", "cow": "cow_copies"}

@@ -18,8 +18,9 @@ import pytest
 
 from localkv.config import EngineConfig
 from localkv.serve.metrics import parse
+from localkv.serve.options import ServeOptions
 from localkv.serve.runner import Runner
-from localkv.serve.server import BackgroundServer, ServeOptions
+from localkv.serve.server import BackgroundServer
 from tiny_model import write_gguf
 
 KEY = "test-key"
@@ -432,6 +433,42 @@ def test_health_is_503_while_loading_and_when_the_model_failed(tiny, tmp_path):
         h = httpx.get(s.url + "/health")
         assert h.status_code == 503 and h.json()["status"] == "failed"
         assert "missing.gguf" in h.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ a failed step
+
+
+def test_a_failed_step_answers_with_an_error_and_the_server_keeps_serving(tiny, monkeypatch):
+    with BackgroundServer(config(tiny)) as s:
+        logged, armed, real = [], threading.Event(), s.runner.engine.step
+        s.runner.log = logged.append
+
+        def step(*args, **kw):
+            if armed.is_set():
+                armed.clear()
+                raise RuntimeError("a broken step")
+            return real(*args, **kw)
+
+        monkeypatch.setattr(s.runner.engine, "step", step)
+        body = {"prompt": random_prompt(20), "max_tokens": LONG, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + COMPLETIONS, json=body, timeout=60) as r:
+            lines = (x for x in r.iter_lines() if x)
+            for _ in range(3):  # a few tokens are streamed before the step breaks
+                assert json.loads(next(lines).removeprefix("data: "))["choices"][0]["text"] is not None
+            armed.set()
+            rest = list(lines)  # the stream ends cleanly: no broken connection
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "server_error" and "a broken step" in error["message"]
+        assert not any('"finish_reason":"' in x for x in rest)  # an error, not a finished answer
+        armed.set()
+        whole = httpx.post(s.url + COMPLETIONS, json=body | {"stream": False, "max_tokens": 8}, timeout=60)
+        assert whole.status_code == 500 and whole.json()["error"]["code"] == "server_error", whole.text
+        assert sum("a step failed" in m for m in logged) == 2
+        after = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        assert after.completions.create(model="tiny", prompt="again", max_tokens=4).usage.completion_tokens >= 1
+        assert parse(httpx.get(s.url + "/metrics").text)['localkv_requests_total{outcome="error"}'] == 2
+        assert_no_leak(s)
 
 
 # ------------------------------------------------------------------ a small pool

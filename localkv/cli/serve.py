@@ -7,19 +7,21 @@ import typer
 from localkv.cli.app import err
 from localkv.cli.options import engine_options
 from localkv.config import PREFILL_CHUNK, EngineConfig
-from localkv.errors import LocalkvError
+from localkv.serve.options import ServeOptions
+
+D = ServeOptions()  # the flags' defaults
 
 
 @engine_options()
 def serve(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
-    port: int = typer.Option(8080, "--port", help="TCP port (0: any free one)."),
-    max_seqs: int = typer.Option(64, "--max-seqs", help="Most sequences decoded at once (n choices count n)."),
+    host: str = typer.Option(D.host, "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(D.port, "--port", help="TCP port (0: any free one)."),
+    max_seqs: int = typer.Option(D.max_seqs, "--max-seqs", help="Most sequences decoded at once (n choices count n)."),
     max_queue: int = typer.Option(
-        256, "--max-queue", help="Requests that may wait beyond --max-seqs; past it the server answers 429."
+        D.max_queue, "--max-queue", help="Requests that may wait beyond --max-seqs; past it the server answers 429."
     ),
     batch_tokens: int = typer.Option(
-        2048,
+        D.batch_tokens,
         "--batch-tokens",
         help="Most tokens one step runs over all requests (prompt chunks and decodes); one prompt "
         f"advances at most {PREFILL_CHUNK} a step. More: new prompts are computed "
@@ -31,7 +33,7 @@ def serve(
         help="Require 'Authorization: Bearer KEY' (else 401). Default: $LOCALKV_API_KEY, or no key.",
         show_default=False,
     ),
-    log_requests: bool = typer.Option(False, "--log-requests", help="Log each HTTP request on stderr."),
+    log_requests: bool = typer.Option(D.log_requests, "--log-requests", help="Log each HTTP request on stderr."),
     *,
     engine: EngineConfig,
 ):
@@ -39,15 +41,8 @@ def serve(
     with /health and Prometheus /metrics. Requests share one KV block pool: they are batched step
     by step (continuous batching), a common prompt prefix is computed once, and n choices are
     forks of one prompt. The model loads after the port is open (/health answers 503 until then)."""
-    from localkv.serve.server import ServeOptions
-    from localkv.serve.server import serve as run_server
+    from localkv.serve.server import serve as run_server  # uvicorn and starlette load only here
 
-    if max_seqs < 1:
-        raise LocalkvError(f"invalid --max-seqs {max_seqs}: must be >= 1")
-    if max_queue < 0:
-        raise LocalkvError(f"invalid --max-queue {max_queue}: must be >= 0")
-    if batch_tokens < 1:
-        raise LocalkvError(f"invalid --batch-tokens {batch_tokens}: must be >= 1")
     key = api_key if api_key is not None else os.environ.get("LOCALKV_API_KEY") or None
     opts = ServeOptions(host, port, max_seqs, max_queue, batch_tokens, key, log_requests)
     run_server(engine, opts, say=err)

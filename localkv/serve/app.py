@@ -1,14 +1,14 @@
 """The HTTP routes (Starlette): OpenAI's chat and text completions, streamed as server-sent
 events or whole, the model list, /health and /metrics. Each request is checked (openai.py),
 turned into Generations off the event loop (tokenizing a long prompt takes a while), handed to
-the Runner, and answered as the engine's thread produces text. A client that goes away is
-cancelled at once: its blocks go back to the pool at the next step."""
+the Runner, and answered from the events the engine's thread pushes onto the request's Job (the
+routes never read a Generation). A client that goes away is cancelled at once: its blocks go
+back to the pool at the next step."""
 
 import asyncio
 import contextlib
 import hmac
 import json
-import sys
 from pathlib import Path
 
 import anyio
@@ -20,15 +20,15 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from localkv.errors import ContextOverflow, LocalkvError, PoolExhausted
+from localkv.events import Event, Failed
 from localkv.generation import Generation
 from localkv.hub.catalog import DEFAULT_MODEL, sampling_for
 from localkv.serve import metrics
 from localkv.serve.openai import ApiError, Ask, bad, parse_chat, parse_completion
-from localkv.serve.replies import DONE, Reply, finish_reason, sse
+from localkv.serve.replies import DONE, Reply, sse
 from localkv.serve.runner import Job, QueueFull, Runner
 
 MAX_BODY = 16 << 20  # bytes of one request body
-FAILED = ("error", "shutdown")  # finish reasons that mean the request was not answered
 
 
 def model_id(model: str | None) -> str:
@@ -82,7 +82,7 @@ async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
 
 
 async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-    print(f"localkv serve: internal error on {request.url.path}: {type(e).__name__}: {e}", file=sys.stderr)
+    request.app.state.runner.log(f"localkv serve: internal error on {request.url.path}: {type(e).__name__}: {e}")
     return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
 
 
@@ -207,9 +207,9 @@ async def _answer(request: Request, ask: Ask) -> Response:
         job = runner.submit(gens, asyncio.get_running_loop())
     except QueueFull as e:
         raise ApiError(429, str(e), code="server_busy") from None
-    reply = Reply(ask.kind, request.app.state.model_id, ask.n, runner.engine.tokenizer)
+    reply = Reply(ask.kind, request.app.state.model_id, runner.engine.tokenizer, ask.logprobs is not None)
     if ask.stream:
-        return EventStream(_events(runner, job, reply, ask), runner, job)
+        return EventStream(_events(job, reply, ask), runner, job)
     try:
         await _until_done(request, job)
     except ClientGone:
@@ -217,8 +217,10 @@ async def _answer(request: Request, ask: Ask) -> Response:
     finally:
         if not job.done:
             runner.cancel(job)
-    _raise_failed(job)
-    return JSONResponse(reply.body([g.result for g in job.gens], ask.logprobs is not None))
+    events, failed = _failure(job.take())
+    if failed is not None:
+        raise failed
+    return JSONResponse(reply.body(events))
 
 
 def build(engine, ask: Ask) -> list[Generation]:
@@ -236,7 +238,8 @@ def build(engine, ask: Ask) -> list[Generation]:
         raise bad(str(e), "messages") from None
     try:
         params = sampling_for(engine.path, ask.values)  # the model's catalog defaults, then the request's
-        return [Generation(engine, ids, params, n=ask.n, queued=True) for ids in prompts]
+        n = ask.n
+        return [Generation(engine, ids, params, n=n, queued=True, first_choice=p * n) for p, ids in enumerate(prompts)]
     except ContextOverflow as e:
         raise bad(str(e), "messages" if ask.kind == "chat" else "prompt", "context_length_exceeded") from None
     except PoolExhausted as e:
@@ -275,49 +278,28 @@ async def _until_done(request: Request, job: Job):
         watcher.cancel()
 
 
-def _raise_failed(job: Job):
-    reasons = {b.finish_reason for g in job.gens for b in g.result.branches}
-    if job.error or reasons & set(FAILED):
-        raise ApiError(500, job.error or "the request was cut short (the server is shutting down)", code="server_error")
+def _failure(events: list[Event]) -> tuple[list[Event], ApiError | None]:
+    """The events before a Failed one, and the 500 it means (None when the job did not fail)."""
+    for i, ev in enumerate(events):
+        if isinstance(ev, Failed):
+            return events[:i], ApiError(500, ev.message, code="server_error")
+    return events, None
 
 
-async def _events(runner: Runner, job: Job, reply: Reply, ask: Ask):
-    """The SSE stream: a role chunk per choice (chat), text as it comes, the finish reasons, the
-    usage if asked, [DONE]. A step that failed ends it with an error event."""
-    with_lp = ask.logprobs is not None
+async def _events(job: Job, reply: Reply, ask: Ask):
+    """The SSE stream: a role chunk per choice (chat), text as it comes, each choice's finish
+    reason, the usage if asked, [DONE]. A step that failed ends it with an error event."""
     if ask.kind == "chat":
-        yield "".join(reply.chunk(p * ask.n + i, role=True) for p in range(len(job.gens)) for i in range(ask.n))
-    while True:
-        done = job.done  # read before draining: text that came before it is drained below
-        out = []
-        for p, g in enumerate(job.gens):
-            branches = g.result.branches
-            for piece in g.pieces():
-                index = p * ask.n + piece.branch
-                b = branches[piece.branch] if piece.branch < len(branches) else None
-                out.append(reply.chunk(index, piece.text, logprobs=reply.new_logprobs(index, b) if with_lp else None))
-        if out:
-            yield "".join(out)
-        if done:
-            break
-        await job.wake.wait()
-        job.wake.clear()
-    try:
-        _raise_failed(job)
-    except ApiError as e:
-        yield sse(e.body()) + DONE
-        return
-    out = []
-    for p, g in enumerate(job.gens):
-        for b in g.result.branches:
-            index = p * ask.n + b.index
-            rest = reply.new_logprobs(index, b) if with_lp else None
-            if rest is not None:  # tokens whose text never came (a stop token's, held-back bytes)
-                out.append(reply.chunk(index, "", logprobs=rest))
-            out.append(reply.chunk(index, finish=finish_reason(b.finish_reason)))
-    if ask.include_usage:
-        out.append(reply.usage_chunk([g.result for g in job.gens]))
-    yield "".join(out) + DONE
+        yield reply.roles(len(job.gens) * ask.n)
+    async for batch in job.batches():
+        events, failed = _failure(batch)
+        text = reply.stream(events)
+        if failed is not None:
+            yield text + sse(failed.body()) + DONE
+            return
+        if text:
+            yield text
+    yield reply.end(ask.include_usage)
 
 
 class EventStream(StreamingResponse):

@@ -7,6 +7,8 @@ the pool and cache numbers are read from the engine when /metrics is asked (Snap
 import math
 from dataclasses import dataclass, field
 
+from localkv.stats import Stats
+
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 
 
@@ -54,25 +56,16 @@ class Snapshot:
     """The engine's state between two steps (read on the engine's thread)."""
 
     pool: dict  # BlockPool.usage()
-    prefix_queries: int
-    prefix_hits: int
-    disk_hits: int
-    cow_copies: int
-    evictions: int
+    stats: Stats  # a copy of engine.stats
     preemptions: int
     running: int
     waiting: int
 
     @classmethod
     def of(cls, engine, scheduler) -> "Snapshot":
-        s = engine.stats
         return cls(
             engine.pool.usage(),
-            s.prefix_queries,
-            s.prefix_hits,
-            s.disk_hits,
-            s.cow_copies,
-            s.evictions,
+            engine.stats.snapshot(),
             scheduler.preemptions,
             len(scheduler.running),
             len(scheduler.waiting),
@@ -130,11 +123,12 @@ def render(counters: Counters, snap: Snapshot | None) -> str:
             put("localkv_kv_blocks", p[key], f'{{state="{state}"}}')
         put("localkv_kv_blocks_total", p["blocks"])
         put("localkv_kv_block_size_tokens", p["block_size"])
-        put("localkv_prefix_query_tokens_total", snap.prefix_queries)
-        put("localkv_prefix_hit_tokens_total", snap.prefix_hits)
-        put("localkv_disk_hit_tokens_total", snap.disk_hits)
-        put("localkv_cow_copies_total", snap.cow_copies)
-        put("localkv_evictions_total", snap.evictions)
+        s = snap.stats
+        put("localkv_prefix_query_tokens_total", s.prefix_queries)
+        put("localkv_prefix_hit_tokens_total", s.prefix_hits)
+        put("localkv_disk_hit_tokens_total", s.disk_hits)
+        put("localkv_cow_copies_total", s.cow_copies)
+        put("localkv_evictions_total", s.evictions)
         put("localkv_preemptions_total", snap.preemptions)
         put("localkv_requests_running", snap.running)
         put("localkv_requests_waiting", snap.waiting)

@@ -1,12 +1,14 @@
 """The answers' shapes: chat.completion and text_completion bodies, their streamed chunks (SSE
-`data:` lines), usage with the prefix cache's share, and log-probabilities in both APIs' forms."""
+`data:` lines), usage with the prefix cache's share, and log-probabilities in both APIs' forms.
+Everything is rendered from a request's events (localkv/events.py), nothing else."""
 
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from localkv.generation import Branch, Result
+from localkv.events import Delta, Event, Finished, Usage
+from localkv.sampling import TokenLogprob
 
 # localkv's finish reasons -> OpenAI's (the context, the KV budget and max_tokens all cut the reply short)
 FINISH = {"stop": "stop", "length": "length", "context": "length", "kv_budget": "length"}
@@ -23,74 +25,86 @@ def sse(obj) -> str:
 DONE = "data: [DONE]\n\n"
 
 
-def usage(results: list[Result]) -> dict:
-    prompt = sum(r.prompt_tokens for r in results)
-    completion = sum(r.completion_tokens for r in results)
+def usage(u: Usage) -> dict:
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)},
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
-
-
-def token_logprobs(branch: Branch) -> list:
-    """The branch's TokenLogprob records (empty when none were asked for)."""
-    return list(getattr(branch, "logprobs", None) or ())
 
 
 @dataclass(slots=True)
 class Reply:
-    """One request's answer under way: its id, clock and model name, and where each choice's
-    streamed log-probabilities and text offsets stand."""
+    """One request's answer, rendered from its events: its id, clock and model name, and what
+    the stream has said so far (the usage of the choices that finished, each choice's text
+    offset for the completions API's log-probabilities)."""
 
     kind: str  # chat | completion
     model: str
-    n: int  # choices per prompt
     tokenizer: object
+    want_logprobs: bool = False
     id: str = ""
     created: int = 0
-    sent_logprobs: dict[int, int] = field(default_factory=dict)  # choice index -> records sent
-    offsets: dict[int, int] = field(default_factory=dict)  # choice index -> characters sent (completions)
+    used: Usage = Usage()  # the Finished events' usage, summed
+    offsets: dict[int, int] = field(default_factory=dict)  # choice -> characters sent (completions)
 
     def __post_init__(self):
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
-    def _head(self) -> dict:
+    def _head(self, chunk: bool = False) -> dict:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        obj += ".chunk" if chunk and self.kind == "chat" else ""
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     # ------------------------------------------------------------ whole answers
 
-    def body(self, results: list[Result], want_logprobs: bool) -> dict:
+    def body(self, events: list[Event]) -> dict:
+        """The whole answer from every Delta and Finished of a request."""
+        texts: dict[int, list[str]] = {}
+        records: dict[int, list[TokenLogprob]] = {}
+        ends: dict[int, Finished] = {}
+        for ev in events:
+            if isinstance(ev, Delta):
+                texts.setdefault(ev.choice, []).append(ev.text)
+                records.setdefault(ev.choice, []).extend(ev.logprobs)
+            elif isinstance(ev, Finished):
+                ends[ev.choice] = ev
+                self.used += ev.usage
         choices = []
-        for p, r in enumerate(results):
-            for b in r.branches:
-                index = p * self.n + b.index
-                lps = self.logprobs(index, token_logprobs(b)) if want_logprobs else None
-                if self.kind == "chat":
-                    msg = {"role": "assistant", "content": b.text}
-                    choices.append(
-                        {
-                            "index": index,
-                            "message": msg,
-                            "logprobs": lps,
-                            "finish_reason": finish_reason(b.finish_reason),
-                        }
-                    )
-                else:
-                    choices.append(
-                        {
-                            "index": index,
-                            "text": b.text,
-                            "logprobs": lps,
-                            "finish_reason": finish_reason(b.finish_reason),
-                        }
-                    )
-        return self._head() | {"choices": choices, "usage": usage(results)}
+        for i in sorted(ends):
+            text = "".join(texts.get(i, ()))
+            said = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
+            lps = self.logprobs(i, records.get(i, [])) if self.want_logprobs else None
+            choices.append({"index": i, **said, "logprobs": lps, "finish_reason": finish_reason(ends[i].reason)})
+        return self._head() | {"choices": choices, "usage": usage(self.used)}
 
     # ------------------------------------------------------------ streamed chunks
+
+    def roles(self, choices: int) -> str:
+        """The chat stream's first chunks: each choice's assistant role."""
+        return "".join(self.chunk(i, role=True) for i in range(choices))
+
+    def stream(self, events: list[Event]) -> str:
+        """The chunks for a batch of Deltas and Finisheds: text (with its tokens'
+        log-probabilities when asked for), and a finish reason per choice that ended."""
+        out = []
+        for ev in events:
+            if isinstance(ev, Delta):
+                lps = self.logprobs(ev.choice, ev.logprobs) if self.want_logprobs and ev.logprobs else None
+                if ev.text or lps is not None:  # tokens whose text never came still show their logprobs
+                    out.append(self.chunk(ev.choice, ev.text, logprobs=lps))
+            elif isinstance(ev, Finished):
+                self.used += ev.usage
+                out.append(self.chunk(ev.choice, finish=finish_reason(ev.reason)))
+        return "".join(out)
+
+    def end(self, include_usage: bool) -> str:
+        """The stream's last chunks: the usage if asked, then [DONE]."""
+        if not include_usage:
+            return DONE
+        return sse(self._head(chunk=True) | {"choices": [], "usage": usage(self.used)}) + DONE
 
     def chunk(
         self,
@@ -105,25 +119,10 @@ class Reply:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        head = self._head()
-        head["object"] += ".chunk" if self.kind == "chat" else ""
-        return sse(head | {"choices": [choice]})
+        return sse(self._head(chunk=True) | {"choices": [choice]})
 
-    def usage_chunk(self, results: list[Result]) -> str:
-        head = self._head()
-        head["object"] += ".chunk" if self.kind == "chat" else ""
-        return sse(head | {"choices": [], "usage": usage(results)})
-
-    def new_logprobs(self, index: int, branch: Branch | None) -> dict | None:
-        """The records of choice `index` not streamed yet, in this API's form (None when none)."""
-        records = token_logprobs(branch) if branch is not None else []
-        sent = self.sent_logprobs.get(index, 0)
-        if len(records) <= sent:
-            return None
-        return self.logprobs(index, records[sent:])
-
-    def logprobs(self, index: int, records: list) -> dict:
-        self.sent_logprobs[index] = self.sent_logprobs.get(index, 0) + len(records)
+    def logprobs(self, index: int, records) -> dict:
+        """Choice `index`'s records in this API's form (completions: text offsets carry on)."""
         tok = self.tokenizer
         if self.kind == "chat":
             return {

@@ -1,6 +1,8 @@
 """The engine's one thread: it loads the model, then steps the Scheduler while there is work and
-sleeps when there is none. The HTTP side (an asyncio loop in another thread) hands it Jobs and
-is woken, through its loop, when a job has new text or is done.
+sleeps when there is none. The HTTP side (an asyncio loop in another thread) hands it Jobs; after
+each step the runner moves each job's new events (Delta, Finished; Failed when the step broke)
+onto the job's queue, counting them for /metrics on the way, and wakes the job's handler through
+its loop. The handler reads only that queue, never a Generation's state.
 
 Everything that touches the engine or the pool runs here: requests are added and cancelled
 through the Scheduler's thread-safe inbox, and anything else (a metrics snapshot, a test's pool
@@ -13,16 +15,18 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
+from localkv.events import Delta, Event, Failed
 from localkv.generation import Generation
 from localkv.scheduler import Scheduler
 from localkv.serve.metrics import Counters, Snapshot
+from localkv.serve.options import ServeOptions
 
 
 class QueueFull(LocalkvError):
@@ -31,21 +35,42 @@ class QueueFull(LocalkvError):
 
 @dataclass(eq=False, slots=True)
 class Job:
-    """One HTTP request's generations (a completion request may hold several prompts) and the
-    event its handler waits on. `error` is set when a step failed under it."""
+    """One HTTP request's generations (a completion request may hold several prompts), the
+    events the engine's thread pushes for its handler, and the asyncio event the handler waits
+    on. `done` is set (engine thread) once the last event is pushed."""
 
     gens: list[Generation]
     loop: asyncio.AbstractEventLoop
     wake: asyncio.Event
-    error: str = ""
+    events: deque[Event] = field(default_factory=deque)
+    done: bool = False
+    failed: bool = False  # a Failed event was pushed: nothing follows it
     cancelled: bool = False
-    _counted: list[int] = field(default_factory=list)  # tokens already in the counters, per generation
-    _timed: list[bool] = field(default_factory=list)  # first token already in the TTFT histogram
     _waking: bool = False  # a wake is on its way to the loop: do not send another
 
-    @property
-    def done(self) -> bool:
-        return bool(self.error) or all(g.done for g in self.gens)
+    def take(self) -> list[Event]:
+        """The events pushed since the last call (the HTTP side)."""
+        out = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """The events as they are pushed, a batch per wake, until the job is done."""
+        while True:
+            done = self.done  # read before taking: every event pushed before it is taken below
+            if got := self.take():
+                yield got
+            if done:
+                return
+            await self.wake.wait()
+            self.wake.clear()
+
+    def fail(self, message: str):
+        """From the engine's thread: end the job with Failed (its events from now on are dropped)."""
+        if not self.failed:
+            self.failed = True
+            self.events.append(Failed(message))
 
     def notify(self):
         """From the engine's thread: wake the handler (at most one wake in flight)."""
@@ -81,22 +106,15 @@ class Runner:
 
     make_engine = Engine  # what builds the engine from the config (a subclass may wrap it)
 
-    def __init__(
-        self, config: EngineConfig, max_seqs: int = 64, max_queue: int = 256, batch_tokens: int = 2048, log=None
-    ):
-        if max_seqs < 1 or max_queue < 0 or batch_tokens < 1:
-            raise LocalkvError(
-                f"invalid --max-seqs {max_seqs} / --max-queue {max_queue} / --batch-tokens {batch_tokens}: "
-                "need >= 1, >= 0 and >= 1"
-            )
-        self.config, self.max_seqs, self.max_queue, self.batch_tokens = config, max_seqs, max_queue, batch_tokens
+    def __init__(self, config: EngineConfig, opts: ServeOptions | None = None, log=None):
+        self.config, self.opts = config, (opts or ServeOptions()).validate()
         self.state, self.error = "loading", ""
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
         self.counters = Counters()
         self.load_s = 0.0
         self.created = time.time()
-        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))  # the server's stderr
         self._jobs: list[Job] = []  # the engine thread's list
         self._new: deque[Job] = deque()
         self._calls: deque[tuple[Callable, Future]] = deque()
@@ -128,14 +146,15 @@ class Runner:
     def submit(self, gens: list[Generation], loop: asyncio.AbstractEventLoop) -> Job:
         """Queue the generations of one request; QueueFull when the server holds its limit."""
         with self._lock:
-            if self._in_flight + len(gens) > self.max_seqs + self.max_queue:
+            o = self.opts
+            if self._in_flight + len(gens) > o.max_seqs + o.max_queue:
                 self.counters.count("refused")
                 raise QueueFull(
-                    f"the server is full: {self._in_flight} requests in flight (--max-seqs {self.max_seqs} "
-                    f"+ --max-queue {self.max_queue}); retry later"
+                    f"the server is full: {self._in_flight} requests in flight (--max-seqs {o.max_seqs} "
+                    f"+ --max-queue {o.max_queue}); retry later"
                 )
             self._in_flight += len(gens)
-        job = Job(gens, loop, asyncio.Event(), _counted=[0] * len(gens), _timed=[False] * len(gens))
+        job = Job(gens, loop, asyncio.Event())
         self._new.append(job)
         for g in gens:
             self.scheduler.add(g)
@@ -177,7 +196,7 @@ class Runner:
         t0 = time.perf_counter()
         try:
             self.engine = self.make_engine(self.config)
-            self.scheduler = Scheduler(self.engine, max_seqs=self.max_seqs, token_budget=self.batch_tokens)
+            self.scheduler = Scheduler(self.engine, max_seqs=self.opts.max_seqs, token_budget=self.opts.batch_tokens)
         except BaseException as e:  # any failure to load is reported, not raised in a thread
             self.error = str(e) if isinstance(e, LocalkvError) else f"internal error: {type(e).__name__}: {e}"
             self.state = "failed"
@@ -192,7 +211,7 @@ class Runner:
             self._loop()
         except BaseException as e:  # a bug outside a step: refuse from now on rather than hang
             self.error, self.state = f"internal error: {type(e).__name__}: {e}", "failed"
-            self._log(f"localkv serve: the engine thread stopped:\n{traceback.format_exc()}")
+            self.log(f"localkv serve: the engine thread stopped:\n{traceback.format_exc()}")
         finally:
             self._shutdown()
 
@@ -221,31 +240,24 @@ class Runner:
         try:
             self.scheduler.step()
         except Exception as e:  # a bug: fail the requests in flight, free their blocks, keep serving
-            self._log(
+            self.log(
                 f"localkv serve: a step failed, requests in flight are answered with an error:\n"
                 f"{traceback.format_exc()}"
             )
             message = str(e) if isinstance(e, LocalkvError) else f"internal error: {type(e).__name__}: {e}"
-            for job in [*self._jobs, *self._new]:
-                job.error = message
+            while self._new:  # submitted during the step: their generations are aborted too
+                self._jobs.append(self._new.popleft())
+            for job in self._jobs:
+                job.fail(message)
             self.scheduler.abort_all("error")
         self._after_step()
 
     def _after_step(self):
-        """Count new tokens, time first tokens, wake the handlers with news, drop finished jobs."""
-        c, kept, woken = self.counters, [], []
+        """Hand each job its new events, wake the handlers with news, drop finished jobs."""
+        kept, woken = [], []
         for job in self._jobs:
-            news = False
-            for i, g in enumerate(job.gens):
-                r = g.result
-                n = sum(len(b.tokens) for b in r.branches)
-                if n != job._counted[i]:
-                    c.generated_tokens += n - job._counted[i]
-                    job._counted[i], news = n, True
-                if r.ttft_s and not job._timed[i]:
-                    job._timed[i] = True
-                    c.ttft.observe(r.ttft_s)
-            if job.done:
+            news = self._forward(job)
+            if job.failed or all(g.done for g in job.gens):
                 self._finish(job)
                 woken.append(job)
             else:
@@ -255,13 +267,28 @@ class Runner:
         self._jobs = kept
         notify_all(woken)
 
-    def _finish(self, job: Job):
-        c = self.counters
+    def _forward(self, job: Job) -> bool:
+        """Move the events of the job's generations to its queue, counting tokens, prompts and
+        first-token times from them (a failed job's are counted, not sent). True if any was sent."""
+        c, sent = self.counters, False
         for g in job.gens:
-            c.prompt_tokens += g.result.prompt_tokens
-            c.cached_tokens += g.result.cached_tokens
+            for ev in g.events():
+                if isinstance(ev, Delta):
+                    c.generated_tokens += len(ev.token_ids)
+                else:
+                    c.prompt_tokens += ev.usage.prompt_tokens
+                    c.cached_tokens += ev.usage.cached_tokens
+                    if ev.ttft_s:
+                        c.ttft.observe(ev.ttft_s)
+                if not job.failed:
+                    job.events.append(ev)
+                    sent = True
+        return sent
+
+    def _finish(self, job: Job):
+        job.done = True
         with self._lock:  # submit() counts refusals from the HTTP thread
-            c.count("error" if job.error else "cancelled" if job.cancelled else "completed")
+            self.counters.count("error" if job.failed else "cancelled" if job.cancelled else "completed")
             self._in_flight -= len(job.gens)
 
     def _shutdown(self):
@@ -269,7 +296,8 @@ class Runner:
         if self.scheduler is not None:
             self.scheduler.abort_all("shutdown")
         for job in [*self._jobs, *self._new]:
-            job.error = job.error or "the server is shutting down"
+            job.fail("the server is shutting down")
+            job.done = True
             job.notify()
         self._jobs.clear()
         while self._calls:

@@ -7,31 +7,19 @@ import ipaddress
 import socket
 import sys
 import threading
-from dataclasses import dataclass
 
 import uvicorn
 
 from localkv.config import EngineConfig
 from localkv.errors import LocalkvError
 from localkv.serve.app import create_app
+from localkv.serve.options import ServeOptions
 from localkv.serve.runner import Runner
 
 
-@dataclass(frozen=True, slots=True)
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    max_seqs: int = 64
-    max_queue: int = 256
-    batch_tokens: int = 2048
-    api_key: str | None = None
-    log_requests: bool = False
-
-
 def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (port 0: any free one); LocalkvError when it cannot be."""
-    if not 0 <= port <= 65535:
-        raise LocalkvError(f"invalid --port {port}: must be in 0..65535")
+    """A socket bound to host:port (port 0: any free one, checked by ServeOptions.validate);
+    LocalkvError when it cannot be."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as e:
@@ -73,9 +61,11 @@ def _uvicorn(app, opts: ServeOptions) -> uvicorn.Server:
 
 
 def serve(engine: EngineConfig, opts: ServeOptions, say=print) -> None:
-    """Serve until Ctrl-C (or SIGTERM). A model that fails to load stops the server: LocalkvError."""
+    """Serve until Ctrl-C (or SIGTERM). Bad options, or a model that fails to load, stop the
+    server: LocalkvError."""
+    opts.validate()
     sock = listen(opts.host, opts.port)
-    runner = Runner(engine, opts.max_seqs, opts.max_queue, opts.batch_tokens)
+    runner = Runner(engine, opts)
     server = _uvicorn(create_app(runner, opts.api_key), opts)
     url = url_of(sock)
 
@@ -110,10 +100,10 @@ class BackgroundServer:
     def __init__(
         self, engine: EngineConfig, opts: ServeOptions | None = None, wait: bool = True, runner: type = Runner
     ):
-        self.opts = opts or ServeOptions(port=0)
+        self.opts = (opts or ServeOptions(port=0)).validate()
         self.sock = listen(self.opts.host, self.opts.port)
         self.url = url_of(self.sock)
-        self.runner = runner(engine, self.opts.max_seqs, self.opts.max_queue, self.opts.batch_tokens)
+        self.runner = runner(engine, self.opts)
         self._ready = threading.Event()
         self.runner.on_state = lambda state: self._ready.set()
         self.server = _uvicorn(create_app(self.runner, self.opts.api_key), self.opts)

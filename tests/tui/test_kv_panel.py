@@ -1,5 +1,6 @@
 """The KV panel in a bare host app: what it shows for a snapshot, and the pool bar's arithmetic."""
 
+from collections import deque
 from dataclasses import replace
 
 import pytest
@@ -8,7 +9,7 @@ from textual.widgets import Sparkline
 
 from localkv.engine import Engine
 from localkv.kv.evict import EvictConfig
-from localkv.stats import Event
+from localkv.stats import Event, Stats
 from localkv.tui.widgets.kv_panel import KVPanel, KVSnapshot, PoolBar, bar_widths
 
 USAGE = {"blocks": 64, "block_size": 16, "used": 10, "shared": 3, "cached_free": 5, "free": 49, "bytes_per_block": 4096}
@@ -17,14 +18,16 @@ USAGE = {"blocks": 64, "block_size": 16, "used": 10, "shared": 3, "cached_free":
 def snapshot(**kw) -> KVSnapshot:
     fields = dict(
         usage=USAGE,
-        prefix_queries=200,
-        prefix_hits=50,
-        disk_hits=16,
-        cow_copies=2,
-        evictions=7,
-        offloads=1,
-        recalls=4,
-        events=(Event("evict", 0, 12, (32, 48), 0.25), Event("recall", 0, 5, (0, 16))),
+        stats=Stats(
+            prefix_queries=200,
+            prefix_hits=50,
+            disk_hits=16,
+            cow_copies=2,
+            evictions=7,
+            offloads=1,
+            recalls=4,
+            events=deque([Event("evict", 0, 12, (32, 48), 0.25), Event("recall", 0, 5, (0, 16))]),
+        ),
         policy="h2o",
         budget=128,
     )
@@ -75,7 +78,7 @@ async def test_panel_before_any_numbers_and_without_limits():
     async with app.run_test(size=(40, 40)) as pilot:
         panel = app.query_one(KVPanel)
         assert panel.shown == {} and str(panel.query_one("#kv-events").content) == "none yet"
-        panel.snapshot = snapshot(prefix_queries=0, prefix_hits=0, events=(), budget=None, policy="none")
+        panel.snapshot = snapshot(stats=Stats(), budget=None, policy="none")
         await pilot.pause()
         assert (panel.shown["reuse last"], panel.shown["reuse total"], panel.shown["budget"]) == ("-", "0/0", "-")
         assert str(panel.query_one("#kv-events").content) == "none yet"
@@ -100,11 +103,11 @@ def test_snapshot_copies_the_engine_numbers(engine):
     s.emit("evict", 0, 3, (16, 32), 0.5)
     s.prefix_queries, s.prefix_hits = 40, 16
     snap = KVSnapshot.of(engine, n_events=1)
-    assert snap.usage == engine.pool.usage() and (snap.prefix_queries, snap.prefix_hits) == (40, 16)
-    assert snap.evictions == 1 and [e.kind for e in snap.events] == ["evict"]
+    assert snap.usage == engine.pool.usage() and (snap.stats.prefix_queries, snap.stats.prefix_hits) == (40, 16)
+    assert snap.stats.evictions == 1 and [e.kind for e in snap.stats.events] == ["evict"]
     assert (snap.policy, snap.budget) == (engine.config.evict.policy, engine.config.evict.budget) == ("none", None)
     s.emit("evict", 0, 4)
-    assert snap.evictions == 1 and len(snap.events) == 1  # a copy: the engine may move on
+    assert snap.stats.evictions == 1 and len(snap.stats.events) == 1  # a copy: the engine may move on
 
 
 def test_snapshot_takes_the_policy_from_the_engine_config(config):

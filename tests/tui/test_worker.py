@@ -50,7 +50,7 @@ def test_a_second_turn_reuses_the_cached_prompt(engine, fake_clock):
     path = store.path(first.reply_id)
     turn = Turn(store, first.cid, first.reply_id, [{"role": m.role, "content": m.content} for m in path])
     started = run(engine, turn, "again", fake_clock())[0]
-    assert started.cached_tokens >= engine.block_size and started.snap.prefix_hits >= engine.block_size
+    assert started.cached_tokens >= engine.block_size and started.snap.stats.prefix_hits >= engine.block_size
 
 
 def test_stop_ends_the_reply_and_keeps_what_came(engine, fake_clock):

@@ -10,6 +10,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Label, Sparkline, Static
 
+from localkv.stats import Stats
 from localkv.units import format_size
 
 SEGMENTS = (("used", "█"), ("shared", "▓"), ("cached", "▒"), ("free", "░"))
@@ -39,33 +40,14 @@ class KVSnapshot:
     free queue and the event deque must not be iterated while another thread changes them."""
 
     usage: dict
-    prefix_queries: int
-    prefix_hits: int
-    disk_hits: int
-    cow_copies: int
-    evictions: int
-    offloads: int
-    recalls: int
-    events: tuple
+    stats: Stats  # a copy of engine.stats, with its last few events
     policy: str
     budget: int | None
 
     @classmethod
     def of(cls, engine, n_events: int = 6) -> "KVSnapshot":
-        s = engine.stats
-        return cls(
-            engine.pool.usage(),
-            s.prefix_queries,
-            s.prefix_hits,
-            s.disk_hits,
-            s.cow_copies,
-            s.evictions,
-            s.offloads,
-            s.recalls,
-            tuple(list(s.events)[-n_events:]),
-            engine.config.evict.policy,
-            engine.config.evict.budget,
-        )
+        evict = engine.config.evict
+        return cls(engine.pool.usage(), engine.stats.snapshot(n_events), evict.policy, evict.budget)
 
 
 def bar_widths(counts: list[int], width: int) -> list[int]:
@@ -169,10 +151,10 @@ class KVPanel(VerticalScroll):
         snap = self.snapshot
         if snap is None or not self.is_attached:  # a timer can fire while the screen is torn down
             return
-        u = snap.usage
+        u, s = snap.usage, snap.stats
         self.query_one(PoolBar).usage = u
         last = self.last_turn
-        hit_pct = f" ({100 * snap.prefix_hits / snap.prefix_queries:.0f}%)" if snap.prefix_queries else ""
+        hit_pct = f" ({100 * s.prefix_hits / s.prefix_queries:.0f}%)" if s.prefix_queries else ""
         self.shown = {
             "blocks": f"{u['blocks']} × {u['block_size']} tok",
             "used": str(u["used"]),
@@ -181,15 +163,15 @@ class KVPanel(VerticalScroll):
             "free": str(u["free"]),
             "kv bytes": format_size(u["used"] * u["bytes_per_block"]),
             "kv/token": format_size(u["bytes_per_block"] // u["block_size"]),
-            "cow copies": str(snap.cow_copies),
+            "cow copies": str(s.cow_copies),
             "reuse last": f"{last[0]}/{last[1]} tok" if last else "-",
-            "reuse total": f"{snap.prefix_hits}/{snap.prefix_queries}{hit_pct}",
-            "disk hits": str(snap.disk_hits),
+            "reuse total": f"{s.prefix_hits}/{s.prefix_queries}{hit_pct}",
+            "disk hits": str(s.disk_hits),
             "policy": snap.policy,
             "budget": "-" if snap.budget is None else f"{snap.budget} tok",
-            "evictions": str(snap.evictions),
-            "offloads": str(snap.offloads),
-            "recalls": str(snap.recalls),
+            "evictions": str(s.evictions),
+            "offloads": str(s.offloads),
+            "recalls": str(s.recalls),
         }
         self.query_one("#kv-stats", Static).update(
             "\n".join(
@@ -200,7 +182,7 @@ class KVPanel(VerticalScroll):
         self.query_one("#kv-events", Static).update(
             "\n".join(
                 f"{e.kind:<8}blk {e.block} @{e.positions[0]}-{e.positions[1]}" + (f" {e.score:.2f}" if e.score else "")
-                for e in snap.events
+                for e in s.events
             )
             or "none yet"
         )
