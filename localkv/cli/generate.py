@@ -8,7 +8,6 @@ from localkv.cli import render
 from localkv.cli.app import err, read_prompt, warn_disk
 from localkv.cli.options import Sampling, engine_options, sampling_options
 from localkv.cli.prefill_bar import PrefillBar
-from localkv.cli.render import Saved
 from localkv.config import EngineConfig
 from localkv.conversations.turn import Turn, plan_turn
 from localkv.errors import LocalkvError
@@ -59,9 +58,10 @@ def run(
     gen = Generation(eng, _prompt_ids(eng, turn, text, raw), params, on_progress=bar)
     stream = not (no_stream or as_json)
     r = _drain(gen, bar, stream)
-    saved = Saved.of(turn, turn.save(eng.cfg.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens, params)[1])
+    _, reply_ids = turn.save(eng.cfg.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens, params)
+    saved = render.Saved.of(turn, reply_ids)
     if as_json:
-        print(render.as_json(render.reply_json(eng, r, saved, logprobs=params.logprobs is not None)))
+        print(render.dumps(render.reply_json(eng, r, saved, logprobs=params.logprobs is not None)))
     else:
         sys.stdout.write(("" if stream else r.text) + "\n")
         sys.stdout.flush()
@@ -127,9 +127,10 @@ def fork(
     finally:
         bar.close()
     replies = [(b.text, len(b.tokens)) for b in res.branches]
-    saved = Saved.of(turn, turn.save(eng.cfg.name, text, replies, res.prompt_tokens, params)[1])
+    _, reply_ids = turn.save(eng.cfg.name, text, replies, res.prompt_tokens, params)
+    saved = render.Saved.of(turn, reply_ids)
     if as_json:
-        print(render.as_json(render.fork_json(eng, res, saved, logprobs=params.logprobs is not None)))
+        print(render.dumps(render.fork_json(eng, res, saved, logprobs=params.logprobs is not None)))
     else:
         print(render.fork_text(eng, res, saved))
     warn_disk(eng)

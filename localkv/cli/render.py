@@ -23,7 +23,7 @@ class Saved:
         return cls(st.short_id(turn.conversation_id), tuple(st.short_id(i) for i in reply_ids))
 
 
-def as_json(out: dict) -> str:
+def dumps(out: dict) -> str:
     return json.dumps(out, ensure_ascii=False)
 
 
