@@ -6,12 +6,12 @@
 # Writes OUT_DIR/<suite>.md (the suite's report: what, hardware, load, command, table, targets),
 # OUT_DIR/<suite>.load (uptime and the busiest processes before and after)
 # and, when matplotlib is installed, OUT_DIR/bench-<suite>.png. --vs llama.cpp is added when
-# llama-cpp-python is installed. One suite at a time, nothing left running. Takes about half an
-# hour on 2 cores (evict alone: 10-15 minutes); set SUITES="memory fork" to run fewer.
+# llama-cpp-python is installed. One suite at a time, nothing left running. evict takes the longest;
+# set SUITES="memory fork" to run fewer.
 #
 # Each report says how much CPU other processes took during the run ("LOADED" above 10%): on a
 # shared machine, rerun the suites whose numbers matter when it is quiet, and pin -t to the cores
-# that are really free (BLAS threads that find their core busy spin and can run 10x slower).
+# that are really free (BLAS threads that find their core busy spin and can run many times slower).
 set -u
 OUT="${1:-./bench_results}"
 THREADS="${2:-}"

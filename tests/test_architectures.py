@@ -10,7 +10,6 @@ Bounds per model (mean |logit difference| over 64 positions; top-1 agreement >= 
 queries; without the final soft-cap the mean is 0.03, without the attention soft-cap 0.14).
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -29,6 +28,7 @@ from localkv.generation import Generation
 from localkv.model.llama import check_backend
 from localkv.sampling import SamplingParams
 from localkv.sequence import Sequence
+from resources import script
 
 pytestmark = pytest.mark.peer
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
@@ -42,19 +42,9 @@ GREEDY_SAME = 16  # of 32 greedy tokens, at least the first this many agree
 TIE = 0.02  # a top-2 logit margin within rounding of both sides
 
 
-def _make_model():
-    name = "make_model"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def tiny_model(name: str, quant: str = "F16") -> Path:
     try:
-        return _make_model().build(f"tiny-{name}", quants=("Q8_0",))[quant]
+        return script("make_model").build(f"tiny-{name}", quants=("Q8_0",))[quant]
     except FileNotFoundError as e:
         pytest.skip(str(e))
 

@@ -11,7 +11,6 @@ dequantized fp16 value is the reference rounded to fp16 (1 ulp for values that l
 import numpy as np
 import pytest
 from cuda_emu import LAUNCHED
-from cupy_standin import swap
 from test_quant_kernels import BLOCK, random_weight, reference
 
 from localkv.backends.cpu.quant import QStack, QTensor
@@ -21,19 +20,8 @@ ULP16 = 2.0**-10  # an fp16 step, relative
 
 
 @pytest.fixture(scope="module")
-def device():
-    with swap.device() as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def cp(device):
-    return device[0]
-
-
-@pytest.fixture(scope="module")
-def emulated(device):
-    return device[1]
+def emulated(cuda_device):
+    return cuda_device[1]
 
 
 @pytest.fixture(scope="module")

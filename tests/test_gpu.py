@@ -68,21 +68,10 @@ def test_select_cuda_when_the_driver_is_missing(monkeypatch):
 
 
 # ---------------------------------------------------------------- on a GPU, or emulated
+# (cp is conftest.py's: the real CuPy on a GPU, else the stand-in with the kernels on the emulator)
 
 _SKIP = swap.real_gpu_reason()
 GPU = [pytest.mark.gpu, pytest.mark.skipif(bool(_SKIP), reason=_SKIP or "GPU present")]
-
-
-@pytest.fixture(scope="module")
-def device():
-    """(cupy, emulated): the real CuPy on a GPU, else the stand-in and the emulator."""
-    with swap.device() as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def cp(device):
-    return device[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,7 @@
 """Structured output: llguidance grammars over a model's own vocabulary. Random logits stand for
 the model: whatever they favour, the masked sampler's text must match the grammar."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +10,9 @@ from localkv.errors import LocalkvError
 from localkv.grammar import Grammar, check
 from localkv.model.tokenizer import Tokenizer
 from localkv.sampling import Constraint, Sampler, SamplingParams
+from resources import script
 from tiny_model import write_gguf
 
-ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -121,22 +118,13 @@ def test_ignore_eos_is_refused_with_a_constraint():
 # ------------------------------------------------------------------ real vocabularies
 
 
-def _make_model():
-    name = "make_model"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.mark.parametrize("recipe", ["tiny-llama2", "tiny-llama3", "tiny-qwen2"])
 def test_schema_on_real_vocabularies(recipe, vocabularies, tmp_path):
     """SentencePiece (its encoder puts a space before text: llguidance gets greedy tokens then)
     and large byte-level BPE vocabularies."""
     path = tmp_path / "vocab.gguf"
     try:
-        _make_model().write_gguf(_make_model().RECIPES[recipe], path, vocab_only=True)
+        script("make_model").write_gguf(script("make_model").RECIPES[recipe], path, vocab_only=True)
     except FileNotFoundError as e:
         pytest.skip(str(e))
     tok = Tokenizer.from_gguf(path)

@@ -1,10 +1,9 @@
 """scripts/make_model.py: every tiny architecture is written with its family's real
 vocabulary and metadata, llama.cpp loads and runs it, and rewrites happen only when the
 recipe changes. The files go to the model cache (LOCALKV_MODELS_CACHE), so a second run
-reuses them; the tests skip when the vocabularies are not fetched (scripts/fetch_vocab.py).
+reuses them; the real vocabularies come from scripts/fetch_vocab.py (conftest's `vocabularies`).
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -12,27 +11,15 @@ import numpy as np
 import pytest
 
 from localkv.model.tokenizer_gguf import read_metadata
+from resources import script
 
 ROOT = Path(__file__).resolve().parent.parent
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
-pytestmark = pytest.mark.peer  # every test here needs llama-cpp-python (the module skips without it)
+# every test here needs llama-cpp-python (the module skips without it) and the real vocabularies
+pytestmark = [pytest.mark.peer, pytest.mark.usefixtures("vocabularies")]
 
 
-def _script(name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-mm = _script("make_model")
-
-
-@pytest.fixture(autouse=True)
-def _fetched(vocabularies):
-    """Every test here reads the real vocabularies: fetched (and cached) on first use."""
+mm = script("make_model")
 
 
 TINY = [name for name in mm.RECIPES if name.startswith("tiny-")]

@@ -1,13 +1,11 @@
 """Tokenizers of the model families people run, id for id against llama.cpp.
 
-The vocabularies are the real ones (scripts/fetch_vocab.py puts them in a cache; the tests
-skip without it): each family's tiny recipe from scripts/make_model.py is written as a
+The vocabularies are the real ones (scripts/fetch_vocab.py puts them in a cache; conftest's
+`vocabularies`): each family's tiny recipe from scripts/make_model.py is written as a
 vocab-only GGUF, and llama-cpp-python opens the same file. llama.cpp's own vocab GGUFs
 (shipped in llama-cpp-python's source package) cover more pre-tokenizers.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,27 +13,15 @@ import pytest
 from localkv.errors import ModelError
 from localkv.model.tokenizer import Tokenizer
 from localkv.model.tokenizer_gguf import read_metadata
+from resources import script
 
 ROOT = Path(__file__).resolve().parent.parent
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
-pytestmark = pytest.mark.peer  # every test here needs llama-cpp-python (the module skips without it)
+# every test here needs llama-cpp-python (the module skips without it) and the real vocabularies
+pytestmark = [pytest.mark.peer, pytest.mark.usefixtures("vocabularies")]
 
 
-def _script(name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-make_model = _script("make_model")
-
-
-@pytest.fixture(autouse=True)
-def _fetched(vocabularies):
-    """Every test here reads the real vocabularies: fetched (and cached) on first use."""
+make_model = script("make_model")
 
 
 # family -> (its tiny recipe, the token that ends its assistant turn, its generation prompt)

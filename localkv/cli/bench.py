@@ -54,20 +54,7 @@ def bench_command(
 
     Each suite prints what it measured, the hardware and load, the command that reproduces it, and
     the targets it checks. --vs llama.cpp runs llama-cpp-python on the same work in the same run."""
-    check_suite(suite)
-    peer.check_vs(vs)
-    report.check_output(output)
-    if plot is not None:
-        from localkv.bench.plot import require_matplotlib
-
-        require_matplotlib()
-    if suite in ("speed", "all") and not quick and (n_prompt < 0 or n_gen < 0 or not (n_prompt or n_gen)):
-        raise LocalkvError("nothing to bench: give -p and/or -n a token count >= 1")
-    if repetitions is not None and repetitions < 1:
-        raise LocalkvError(f"invalid repetitions {repetitions}: must be >= 1")
-    why = peer.peer_problem() if vs else None  # before the engine loads, so the error comes at once
-    if why:
-        raise LocalkvError(f"--vs llama.cpp: {why}")
+    _check(suite, vs=vs, output=output, plot=plot, quick=quick, n_prompt=n_prompt, n_gen=n_gen, reps=repetitions)
     from localkv.bench.options import Options  # the engine's code loads only when a bench runs
 
     opts = Options(
@@ -88,6 +75,24 @@ def bench_command(
         _write(rep, output, plot, first=not i)
     if output == "json":
         sys.stdout.write(report.format_json(reports, single=len(reports) == 1))
+
+
+def _check(suite: str, *, vs, output: str, plot, quick: bool, n_prompt: int, n_gen: int, reps: int | None):
+    """Every bad argument, before the engine loads, so the error comes at once."""
+    check_suite(suite)
+    peer.check_vs(vs)
+    report.check_output(output)
+    if plot is not None:
+        from localkv.bench.plot import require_matplotlib
+
+        require_matplotlib()
+    if suite in ("speed", "all") and not quick and (n_prompt < 0 or n_gen < 0 or not (n_prompt or n_gen)):
+        raise LocalkvError("nothing to bench: give -p and/or -n a token count >= 1")
+    if reps is not None and reps < 1:
+        raise LocalkvError(f"invalid repetitions {reps}: must be >= 1")
+    why = peer.peer_problem() if vs else None
+    if why:
+        raise LocalkvError(f"--vs llama.cpp: {why}")
 
 
 def check_suite(suite: str):

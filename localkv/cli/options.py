@@ -22,6 +22,7 @@ from localkv.kv.evict import EvictConfig
 from localkv.sampling import MAX_LOGPROBS, Constraint, SamplingParams
 
 _ENGINE, _EVICT, _SAMPLING = EngineConfig(), EvictConfig(), SamplingParams()
+_SIZES = {f.name: f.default for f in fields(EngineConfig)}  # sizes as written (EngineConfig keeps bytes)
 _EVICT_HELP = (
     "When the budget is full: none (stop), sliding (attention sinks + recent window), h2o (half the window, "
     "+ each layer-head's heaviest tokens), offload (move blocks to host memory and recall them when the "
@@ -41,9 +42,14 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
     "device": (str, _ENGINE.device, ("--device",), "auto (CUDA when CuPy sees a GPU, else CPU), cpu or cuda."),
     "threads": (int | None, None, ("--threads",), "CPU threads for matrix math (default: all cores)."),
     "block_size": (int, _ENGINE.block_size, ("--block-size",), "Tokens per KV block."),
-    "kv_mem": (str, "1GiB", ("--kv-mem",), "Memory for the KV block pool, e.g. 512MiB or 2GiB."),
+    "kv_mem": (str, _SIZES["kv_mem"], ("--kv-mem",), "Memory for the KV block pool, e.g. 512MiB or 2GiB."),
     "no_cache": (bool, False, ("--no-cache",), "Disable the prefix cache (memory and disk tiers)."),
-    "disk_cache_size": (str, "2GiB", ("--disk-cache-size",), "Size cap of the on-disk prefix cache (LRU)."),
+    "disk_cache_size": (
+        str,
+        _SIZES["disk_cache_size"],
+        ("--disk-cache-size",),
+        "Size cap of the on-disk prefix cache (LRU).",
+    ),
     "kv_budget": (
         int | None,
         None,

@@ -4,7 +4,7 @@ freed blocks' prefix hashes so a later request can revive them.
 K/V live in two arrays [layers, blocks, block_size, kv_heads, head_dim]; a block id
 indexes the second axis in every layer at once. Blocks never handed out have no bookkeeping
 yet: ids from len(blocks) up are free and untouched (a small model's 1 GiB pool holds a
-million blocks; objects for all of them cost seconds and 100+ MB before the first token).
+million blocks; objects for all of them would delay the first token and take memory).
 Invariants (checked by check()), over the blocks handed out so far:
 - a block is in the free queue iff its ref_count is 0;
 - ref_count equals the number of block tables holding the block;
@@ -71,9 +71,9 @@ class BlockPool:
     def allocate(self) -> int:
         """A block for new data. First the most recently freed block that caches nothing: its
         pages are mapped and likely in cache, where a never-used block costs a page fault per
-        4 KiB on its first write (about 1.5 ms a block here; 5% of a 512-token prefill). Then
-        the free queue's order: never-used blocks, then cached ones least recently freed first
-        (one loses its hash: recomputing it costs 20x its page faults, hence last)."""
+        4 KiB on its first write. Then the free queue's order: never-used blocks, then cached ones
+        least recently freed first (one loses its hash: recomputing it costs far more than its
+        page faults, hence last)."""
         if not self.num_free:
             raise PoolExhausted(
                 f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens are in use "

@@ -1,7 +1,7 @@
 """One entry of the disk cache as a file, and every check a file must pass to be loaded.
 
 File: fixed header (magic, format version, JSON length) + JSON header + raw payload (K then
-V). The JSON's checksum (CRC-32, several times faster than BLAKE2b: it guards against torn
+V). The JSON's checksum (CRC-32, cheaper than BLAKE2b: it guards against torn
 writes and bit rot, not against an attacker who can write the cache directory anyway) covers
 the rest of the JSON and the payload, so any bit flip or truncation is caught.
 
@@ -159,7 +159,7 @@ def holds_entry(path: Path) -> bool | None:
 def all_finite(payload, dtype: str) -> bool:
     """No NaN or Inf in payload, from two max-reductions over its bits, which read the payload
     but write nothing (this runs for every block of a warm start; np.isfinite on float16 is
-    several times slower). Read as signed integers, a positive NaN/Inf is at least the all-ones
+    slower). Read as signed integers, a positive NaN/Inf is at least the all-ones
     exponent, and no finite value is; read as unsigned, every negative NaN/Inf is at least the
     sign bit plus that exponent, and no finite value is."""
     signed, unsigned, exp, neg = _NONFINITE[dtype]
