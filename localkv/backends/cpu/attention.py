@@ -6,6 +6,7 @@ import functools
 
 import numpy as np
 
+import localkv.backends.cpu.build as build
 import localkv.backends.cpu.compiled as cpu_kernels
 
 Q_BLOCK = 64  # causal prefill runs in query blocks: each block scores only the keys it can see
@@ -82,7 +83,7 @@ def paged_attention(
     included: llama.cpp's sliding window); blocks wholly before every query's window are not read.
     Plain attention (none of those) runs in the tiled kernel when the kernels are on."""
     if mass is None and extra is None and not (softcap or window) and cpu_kernels.attends(q.shape[2]):
-        if len(q) <= SHORT_T and n_ctx - len(q) >= SHORT_PAST:
+        if build.FAST_PATHS and len(q) <= SHORT_T and n_ctx - len(q) >= SHORT_PAST:
             return _short_pass(q, k_layer, v_layer, block_table, n_ctx, scale)
         return cpu_kernels.causal_attention(q, k_layer, v_layer, block_table, n_ctx, scale)
     if window:

@@ -21,7 +21,9 @@ kv_dtype = np.float16  # the KV pool's default: f16, half the bytes of f32 at ab
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    if len(x) == 1:  # a decode row: a third of the calls
+    """One arithmetic per row whatever the row count (the kernel's, or numpy's einsum), except
+    the one-row shortcut of the fast paths."""
+    if len(x) == 1 and build.FAST_PATHS:  # a decode row: a third of the calls
         return x * (w / np.sqrt(np.dot(x[0], x[0]) / x.shape[1] + eps)).astype(x.dtype, copy=False)
     if cpu_kernels.active():  # one pass and no temporaries
         return cpu_kernels.rmsnorm(x, w, eps)
@@ -67,7 +69,11 @@ def linear(x: np.ndarray, w, kind: str) -> np.ndarray:
     call; its numpy path when they are off); more rows go to quant.matmul_many: tiles
     dequantized into a scratch of this thread's, then BLAS (with AMX: its tile kernels). Its
     result is the transpose of a C-ordered [out, T] array: gate and up are then each one
-    contiguous block for SwiGLU, and the down projection reads its transpose as a plain matrix."""
+    contiguous block for SwiGLU, and the down projection reads its transpose as a plain matrix.
+    Unless build.FAST_PATHS, every row count takes one kernel (quant.matmul_rows): a
+    token's outputs are then the same bits whatever else shares its pass."""
+    if cpu_kernels.active() and not build.FAST_PATHS:
+        return quant.matmul_rows(x, w)
     rows = len(x)
     if rows <= quant.MAX_FEW:
         return quant.matmul_few(x, w)
@@ -91,7 +97,7 @@ KERNEL_ROWS = 32
 
 def uses_kernels(rows: int) -> bool:
     """Whether a forward pass of `rows` token rows runs its matmuls on the compiled kernels."""
-    return rows <= KERNEL_ROWS and cpu_kernels.active()
+    return (rows <= KERNEL_ROWS or not build.FAST_PATHS) and cpu_kernels.active()
 
 
 RESIDUAL_STRIP = 64  # columns per add when the addend is a prefill matmul's transposed output
@@ -284,9 +290,11 @@ class CpuBackend:
     xp = np
     act_dtype = act_dtype
     kv_dtype = kv_dtype
+    # the cascade over a shared prefix and the batched decode kernel sum in their own order:
+    # without the fast paths every span attends through paged_attention's causal kernel
     caps = Capabilities(
-        shared_prefix=True,
-        batched_decode=True,  # decode(): one kernel call per layer for all single-token sequences
+        shared_prefix=build.FAST_PATHS,
+        batched_decode=build.FAST_PATHS,  # decode(): one kernel call per layer for all single-token sequences
         quant_weights=True,
         kv_dtypes=("float32", "float16"),
         attention_options=frozenset({"softcap", "window"}),
@@ -339,7 +347,7 @@ class CpuBackend:
         if not cpu_kernels.active():
             return  # BLAS keeps the engine's threads throughout
         threads = self._cores.threads()  # the engine's, less the cores other processes keep busy
-        if rows > KERNEL_ROWS and self.prefill_amx:  # the AMX kernels are numba's too
+        if rows > KERNEL_ROWS and (self.prefill_amx or not build.FAST_PATHS):  # numba's kernels
             cpu_kernels.set_threads(threads)
             want = 1
         elif rows > KERNEL_ROWS:  # BLAS's pass: a kernel in it (prefill's causal attention, decode

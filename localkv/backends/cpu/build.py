@@ -35,6 +35,13 @@ from localkv.errors import first_line
 ROOT = Path(__file__).parent  # every .py file under it can be inlined into a cached kernel
 
 
+# The faster paths whose results depend on how a pass is cut (LOCALKV_FAST_PATHS=1): the
+# one-row matmul kernels, prefill's tile matmuls (AMX bf16 or BLAS), the batched decode and
+# shared-prefix attention. Off, each token row has one definition whatever shares its pass
+# (backend.py's "one answer"); they stay for measuring the price of that.
+FAST_PATHS = os.environ.get("LOCALKV_FAST_PATHS", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 @dataclass(slots=True)
 class State:
     """What load() found in this process, and the kernel modules it loaded."""

@@ -22,6 +22,9 @@ from collections.abc import Callable
 PAR = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
 SER = dict(fastmath=True, boundscheck=False, cache=True, nogil=True)
 EXACT = dict(boundscheck=False, cache=True, nogil=True)
+# parallel, each float op as written: the kernels every pass's rows go through (the one-answer
+# rule, backends/cpu/backend.py), whose sums must not depend on the loop version LLVM picks
+EXACT_PAR = dict(PAR, fastmath=False)
 
 # group -> checks, in the order registered. "base" (the attention and element-wise kernels):
 # check() -> bool; "weights" and "amx": check(qtype) -> bool, for each weight type loaded

@@ -146,8 +146,8 @@ def _softmax_step(st, n, o, m, total, top):
             m[r] = top[r]
     for t in range(KEYS):
         if t < n:
-            for r in range(R8):
-                e = exp(st[t, r] - m[r])
+            for r in range(R8):  # a masked key weighs 0, not exp's floor: rows see only their keys
+                e = exp(st[t, r] - m[r]) if st[t, r] > -np.inf else np.float32(0)
                 st[t, r] = e
                 total[r] += e
         else:
@@ -203,7 +203,7 @@ QT = 32  # query tokens per tile of the causal kernel (times the group: a multip
 QT_SHORT = 8
 
 
-@njit(**PAR)
+@njit(**EXACT_PAR)
 def paged_causal(qt, k, v, table, past, T, QT, out):
     """Causal attention of a pass's T query tokens (token i at position past + i) over the
     first past + T tokens of one block table: qt [kvh, tiles, hd, QT * g] holds tile c's

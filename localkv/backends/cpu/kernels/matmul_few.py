@@ -236,6 +236,39 @@ def matmul_few(qt, x, ws, offs, out):
                     out[r, col + n] = lane(v, r)
 
 
+@njit(_nrt=True, boundscheck=False, cache=True, nogil=True)
+def lanes_inputs(qt, x):
+    """x [R, K] quantized (as matmul_few) and interleaved per block of 8 rows, for matmul_lanes:
+    (xi [blocks, K * 8] int8, dxv, xsa, xsb [blocks, K / 4] float32)."""
+    R, K = x.shape
+    ng, nb = K // 32, (R + LANES - 1) // LANES
+    xq, dx, xs16 = quantized(x, act_group(qt))
+    xi, dxv = np.empty((nb, ng * 256), np.int8), np.empty((nb, ng * 8), np.float32)
+    xsa, xsb = np.empty((nb, ng * 8), np.float32), np.empty((nb, ng * 8), np.float32)
+    for b in range(nb):
+        r0, r1 = b * LANES, min(R, (b + 1) * LANES)
+        xi[b], dxv[b], xsa[b], xsb[b] = _interleave(xq[r0:r1], dx[r0:r1], xs16[r0:r1])
+    return xi, dxv, xsa, xsb
+
+
+@njit(**EXACT_PAR)
+def matmul_lanes(qt, xi, dxv, xsa, xsb, ws, offs, out):
+    """matmul_few's 8-lane arithmetic for any number of rows (lanes_inputs' blocks of 8; out
+    [8 * blocks, outputs]): a row's outputs are one lane of its block whatever the row count,
+    so a token row gets the same bits in a pass of 1 row or of 512 (cpu.py's one answer). Each
+    weight row is read once and multiplied into every block while it is in L1."""
+    nb, ng = xi.shape[0], xi.shape[1] // 256
+    counts = _chunks(ws)
+    for c in prange(counts[0] + counts[1] + counts[2]):
+        i, n0, n1, col = _chunk(ws, offs, counts, c)
+        w = ws[i]
+        for n in range(n0, n1):
+            for b in range(nb):
+                v = _lanes_row(qt, w, n * w.shape[1], xi[b], dxv[b], xsa[b], xsb[b], ng)
+                for r in range(LANES):
+                    out[b * LANES + r, col + n] = lane(v, r)
+
+
 @njit(**SER)
 def dequantize(qt, w, rows, out):
     """out[i] = weight row rows[i] of w as float32 (out [len(rows), K] C-contiguous)."""

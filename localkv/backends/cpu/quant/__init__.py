@@ -37,7 +37,7 @@ from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group
 from localkv.backends.vm import reused_empty
 
 __all__ = ["SUPPORTED", "QStack", "QTensor", "active", "dequantize", "dequantize_rows", "from_gguf", "get_rows",
-           "matmul_few", "matmul_many", "on_amx", "scratch", "weight_types", "why_no_amx",
+           "matmul_few", "matmul_many", "matmul_rows", "on_amx", "scratch", "weight_types", "why_no_amx",
            "why_not"]  # fmt: skip
 MAX_FEW = 8  # matmul_few's activation rows per kernel call; more go to matmul_many
 
@@ -90,6 +90,25 @@ def matmul_few(x: np.ndarray, w: "QTensor | QStack | Sequence[QTensor]") -> np.n
         else:
             _few_numpy(run, x, out)
     return out
+
+
+def matmul_rows(x: np.ndarray, w: "QTensor | QStack") -> np.ndarray:
+    """x [R, cols] @ W.T -> float32 [R, rows] for any R, each row's outputs computed by one
+    arithmetic whatever R is (the 8-lane kernel's for block types: matmul_few's for 3-8 rows),
+    so that a token's result does not depend on the rows that share its pass. Slower than
+    matmul_few for 1-2 rows and than matmul_many for many (build.FAST_PATHS)."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.cols:
+        raise ValueError(f"activations {x.shape} do not match weights of {w.cols} columns")
+    R = x.shape[0]
+    out = np.empty((-(-R // 8) * 8, w.rows), np.float32)  # the lanes kernel writes all 8 of a block
+    for run in w.runs:
+        if active(run.qtype) and (run.qtype in BLOCK_TYPES or w.cols % 8 == 0):
+            state.weights.every_row(run, x, out)
+        else:
+            _few_numpy(run, x, out[:R])
+    return out[:R]
 
 
 def _few_numpy(run: KernelRun, x: np.ndarray, out: np.ndarray):

@@ -9,7 +9,9 @@ from localkv.backends.cpu.kernels import self_check
 from localkv.backends.cpu.kernels.float_few import matmul_few_float
 from localkv.backends.cpu.kernels.matmul_few import CHUNK
 from localkv.backends.cpu.kernels.matmul_few import dequantize as _dequantize
+from localkv.backends.cpu.kernels.matmul_few import lanes_inputs as _lanes_inputs
 from localkv.backends.cpu.kernels.matmul_few import matmul_few as _matmul_few
+from localkv.backends.cpu.kernels.matmul_few import matmul_lanes as _matmul_lanes
 from localkv.backends.cpu.kernels.matmul_few import quantize_cols as _quantize_cols
 from localkv.backends.cpu.kernels.matmul_few import quantize_rows as _quantize_rows
 from localkv.backends.cpu.kernels.superblock import ROWS as SUPER_ROWS
@@ -27,6 +29,16 @@ def few(run, x: np.ndarray, out: np.ndarray):
     else:
         kernel = _matmul_few if run.qtype in BLOCK_TYPES else matmul_few_float
     kernel(MARKERS[run.qtype], x, run.datas, run.offs, out)
+
+
+def every_row(run, x: np.ndarray, out: np.ndarray):
+    """few() for any number of rows in one arithmetic per row, whatever the count: the 8-lane
+    kernel for block types, the float kernel (a dot per row) for the others."""
+    qt = MARKERS[run.qtype]
+    if run.qtype in BLOCK_TYPES:
+        _matmul_lanes(qt, *_lanes_inputs(qt, x), run.datas, run.offs, out)
+    else:
+        matmul_few_float(qt, x, run.datas, run.offs, out)
 
 
 def dequantize(w, rows: np.ndarray, out: np.ndarray):
@@ -74,8 +86,20 @@ def check(qtype: str) -> bool:
         out = np.empty((rows, ws[0].rows + ws[1].rows), np.float32)
         (run,) = QStack(ws).runs
         few(run, x, out)
+        one = np.empty((8, out.shape[1]), np.float32)  # the lanes kernel writes 8 rows
+        every_row(run, x, one)
+        one = one[: len(x)]
+        if not np.array_equal(one[:1], _one_row(run, x[:1], out.shape[1])):
+            return False
         xa = fallback.quantize_activations(x, activation_group(qtype)) if qtype in BLOCK_TYPES else x
         want = xa.astype(np.float64) @ np.concatenate(dense).T.astype(np.float64)
-        if not np.allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
-            return False
+        for got in (out, one):
+            if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
+                return False
     return True
+
+
+def _one_row(run, x: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty((8, n), np.float32)
+    every_row(run, x, out)
+    return out[:1]

@@ -48,10 +48,13 @@ def tofloat(typingctx, v):
 
 @intrinsic
 def fma(typingctx, a, b, c):
-    """a * b + c, lane by lane."""
+    """a * b + c, lane by lane, rounded once (llvm.fma: vfmadd). These lane ops carry no
+    fast-math flags: with them LLVM may reassociate or contract each inlined copy of a kernel
+    its own way, and one row's sums would then depend on the code path that computed them."""
 
     def codegen(context, builder, sig, args):
-        return builder.fadd(builder.fmul(args[0], args[1], flags=FAST), args[2], flags=FAST)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F32, [V8F32] * 3), "llvm.fma.v8f32")
+        return builder.call(fn, list(args))
 
     return F32x8(a, b, c), codegen
 
@@ -59,7 +62,7 @@ def fma(typingctx, a, b, c):
 @intrinsic
 def fmul(typingctx, a, b):
     def codegen(context, builder, sig, args):
-        return builder.fmul(args[0], args[1], flags=FAST)
+        return builder.fmul(args[0], args[1])
 
     return F32x8(a, b), codegen
 
@@ -90,7 +93,7 @@ def hsum(typingctx, v):
 @intrinsic
 def fadd(typingctx, a, b):
     def codegen(context, builder, sig, args):
-        return builder.fadd(args[0], args[1], flags=FAST)
+        return builder.fadd(args[0], args[1])
 
     return F32x8(a, b), codegen
 
