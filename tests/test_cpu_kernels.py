@@ -70,10 +70,12 @@ def test_off_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch, amx):
+@pytest.mark.parametrize("fast", [False, True])
+def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch, amx, fast):
     """Decode passes run on the kernels with BLAS on one thread. Prefill passes give BLAS the
-    engine's threads when it multiplies them, and keep it on one when the AMX kernels do
-    (whether this CPU has AMX or not: only the thread settings are read)."""
+    engine's threads when it multiplies them (the fast paths without AMX), and keep it on one
+    when the AMX kernels or the one-answer kernels do (whether this CPU has AMX or not: only
+    the thread settings are read)."""
     import numba
     from threadpoolctl import threadpool_info
 
@@ -86,11 +88,13 @@ def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch, amx):
 
     backend = Engine(EngineConfig(model=tiny, threads=2)).backend
     monkeypatch.setattr(backend, "prefill_amx", amx)
+    monkeypatch.setattr(build, "FAST_PATHS", fast)
     backend.begin_forward(1)
     assert blas_threads() == {1}
     backend.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill
-    assert blas_threads() == ({1} if amx else {2})
-    assert numba.get_num_threads() == (min(2, numba_threads()) if amx else 1)
+    blas = fast and not amx
+    assert blas_threads() == ({2} if blas else {1})
+    assert numba.get_num_threads() == (1 if blas else min(2, numba_threads()))
 
 
 @pytest.mark.skipif(numba_threads() < 2, reason="needs numba to have two threads")
@@ -105,7 +109,8 @@ def test_a_prefill_pass_gives_a_large_causal_attention_every_thread(tiny, kernel
     seen = []
     monkeypatch.setattr(build.state.attention, "paged_causal", lambda *a: seen.append(numba.get_num_threads()))
     backend = Engine(EngineConfig(model=tiny, threads=2)).backend
-    monkeypatch.setattr(backend, "prefill_amx", False)  # BLAS multiplies the pass
+    monkeypatch.setattr(backend, "prefill_amx", False)  # BLAS multiplies the pass (the fast paths)
+    monkeypatch.setattr(build, "FAST_PATHS", True)
     backend.begin_forward(ops_numpy.KERNEL_ROWS + 1)
     kv = np.zeros((32, 16, 4, 64), np.float16)  # 512 tokens of 4 kv heads
     shapes = ((16, 512), (4, 32), (16, 512))  # 2^27 multiply-adds, 2^17, 2^27
