@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_scheduler import drain
 
 from localkv.backends import cpu_kernels
 from localkv.config import EngineConfig
@@ -260,14 +261,6 @@ def test_offload_recall_gives_the_logits_of_the_full_cache(models, name):
 
 
 # ---------------------------------------------------------------- the scheduler
-
-
-def drain(sched: Scheduler, gens, max_steps=20_000):
-    for _ in range(max_steps):
-        if all(g.done for g in gens):
-            return
-        sched.step()
-    raise AssertionError("the scheduler did not finish its requests")
 
 
 SYSTEM = RNG.integers(3, 261, 280).tolist()  # a shared system prompt past 256 positions
