@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload, register_jitable
 
-from localkv.backends.cpu.kernels import PAR, self_check
+from localkv.backends.cpu.kernels import EXACT_PAR, PAR, self_check
 from localkv.backends.cpu.simd.f32x8 import fload, float_of_bits, fma, fsplat, fsplat_at, fstore, hload
 
 KEYS = 64  # keys per chunk

@@ -34,7 +34,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
-from localkv.backends.cpu.kernels import EXACT, PAR, SER
+from localkv.backends.cpu.kernels import EXACT, EXACT_PAR, PAR, SER
 from localkv.backends.cpu.quant.formats import act_group, geometry, group, lanes_product, product
 from localkv.backends.cpu.simd.f32x8 import expand, fadd, fload, fma, fmul, fpair, fsplat, fzero, hsum, lane, tofloat
 from localkv.backends.cpu.simd.u8x32 import at, izero, load32, prefetch
@@ -258,9 +258,9 @@ def matmul_lanes(qt, xi, dxv, xsa, xsb, ws, offs, out):
     so a token row gets the same bits in a pass of 1 row or of 512 (cpu.py's one answer). Each
     weight row is read once and multiplied into every block while it is in L1."""
     nb, ng = xi.shape[0], xi.shape[1] // 256
-    counts = _chunks(ws)
+    counts = chunks(ws)
     for c in prange(counts[0] + counts[1] + counts[2]):
-        i, n0, n1, col = _chunk(ws, offs, counts, c)
+        i, n0, n1, col = chunk(ws, offs, counts, c)
         w = ws[i]
         for n in range(n0, n1):
             for b in range(nb):
