@@ -63,9 +63,9 @@ sys.exit(0 if is_pulled(catalog.lookup('smollm2-135m')) else 1)" 2>/dev/null; th
 fi
 
 echo "== CUDA tests on the GPU"
-tests=(tests/test_gpu.py tests/test_cuda_quant.py)
+tests=(tests/backends/test_gpu.py tests/backends/test_cuda_quant.py)
 if [ "$model_pulled" = 1 ]; then
-  tests+=(tests/test_cuda_engine.py)
+  tests+=(tests/backends/test_cuda_engine.py)
 else
   echo "test_cuda_engine.py skipped: smollm2-135m is not pulled (run 'localkv pull smollm2-135m' first)" \
     | tee -a "$REPORT/report.md"

@@ -19,7 +19,7 @@ Decode steps of single-token sequences run one paged_decode launch per layer for
 
 UNVERIFIED on a GPU: written and compile-checked (nvcc and NVRTC, sm_80/sm_90), and run on the
 CPU in the tests through a CuPy stand-in and a CUDA emulator (tests/cupy_standin,
-tests/cuda_emu); nothing here has run on a GPU yet. tests/test_gpu.py and scripts/gpu_check.sh
+tests/cuda_emu); nothing here has run on a GPU yet. tests/backends/test_gpu.py and scripts/gpu_check.sh
 are the checks to run on one.
 """
 

@@ -3,7 +3,7 @@ are built with, and loading them: the cuda/*.cu sources compiled by CuPy's RawMo
 on first use and cached by CuPy on disk.
 
 The literal constants here (KERNELS, KERNEL_HEAD_DIMS, GMAX, the warp/tile counts, THREADS) are
-also read from this file's source by tests/test_cuda_compile.py and tests/cuda_emu/host.py,
+also read from this file's source by tests/backends/test_cuda_compile.py and tests/cuda_emu/host.py,
 without importing it: keep them literal.
 """
 
@@ -32,7 +32,7 @@ DEFINES = (
 # weight types with kernels in quant_matvec.cu (GGUF names); other types go to the device as fp16
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-# every kernel the backend launches, by source file (tests/test_cuda_compile.py checks the names)
+# every kernel the backend launches, by source file (tests/backends/test_cuda_compile.py checks the names)
 KERNELS = {
     "paged_attention.cu": (
         "paged_decode_hd32",

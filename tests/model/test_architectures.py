@@ -2,7 +2,7 @@
 scripts/make_model.py (each family's real vocabulary and metadata): teacher-forced logits, a
 greedy continuation, prefill against decode past Gemma's sliding window, `localkv run` and a
 chat turn. The files come from the shared model cache (built on first use, like
-tests/test_make_model.py); llama.cpp through llama-cpp-python.
+tests/scripts/test_make_model.py); llama.cpp through llama-cpp-python.
 
 Bounds per model (mean |logit difference| over 64 positions; top-1 agreement >= 95% for all):
 0.01 everywhere (measured about 0.002 on the F16 files), except gemma2 at 0.025 (measured
@@ -33,8 +33,8 @@ from resources import script
 pytestmark = pytest.mark.peer
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
 
-ROOT = Path(__file__).resolve().parent.parent
-TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = (Path(__file__).parents[1] / "data" / "apache-2.0.txt").read_text()
 N, CTX = 64, 256  # tokens compared; the context both sides serve (LongRoPE's short factors)
 MEAN_BOUND = dict.fromkeys(("llama3", "llama2", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-128k"), 0.01)
 MEAN_BOUND["gemma2"] = 0.025

@@ -13,7 +13,7 @@ import pytest
 from localkv.model.tokenizer_gguf import read_metadata
 from resources import script
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
 # every test here needs llama-cpp-python (the module skips without it) and the real vocabularies
 pytestmark = [pytest.mark.peer, pytest.mark.usefixtures("vocabularies")]

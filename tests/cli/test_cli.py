@@ -10,7 +10,7 @@ import pytest
 
 from tiny_model import write_gguf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from localkv.sampling import SamplingParams
 from localkv.sequence import Sequence
 
 pytestmark = pytest.mark.model
-TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
+TEXT = (Path(__file__).parents[1] / "data" / "apache-2.0.txt").read_text()
 
 
 @pytest.fixture(scope="module")

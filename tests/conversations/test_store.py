@@ -18,7 +18,7 @@ from localkv.cli.log import log_command
 from localkv.conversations.store import SCHEMA_VERSION, ConversationStore
 from localkv.errors import LocalkvError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()

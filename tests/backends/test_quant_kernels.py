@@ -144,7 +144,7 @@ def test_dequantize_rows_and_get_rows_are_exact(kernels, qtype):
 
 @pytest.fixture
 def blas(monkeypatch):
-    """matmul_many on dequantized tiles and BLAS, also on a CPU with AMX (tests/test_quant_amx.py
+    """matmul_many on dequantized tiles and BLAS, also on a CPU with AMX (tests/backends/test_quant_amx.py
     has the AMX path)."""
     monkeypatch.setattr(quant, "on_amx", lambda qtype: False)
 

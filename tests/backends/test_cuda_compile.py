@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted((ROOT / "cuda").glob("*.cu"))
 ARCHS = ("sm_80", "sm_90")
 NVCC = shutil.which("nvcc")

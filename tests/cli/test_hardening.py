@@ -22,7 +22,7 @@ from localkv.hub import pull as pull_mod
 from localkv.sampling import Sampler, SamplingParams
 from tiny_model import write_gguf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REPLACED = "undecodable bytes were replaced with U+FFFD"
 
 

@@ -10,7 +10,7 @@ from localkv.errors import ModelError
 from localkv.model.pretokenize import byte_decoder, bytelevel_all, bytelevel_bytes
 from localkv.model.tokenizer import CHATML_TEMPLATE, Tokenizer, _byte_decoder
 
-GOLDEN = json.loads((Path(__file__).parent / "data" / "tokenizer_golden.json").read_text())
+GOLDEN = json.loads((Path(__file__).parents[1] / "data" / "tokenizer_golden.json").read_text())
 CASES = GOLDEN["cases"]
 CASE_IDS = [f"{i}:{c['text'][:20]!r}" for i, c in enumerate(CASES)]
 WIDE_TEXT = "naïve 日本語のテキスト 🙂🚀 👍🏽 Привет مرحبا 👨\u200d👩\u200d👧"

@@ -31,7 +31,7 @@ from localkv.scheduler import Scheduler
 from localkv.sequence import Sequence
 
 pytestmark = pytest.mark.model
-TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
+TEXT = (Path(__file__).parents[1] / "data" / "apache-2.0.txt").read_text()
 GREEDY_PROMPTS = ["What is 2 + 2?", "Explain what a CPU is in one sentence."]
 N_GREEDY = 32
 
@@ -39,7 +39,7 @@ N_GREEDY = 32
 @pytest.fixture(scope="module")
 def device():
     """(cupy, emulated); the emulator without guard pages (every buffer copied per launch would
-    dominate the run time: tests/test_cuda_emu.py checks the kernels' bounds with them)."""
+    dominate the run time: tests/backends/test_cuda_emu.py checks the kernels' bounds with them)."""
     with swap.device() as d, settings(guard=False):
         yield d
 
