@@ -12,7 +12,7 @@ import numpy as np
 import localkv.backends.cpu.build as build
 import localkv.backends.cpu.compiled as cpu_kernels
 import localkv.backends.cpu.quant as quant
-from localkv.backends.base import Capabilities
+from localkv.backends.base import Capabilities, missing_ability
 from localkv.backends.cpu.attention import f32, frozen_table, gather_kv, merge, paged_attention, partial
 from localkv.backends.cpu.threads import CoreShare
 
@@ -290,16 +290,6 @@ class CpuBackend:
     xp = np
     act_dtype = act_dtype
     kv_dtype = kv_dtype
-    # the cascade over a shared prefix and the batched decode kernel sum in their own order:
-    # without the fast paths every span attends through paged_attention's causal kernel
-    caps = Capabilities(
-        shared_prefix=build.FAST_PATHS,
-        batched_decode=build.FAST_PATHS,  # decode(): one kernel call per layer for all single-token sequences
-        quant_weights=True,
-        kv_dtypes=("float32", "float16"),
-        attention_options=frozenset({"softcap", "window"}),
-    )
-
     rmsnorm = staticmethod(rmsnorm)
     rope_tables = staticmethod(rope_tables)
     rope = staticmethod(rope)
@@ -309,18 +299,23 @@ class CpuBackend:
     head_rmsnorm = staticmethod(head_rmsnorm)
     write_kv = staticmethod(write_kv)
     frozen_table = staticmethod(frozen_table)
-    frozen_tails = staticmethod(frozen_tails)
     paged_attention = staticmethod(paged_attention)
-    shared_prefix_decode = staticmethod(shared_prefix_decode)
     uses_kernels = staticmethod(uses_kernels)
     linear = staticmethod(linear)
     logits = staticmethod(logits)
-    decode = staticmethod(decode)
-    decode_batch = DecodeBatch
 
     def __init__(self, threads: int):
         if threads < 1:
             raise ValueError(f"CpuBackend needs at least one thread, got {threads}")
+        # the cascade over a shared prefix and the batched decode kernel sum in their own order:
+        # without the fast paths every span attends through paged_attention's causal kernel
+        self.caps = Capabilities(
+            shared_prefix=build.FAST_PATHS,
+            batched_decode=build.FAST_PATHS,  # decode(): one kernel call per layer for all single-token sequences
+            quant_weights=True,
+            kv_dtypes=("float32", "float16"),
+            attention_options=frozenset({"softcap", "window"}),
+        )
         self.threads = threads
         self._cores = CoreShare(threads)
         self._blas = None  # threadpoolctl controllers of the BLAS libraries, found on first use
@@ -338,6 +333,26 @@ class CpuBackend:
         self.prefill_amx = any(quant.on_amx(t) for t in types)
         build.release_compiler()  # every kernel a forward pass runs has loaded by now
         return weights
+
+    def decode_batch(self, tables: list, n_ctx: list[int]) -> "DecodeBatch":
+        self._needs("batched_decode", "decode_batch")
+        return DecodeBatch(tables, n_ctx)
+
+    def decode(self, q, k_layer, v_layer, batch, scale: float) -> np.ndarray:
+        self._needs("batched_decode", "decode")
+        return decode(q, k_layer, v_layer, batch, scale)
+
+    def frozen_tails(self, tails) -> "Tails":
+        self._needs("shared_prefix", "frozen_tails")
+        return frozen_tails(tails)
+
+    def shared_prefix_decode(self, q, k_layer, v_layer, prefix_table, tails, scale: float) -> np.ndarray:
+        self._needs("shared_prefix", "shared_prefix_decode")
+        return shared_prefix_decode(q, k_layer, v_layer, prefix_table, tails, scale)
+
+    def _needs(self, flag: str, method: str):
+        if not getattr(self.caps, flag):
+            raise missing_ability(self.name, method, flag)
 
     @staticmethod
     def embed(table, ids: np.ndarray) -> np.ndarray:
