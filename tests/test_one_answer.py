@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from test_scheduler import drain
 
-from localkv.backends import cpu_kernels
+from localkv.backends.cpu import build
 from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.generation import Generation
@@ -292,7 +292,7 @@ def test_requests_alone_together_or_staggered_get_the_same_logits(models, name, 
 # ---------------------------------------------------------------- the numpy path
 
 
-@pytest.mark.skipif(KERNELS_OFF or not cpu_kernels.load(), reason="this is the child process, or no kernels")
+@pytest.mark.skipif(KERNELS_OFF or not build.load(), reason="this is the child process, or no kernels")
 @pytest.mark.xfail(strict=True, reason="the numpy path's BLAS products and sums depend on the pass's shape")
 def test_the_numpy_path_agrees_with_itself_too():
     """LOCALKV_CPU_KERNELS=0 is its own numeric definition: the same checks in a child process."""
