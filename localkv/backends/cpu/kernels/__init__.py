@@ -7,6 +7,8 @@ the backend runs without numba):
 - elementwise: fused one-pass RMSNorm, RoPE, SwiGLU and causal mask-and-max for prefill;
 - matmul_few: the decode matmuls of 1-8 activation rows on every block type (int8 activations,
   integer multiply-adds), and the dequantizer;
+- matmul_out: matmul_lanes' bits for 1 activation row with 8 weight rows in the lanes (decode
+  under the one-answer rule);
 - superblock: Q4_K and Q6_K with one or two rows, a 256-value super-block at a time in integers;
 - float_few: the decode matmuls of F32 / F16 / BF16 weights (float FMAs);
 - amx: prefill matmuls of block-type weights on Intel AMX bf16 tiles.

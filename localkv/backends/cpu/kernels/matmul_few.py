@@ -144,8 +144,10 @@ def _row_dot(qt, w, base, xq, dx, xsv, r, ng):
 
 
 @register_jitable(_nrt=False)
-def _lanes_step(qt, w, blk, j, g, xi, dxv, xsa, xsb, a, m):
-    """Group j of the block at blk (group g of the row) . 8 activation rows, into a and m."""
+def _lanes_step(qt, w, blk, j, g, inp, a, m):
+    """Group j of the block at blk (group g of the row) . 8 activation rows, into a and m
+    (inp: _interleave's xi, dxv, xsa, xsb)."""
+    xi, dxv, xsa, xsb = inp
     prefetch(w, blk + PREFETCH)
     u, sa, sb, ma, mb = group(qt, w, blk, j)
     pa, pb = lanes_product(qt, u, xi, 256 * g)
@@ -154,27 +156,31 @@ def _lanes_step(qt, w, blk, j, g, xi, dxv, xsa, xsb, a, m):
 
 
 @register_jitable(_nrt=False)
-def _lanes_row(qt, w, base, xi, dxv, xsa, xsb, ng):
-    """One weight row . 8 activation rows (lane r = row r); loops as in _row_dot."""
+def walk(step, qt, w, base, inp, ng):
+    """The groups of one weight row (from byte base) through step(qt, w, blk, j, g, inp, a, m),
+    8 lanes at a time, in the order that fixes the lanes' sums: _row_dot's (group g into
+    accumulator g % 2, in order of g; a K-quant block's 8 groups written out). The 8-lane
+    kernels (lanes: rows in the lanes; matmul_out: outputs in the lanes) share it, so that
+    a lane's float ops are one sequence whichever kernel runs it."""
     groups, nbytes = geometry(qt)
     a0, a1, m0, m1 = fzero(), fzero(), fzero(), fzero()
     if groups == 1:
         for g in range(0, ng - 1, 2):
-            a0, m0 = _lanes_step(qt, w, base + g * nbytes, 0, g, xi, dxv, xsa, xsb, a0, m0)
-            a1, m1 = _lanes_step(qt, w, base + (g + 1) * nbytes, 0, g + 1, xi, dxv, xsa, xsb, a1, m1)
+            a0, m0 = step(qt, w, base + g * nbytes, 0, g, inp, a0, m0)
+            a1, m1 = step(qt, w, base + (g + 1) * nbytes, 0, g + 1, inp, a1, m1)
         if ng % 2:
-            a0, m0 = _lanes_step(qt, w, base + (ng - 1) * nbytes, 0, ng - 1, xi, dxv, xsa, xsb, a0, m0)
+            a0, m0 = step(qt, w, base + (ng - 1) * nbytes, 0, ng - 1, inp, a0, m0)
     else:
         for b in range(ng // 8):
             blk, g = base + b * nbytes, 8 * b
-            a0, m0 = _lanes_step(qt, w, blk, 0, g, xi, dxv, xsa, xsb, a0, m0)
-            a1, m1 = _lanes_step(qt, w, blk, 1, g + 1, xi, dxv, xsa, xsb, a1, m1)
-            a0, m0 = _lanes_step(qt, w, blk, 2, g + 2, xi, dxv, xsa, xsb, a0, m0)
-            a1, m1 = _lanes_step(qt, w, blk, 3, g + 3, xi, dxv, xsa, xsb, a1, m1)
-            a0, m0 = _lanes_step(qt, w, blk, 4, g + 4, xi, dxv, xsa, xsb, a0, m0)
-            a1, m1 = _lanes_step(qt, w, blk, 5, g + 5, xi, dxv, xsa, xsb, a1, m1)
-            a0, m0 = _lanes_step(qt, w, blk, 6, g + 6, xi, dxv, xsa, xsb, a0, m0)
-            a1, m1 = _lanes_step(qt, w, blk, 7, g + 7, xi, dxv, xsa, xsb, a1, m1)
+            a0, m0 = step(qt, w, blk, 0, g, inp, a0, m0)
+            a1, m1 = step(qt, w, blk, 1, g + 1, inp, a1, m1)
+            a0, m0 = step(qt, w, blk, 2, g + 2, inp, a0, m0)
+            a1, m1 = step(qt, w, blk, 3, g + 3, inp, a1, m1)
+            a0, m0 = step(qt, w, blk, 4, g + 4, inp, a0, m0)
+            a1, m1 = step(qt, w, blk, 5, g + 5, inp, a1, m1)
+            a0, m0 = step(qt, w, blk, 6, g + 6, inp, a0, m0)
+            a1, m1 = step(qt, w, blk, 7, g + 7, inp, a1, m1)
     return fadd(fadd(a0, a1), fadd(m0, m1))
 
 
@@ -231,7 +237,7 @@ def matmul_few(qt, x, ws, offs, out):
             i, n0, n1, col = chunk(ws, offs, counts, c)
             w = ws[i]
             for n in range(n0, n1):
-                v = _lanes_row(qt, w, n * w.shape[1], xi, dxv, xsa, xsb, ng)
+                v = walk(_lanes_step, qt, w, n * w.shape[1], (xi, dxv, xsa, xsb), ng)
                 for r in range(R):
                     out[r, col + n] = lane(v, r)
 
@@ -264,7 +270,7 @@ def matmul_lanes(qt, xi, dxv, xsa, xsb, ws, offs, out):
         w = ws[i]
         for n in range(n0, n1):
             for b in range(nb):
-                v = _lanes_row(qt, w, n * w.shape[1], xi[b], dxv[b], xsa[b], xsb[b], ng)
+                v = walk(_lanes_step, qt, w, n * w.shape[1], (xi[b], dxv[b], xsa[b], xsb[b]), ng)
                 for r in range(LANES):
                     out[b * LANES + r, col + n] = lane(v, r)
 

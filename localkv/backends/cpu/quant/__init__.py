@@ -94,9 +94,11 @@ def matmul_few(x: np.ndarray, w: "QTensor | QStack | Sequence[QTensor]") -> np.n
 
 def matmul_rows(x: np.ndarray, w: "QTensor | QStack") -> np.ndarray:
     """x [R, cols] @ W.T -> float32 [R, rows] for any R, each row's outputs computed by one
-    arithmetic whatever R is (the 8-lane kernel's for block types: matmul_few's for 3-8 rows),
-    so that a token's result does not depend on the rows that share its pass. Slower than
-    matmul_few for 1-2 rows and than matmul_many for many (build.FAST_PATHS)."""
+    arithmetic whatever R is (the 8-lane kernel's for block types: matmul_few's for 3-8 rows;
+    a decode row takes kernels/matmul_out, the same bits with outputs in the lanes), so that a
+    token's result does not depend on the rows that share its pass. Slower than the cut-dependent
+    kernels (build.FAST_PATHS): matmul_few for 2 rows, superblock for the K-quants' 1-2 and
+    matmul_many for many."""
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != w.cols:

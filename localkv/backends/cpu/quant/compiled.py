@@ -14,6 +14,8 @@ from localkv.backends.cpu.kernels.matmul_few import matmul_few as _matmul_few
 from localkv.backends.cpu.kernels.matmul_few import matmul_lanes as _matmul_lanes
 from localkv.backends.cpu.kernels.matmul_few import quantize_cols as _quantize_cols
 from localkv.backends.cpu.kernels.matmul_few import quantize_rows as _quantize_rows
+from localkv.backends.cpu.kernels.matmul_out import OUT_ROWS
+from localkv.backends.cpu.kernels.matmul_out import matmul_out as _matmul_out
 from localkv.backends.cpu.kernels.superblock import ROWS as SUPER_ROWS
 from localkv.backends.cpu.kernels.superblock import TYPES as SUPER_TYPES
 from localkv.backends.cpu.kernels.superblock import matmul_super as _matmul_super
@@ -33,9 +35,12 @@ def few(run, x: np.ndarray, out: np.ndarray):
 
 def every_row(run, x: np.ndarray, out: np.ndarray):
     """few() for any number of rows in one arithmetic per row, whatever the count: the 8-lane
-    kernel for block types, the float kernel (a dot per row) for the others."""
+    kernel for block types (up to OUT_ROWS rows its bits with outputs in the lanes, faster for
+    so few), the float kernel (a dot per row) for the others."""
     qt = MARKERS[run.qtype]
-    if run.qtype in BLOCK_TYPES:
+    if run.qtype in BLOCK_TYPES and len(x) <= OUT_ROWS:
+        _matmul_out(qt, x, run.datas, run.offs, out)
+    elif run.qtype in BLOCK_TYPES:
         _matmul_lanes(qt, *_lanes_inputs(qt, x), run.datas, run.offs, out)
     else:
         matmul_few_float(qt, x, run.datas, run.offs, out)
@@ -89,8 +94,8 @@ def check(qtype: str) -> bool:
         one = np.empty((8, out.shape[1]), np.float32)  # the lanes kernel writes 8 rows
         every_row(run, x, one)
         one = one[: len(x)]
-        if not np.array_equal(one[:1], _one_row(run, x[:1], out.shape[1])):
-            return False
+        if not all(np.array_equal(one[r : r + 1], _one_row(run, x[r : r + 1], out.shape[1])) for r in range(rows)):
+            return False  # each row the bits it gets in a batch (the lanes kernel's) when alone
         xa = fallback.quantize_activations(x, activation_group(qtype)) if qtype in BLOCK_TYPES else x
         want = xa.astype(np.float64) @ np.concatenate(dense).T.astype(np.float64)
         for got in (out, one):

@@ -118,6 +118,23 @@ def expand(typingctx, out, off, u, sa, sb, ma, mb):
 
 
 @intrinsic
+def fjoin(typingctx, a, b):
+    """Two 4-tuples of floats as one F32x8 (a in lanes 0-3)."""
+    if not all(isinstance(t, types.UniTuple) and t.count == 4 for t in (a, b)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = ir.Constant(V8F32, ir.Undefined)
+        for t, (tup, ty) in enumerate(zip(args, sig.args)):
+            for i in range(4):
+                s = context.cast(builder, builder.extract_value(tup, i), ty.dtype, types.float32)
+                v = builder.insert_element(v, s, ir.Constant(ir.IntType(32), 4 * t + i))
+        return v
+
+    return F32x8(a, b), codegen
+
+
+@intrinsic
 def lane(typingctx, v, i):
     """Lane i of an F32x8."""
 

@@ -233,6 +233,36 @@ lanes_dot = intrinsic(_lanes_typer(False))
 lanes_dot7 = intrinsic(_lanes_typer(True))  # every u < 128
 
 
+def _pair_sums(builder, a, b):
+    """Within each 128-bit half: a[0]+a[1], a[2]+a[3], b[0]+b[1], b[2]+b[3] (vphaddd's order)."""
+    even = builder.shuffle_vector(a, b, ir.Constant(V8I32, [0, 2, 8, 10, 4, 6, 12, 14]))
+    odd = builder.shuffle_vector(a, b, ir.Constant(V8I32, [1, 3, 9, 11, 5, 7, 13, 15]))
+    return builder.add(even, odd)
+
+
+@intrinsic
+def quad_sums(typingctx, p0, p1, p2, p3):
+    """Four `dot` results -> lane i = the sum of lanes 0-3 of p_i, lane 4 + i = that of lanes
+    4-7 (the two 16-byte halves' sums of four weight rows)."""
+
+    def codegen(context, builder, sig, args):
+        return _pair_sums(builder, _pair_sums(builder, args[0], args[1]), _pair_sums(builder, args[2], args[3]))
+
+    return I32x8(p0, p1, p2, p3), codegen
+
+
+@intrinsic
+def halves(typingctx, p, q):
+    """Two quad_sums -> (lanes 0-3 of p then of q, lanes 4-7 of p then of q)."""
+
+    def codegen(context, builder, sig, args):
+        lo = builder.shuffle_vector(args[0], args[1], ir.Constant(V8I32, [0, 1, 2, 3, 8, 9, 10, 11]))
+        hi = builder.shuffle_vector(args[0], args[1], ir.Constant(V8I32, [4, 5, 6, 7, 12, 13, 14, 15]))
+        return context.make_tuple(builder, sig.return_type, [lo, hi])
+
+    return types.UniTuple(I32x8, 2)(p, q), codegen
+
+
 @intrinsic
 def prefetch(typingctx, arr, off):
     """Hint the cache line of arr[off] into the caches (reads, kept in all levels). A prefetch

@@ -1,0 +1,93 @@
+"""The 8-lane matmul for a few activation rows (decode) with 8 weight rows, not 8 activation
+rows, in the lanes: matmul_lanes' bits for each row, without its 7 idle lanes when one row
+is multiplied.
+
+matmul_lanes (matmul_few) gives a row's output n by one lane's float ops, group after group
+(matmul_few.walk): a = fma(fma(float(pa), sa, float(pb) * sb), dx, a), m += fma(ma, xsa,
+mb * xsb), with pa, pb the integer dots of the group's two 16-value halves and sa, sb, ma, mb
+the weight row's scales. Here lane l runs that same sequence for weight row n + l: the 8
+rows' groups are decoded one by one (formats.group), each dotted with the row's int8
+activations (u8x32.dot), the 8 dots summed across lanes into (pa, pb) by quad_sums and halves
+(integer sums: exact in any order), and the scales gathered into vectors (fjoin). Same
+values, same float ops in the same order, so the same bits; tests/test_matmul_out.py holds
+them equal for every block type.
+
+A work chunk (matmul_few.CHUNK rows) is 8 rows at a time; past a matrix's last row the lanes
+repeat it and are not written. Each activation row walks the 8 weight rows again: they are
+in L1 by then, so a call of R rows reads the weights once but decodes them R times (which
+is why more rows go to the lanes kernel: OUT_ROWS).
+"""
+
+from numba import njit, prange
+from numba.extending import register_jitable
+
+from localkv.backends.cpu.kernels import EXACT_PAR
+from localkv.backends.cpu.kernels.matmul_few import PREFETCH, chunk, chunks, quantized, walk
+from localkv.backends.cpu.quant.formats import act_group, group, product
+from localkv.backends.cpu.simd.f32x8 import fadd, fjoin, fma, fmul, fsplat, lane, tofloat
+from localkv.backends.cpu.simd.u8x32 import at, halves, izero, load32, prefetch, quad_sums
+
+LANES = 8  # weight rows per vector
+# Up to this many activation rows matmul_out is faster than matmul_lanes (quant.compiled.every_row):
+# it decodes the weights once per row, the lanes kernel once per 8 rows (BENCHMARKS.md)
+OUT_ROWS = 1
+
+
+@register_jitable(_nrt=False)
+def _four(qt, w, o, blk, j, xv):
+    """Group j of the blocks at blk of 4 weight rows (their byte offsets o) . activations xv:
+    (quad_sums of the 4 dots, the 4 rows' sa, sb, ma, mb as 4-tuples)."""
+    prefetch(w, o[0] + blk + PREFETCH)
+    prefetch(w, o[1] + blk + PREFETCH)
+    prefetch(w, o[2] + blk + PREFETCH)
+    prefetch(w, o[3] + blk + PREFETCH)
+    u0, sa0, sb0, ma0, mb0 = group(qt, w, o[0] + blk, j)
+    u1, sa1, sb1, ma1, mb1 = group(qt, w, o[1] + blk, j)
+    u2, sa2, sb2, ma2, mb2 = group(qt, w, o[2] + blk, j)
+    u3, sa3, sb3, ma3, mb3 = group(qt, w, o[3] + blk, j)
+    z = izero()
+    p = quad_sums(product(qt, z, u0, xv), product(qt, z, u1, xv), product(qt, z, u2, xv), product(qt, z, u3, xv))
+    return p, (sa0, sa1, sa2, sa3), (sb0, sb1, sb2, sb3), (ma0, ma1, ma2, ma3), (mb0, mb1, mb2, mb3)
+
+
+@register_jitable(_nrt=False)
+def _out_step(qt, w, blk, j, g, inp, a, m):
+    """Group j of the block at blk of 8 weight rows (group g of the rows) . one activation
+    row, into a and m: _lanes_step's float ops, lane l for weight row l. inp: the rows' byte
+    offsets (two 4-tuples), quantized()'s xq, dx, xs16 and the activation row r."""
+    lo, hi, xq, dx, xs16, r = inp
+    i = r * dx.shape[1] + g
+    xv = load32(xq, 32 * i)
+    p, sa, sb, ma, mb = _four(qt, w, lo, blk, j, xv)
+    q, ta, tb, na, nb = _four(qt, w, hi, blk, j, xv)
+    pa, pb = halves(p, q)
+    a = fma(fma(tofloat(pa), fjoin(sa, ta), fmul(tofloat(pb), fjoin(sb, tb))), fsplat(at(dx, i)), a)
+    xsa, xsb = fsplat(at(xs16, 2 * i)), fsplat(at(xs16, 2 * i + 1))
+    return a, fadd(m, fma(fjoin(ma, na), xsa, fmul(fjoin(mb, nb), xsb)))
+
+
+@register_jitable(_nrt=False)
+def _rows(n, last, nbytes):
+    """The byte offsets of weight rows n..n+7 (the last row repeated past last), as two 4-tuples."""
+    lo = (n * nbytes, min(n + 1, last) * nbytes, min(n + 2, last) * nbytes, min(n + 3, last) * nbytes)
+    return lo, (min(n + 4, last) * nbytes, min(n + 5, last) * nbytes, min(n + 6, last) * nbytes,
+                min(n + 7, last) * nbytes)  # fmt: skip
+
+
+@njit(**EXACT_PAR)
+def matmul_out(qt, x, ws, offs, out):
+    """out[:, offs[i] + n] = x @ row n of ws[i] for the three matrices ws (as matmul_few), each
+    output the bits matmul_lanes gives it. x float32 [R, K], R >= 1."""
+    R, K = x.shape
+    ng = K // 32
+    xq, dx, xs16 = quantized(x, act_group(qt))
+    counts = chunks(ws)
+    for c in prange(counts[0] + counts[1] + counts[2]):
+        i, n0, n1, col = chunk(ws, offs, counts, c)
+        w = ws[i]
+        for n in range(n0, n1, LANES):
+            lo, hi = _rows(n, w.shape[0] - 1, w.shape[1])
+            for r in range(R):
+                v = walk(_out_step, qt, w, 0, (lo, hi, xq, dx, xs16, r), ng)
+                for k in range(min(LANES, n1 - n)):
+                    out[r, col + n + k] = lane(v, k)

@@ -1,0 +1,61 @@
+"""The outputs-in-the-lanes kernel (kernels/matmul_out) gives each activation row the bits the
+8-lane kernel (matmul_lanes) gives it in a batch: np.array_equal, for every block type, for
+the row counts that take it and one more, with weight counts that leave a partial 8 at the end
+of a work chunk and a matrix smaller than 8 rows."""
+
+import numpy as np
+import pytest
+
+from localkv.backends.cpu import build, quant
+from localkv.backends.cpu.quant.formats import MARKERS
+from localkv.backends.cpu.quant.tensor import QStack, sample_weight
+from localkv.backends.cpu.quant.types import BLOCK_TYPES, block_size
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernels, imported once build.load has imported numba and loaded (and checked) them."""
+    assert build.load(BLOCK_TYPES), {t: quant.why_not(t) for t in BLOCK_TYPES}
+    from localkv.backends.cpu.kernels import matmul_few, matmul_out
+
+    return matmul_few, matmul_out
+
+
+def weights(qtype: str) -> QStack:
+    """Three matrices of 37, 5 and 3 rows (37: two chunks of 16 and a tail of 5), of an odd
+    number of blocks: 5 groups of 32, or 3 super-blocks of 256 for the K-quants (the least they
+    allow)."""
+    values = block_size(qtype)[0]
+    cols = 5 * 32 if values == 32 else 3 * values
+    return QStack(tuple(sample_weight(qtype, rows, cols, seed) for rows, seed in ((37, 1), (5, 2), (3, 3))))
+
+
+def lanes(matmul_few, w: QStack, x: np.ndarray) -> np.ndarray:
+    """x @ W.T by the 8-lane kernel (activation rows in the lanes), whatever len(x)."""
+    out = np.empty((-(-len(x) // 8) * 8, w.rows), np.float32)
+    ((run,), qt) = w.runs, MARKERS[w.tensors[0].qtype]
+    matmul_few.matmul_lanes(qt, *matmul_few.lanes_inputs(qt, x), run.datas, run.offs, out)
+    return out[: len(x)]
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_each_row_gets_the_lanes_kernels_bits(kernels, qtype):
+    matmul_few, matmul_out = kernels
+    w = weights(qtype)
+    (run,) = w.runs
+    rng = np.random.default_rng(7)
+    for rows, positive in ((r, p) for r in range(1, matmul_out.OUT_ROWS + 2) for p in (False, True)):
+        # positive activations: large integer dots, whose float products round (a kernel that
+        # multiplied in another order would differ there)
+        x = rng.uniform(0.5, 1, (rows, w.cols)) if positive else rng.standard_normal((rows, w.cols))
+        x = (x * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
+        x[0, 3] = np.inf if rows > 1 else x[0, 3]  # its group: nan in both kernels
+        got = np.full((rows, w.rows), -1, np.float32)
+        matmul_out.matmul_out(MARKERS[qtype], x, run.datas, run.offs, got)
+        for batch in (8, 33):  # the rows inside a larger pass, not at its start
+            xb = rng.standard_normal((batch, w.cols), dtype=np.float32)
+            xb[batch - rows - 1 : batch - 1] = x
+            want = lanes(matmul_few, w, xb)[batch - rows - 1 : batch - 1]
+            assert np.array_equal(got, want, equal_nan=True), (rows, batch)
+            assert np.array_equal(quant.matmul_rows(xb, w)[batch - rows - 1 : batch - 1], want, equal_nan=True)
+        assert np.array_equal(quant.matmul_rows(x, w), got, equal_nan=True)  # the row counts that take it
