@@ -4,7 +4,7 @@ import sys
 
 import typer
 
-from localkv.cli import render
+import localkv.cli.render as render
 from localkv.cli.app import err, read_prompt, warn_disk
 from localkv.cli.options import Sampling, engine_options, sampling_options
 from localkv.cli.prefill_bar import PrefillBar
