@@ -77,18 +77,11 @@ def matmul_few(x: np.ndarray, w: "QTensor | QStack | Sequence[QTensor]") -> np.n
     weights side by side [R, sum of rows]."""
     if not isinstance(w, (QTensor, QStack)):
         w = QStack(tuple(w))
-    if x.dtype != np.float32 or not x.flags.c_contiguous:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] != w.cols:
-        raise ValueError(f"activations {x.shape} do not match weights of {w.cols} columns")
+    x = _activations(x, w)
     if not 0 < x.shape[0] <= MAX_FEW:
         return matmul_many(x, w)
     out = np.empty((x.shape[0], w.rows), np.float32)
-    for run in w.runs:
-        if active(run.qtype) and (run.qtype in BLOCK_TYPES or w.cols % 8 == 0):
-            state.weights.few(run, x, out)
-        else:
-            _few_numpy(run, x, out)
+    _by_runs("few", x, w, out)
     return out
 
 
@@ -99,18 +92,30 @@ def matmul_rows(x: np.ndarray, w: "QTensor | QStack") -> np.ndarray:
     token's result does not depend on the rows that share its pass. Slower than the cut-dependent
     kernels (build.FAST_PATHS): matmul_few for 2 rows, superblock for the K-quants' 1-2 and
     matmul_many for many."""
+    x = _activations(x, w)
+    R = x.shape[0]
+    out = np.empty((-(-R // 8) * 8, w.rows), np.float32)  # the lanes kernel writes all 8 of a block
+    _by_runs("every_row", x, w, out)
+    return out[:R]
+
+
+def _activations(x: np.ndarray, w: "QTensor | QStack") -> np.ndarray:
+    """x as the few-row kernels read it: C-contiguous float32 [R, w.cols]."""
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != w.cols:
         raise ValueError(f"activations {x.shape} do not match weights of {w.cols} columns")
-    R = x.shape[0]
-    out = np.empty((-(-R // 8) * 8, w.rows), np.float32)  # the lanes kernel writes all 8 of a block
+    return x
+
+
+def _by_runs(kernel: str, x: np.ndarray, w: "QTensor | QStack", out: np.ndarray):
+    """Each run of w's weights into out: on the compiled entry point `kernel` (compiled.few or
+    every_row) where it can take the run's type, else on the numpy path (out's first len(x) rows)."""
     for run in w.runs:
         if active(run.qtype) and (run.qtype in BLOCK_TYPES or w.cols % 8 == 0):
-            state.weights.every_row(run, x, out)
+            getattr(state.weights, kernel)(run, x, out)
         else:
-            _few_numpy(run, x, out[:R])
-    return out[:R]
+            _few_numpy(run, x, out[: len(x)])
 
 
 def _few_numpy(run: KernelRun, x: np.ndarray, out: np.ndarray):
