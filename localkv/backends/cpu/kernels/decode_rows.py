@@ -16,7 +16,8 @@ from numba import njit, prange
 from numba.extending import register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR, self_check
-from localkv.backends.cpu.kernels.attention import KEYS, _accumulate, _rows, _scores, _softmax_step
+from localkv.backends.cpu.kernels.attention import KEYS, _accumulate, _rows, _scores, _softmax_step, vload
+from localkv.backends.cpu.simd.f32x8 import fadd, fload, fma, fsplat_at, fstore, fzero
 
 
 @register_jitable
@@ -69,6 +70,7 @@ def paged_decode(qt, k, v, tables, lens, parts, out):
         top, gm, gs = np.empty(R8, np.float32), np.empty(R8, np.float32), np.empty(R8, np.float32)
         o, m, sums = np.zeros((R, hd), np.float32), np.full(R, -np.inf, np.float32), np.zeros(R, np.float32)
         taken, members = np.zeros(s1 - s0, np.bool_), np.empty(s1 - s0, np.int64)
+        offs = np.empty(KEYS, np.int64)
         most = 0
         for s in range(s0, s1):
             most = max(most, lens[s])
@@ -82,14 +84,17 @@ def paged_decode(qt, k, v, tables, lens, parts, out):
                 for i in range(count):
                     n = max(n, min(lens[members[i]] - t0, KEYS))
                 _rows(k, tables[members[0]], h, t0, n, kc, hd)
-                _rows(v, tables[members[0]], h, t0, n, vc, hd)
                 r8 = -(-count * g // 8) * 8
                 st, gq = st_buf[: KEYS * r8].reshape((KEYS, r8)), gq_buf[: hd * r8].reshape((hd, r8))
                 go = go_buf[: r8 * hd].reshape((r8, hd))
                 _gather(qt, o, m, sums, members, count, g, h, s0, gq, go, gm, gs)
                 _scores(gq, kc, st, r8, hd)
                 _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
-                _accumulate(st, vc, go, r8, hd)
+                if 2 * count * g <= r8:  # lanes mostly padding: the weighted values along hd instead
+                    _accumulate_rows(st, v, tables[members[0]], h, t0, n, go, count * g, offs)
+                else:
+                    _rows(v, tables[members[0]], h, t0, n, vc, hd)
+                    _accumulate(st, vc, go, r8, hd)
                 for i in range(count):
                     for j in range(g):
                         r, at = i * g + j, (members[i] - s0) * g + j
@@ -100,6 +105,44 @@ def paged_decode(qt, k, v, tables, lens, parts, out):
             inv = np.float32(1) / sums[r]
             for d in range(hd):
                 out[h, s0 * g + r, d] = o[r, d] * inv
+
+
+@register_jitable
+def _accumulate_rows(st, v, table, h, t0, n, o, rows, offs):
+    """_accumulate's sums for the first `rows` rows of o [r8, hd], with 8 of hd in the lanes
+    and V read from the pool as stored: each value still gains its n weighted values in key
+    order, so its bits are _accumulate's (which adds the chunk's padding keys as + 0: so does
+    the last line here, which only makes a -0 +0)."""
+    bs, kvh, hd = v.shape[1], v.shape[2], o.shape[1]
+    for t in range(n):
+        offs[t] = ((table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h) * hd
+    zero = fzero()
+    for r in range(rows):
+        d0 = 0
+        for d0 in range(0, hd - 63, 64):  # 8 accumulators: FMA latency hidden
+            at = r * hd + d0
+            a0, a1, a2, a3 = fload(o, at), fload(o, at + 8), fload(o, at + 16), fload(o, at + 24)
+            a4, a5, a6, a7 = fload(o, at + 32), fload(o, at + 40), fload(o, at + 48), fload(o, at + 56)
+            for t in range(n):
+                w, b = fsplat_at(st, t * st.shape[1] + r), offs[t] + d0
+                a0, a1 = fma(w, vload(v, b), a0), fma(w, vload(v, b + 8), a1)
+                a2, a3 = fma(w, vload(v, b + 16), a2), fma(w, vload(v, b + 24), a3)
+                a4, a5 = fma(w, vload(v, b + 32), a4), fma(w, vload(v, b + 40), a5)
+                a6, a7 = fma(w, vload(v, b + 48), a6), fma(w, vload(v, b + 56), a7)
+            pad = n < KEYS
+            fstore(o, at, fadd(a0, zero) if pad else a0)
+            fstore(o, at + 8, fadd(a1, zero) if pad else a1)
+            fstore(o, at + 16, fadd(a2, zero) if pad else a2)
+            fstore(o, at + 24, fadd(a3, zero) if pad else a3)
+            fstore(o, at + 32, fadd(a4, zero) if pad else a4)
+            fstore(o, at + 40, fadd(a5, zero) if pad else a5)
+            fstore(o, at + 48, fadd(a6, zero) if pad else a6)
+            fstore(o, at + 56, fadd(a7, zero) if pad else a7)
+        for d in range(hd // 64 * 64, hd, 8):  # a head size that is not a multiple of 64
+            a = fload(o, r * hd + d)
+            for t in range(n):
+                a = fma(fsplat_at(st, t * st.shape[1] + r), vload(v, offs[t] + d), a)
+            fstore(o, r * hd + d, fadd(a, zero) if n < KEYS else a)
 
 
 @register_jitable
