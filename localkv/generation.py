@@ -425,7 +425,9 @@ class Generation:
             self._out.append(Delta(choice, shown, ids, lps))
         if last:
             r, first = self.result, b.index == 0  # the prompt's figures come with the first choice
-            used = Usage(r.prompt_tokens, r.cached_tokens, len(b.tokens)) if first else Usage(0, 0, len(b.tokens))
+            drafted, accepted = (b.spec.drafted, b.spec.accepted) if b.spec is not None else (0, 0)
+            prompt = (r.prompt_tokens, r.cached_tokens) if first else (0, 0)
+            used = Usage(*prompt, len(b.tokens), drafted, accepted)
             self._out.append(Finished(choice, b.finish_reason, b.stop_detail, used, r.ttft_s if first else 0.0))
 
     def _after_advance(self):
