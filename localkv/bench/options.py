@@ -40,11 +40,11 @@ class Options:
         args = ["localkv", "bench", suite] + (["-m", e.model] if e.model else [])
         if suite == "speed" and not self.quick:
             args += ["-p", str(self.n_prompt), "-n", str(self.n_gen), "-r", str(self.reps or 5)]
-        elif suite in ("fork", "cache", "grammar") and self.reps:
+        elif suite in ("fork", "cache", "grammar", "spec") and self.reps:
             args += ["-r", str(self.reps)]
         if threads and suite != "memory":
             args += ["-t", str(threads)]
-        if self.vs and suite in ("speed", "fork", "cache"):
+        if self.vs and suite in ("speed", "fork", "cache", "spec"):
             args += ["--vs", self.vs]
         args += ["--quick"] * self.quick + ["--long"] * (self.long and suite == "evict")
         args += ["--seed", str(self.seed)] if self.seed else []
