@@ -15,6 +15,7 @@ from localkv.spec.ngram import NgramIndex
 
 MODES = ("off", "ngram")
 K_MAX, NGRAM_MAX, NGRAM_MIN = 8, 4, 2
+MAX_REST = 16  # most lookups a branch skips after drafts rejected outright in a row
 
 
 def check(mode: str, k_max: int, n_max: int, n_min: int) -> None:
@@ -54,7 +55,9 @@ class Speculator:
     """One branch's drafting: its n-gram index, the draft length its acceptance earned (k), and
     its counts. k doubles after a draft accepted whole and falls to one past the accepted prefix
     after a rejection: a branch that copies its context drafts long, one that does not drafts one
-    token at a time, and a new copying stretch is back to k_max within three passes."""
+    token at a time, and a new copying stretch is back to k_max within three passes. Drafts
+    rejected outright in a row also rest the drafting for 1, 2, 4 .. up to MAX_REST lookups,
+    so text that quotes nothing pays for a wider pass only now and then."""
 
     index: NgramIndex
     k_max: int
@@ -62,6 +65,8 @@ class Speculator:
     drafted: int = 0  # tokens drafted and verified
     accepted: int = 0  # of those, accepted
     passes: int = 0  # verify passes (steps in which the branch had a draft)
+    misses: int = 0  # verify passes in a row that accepted nothing
+    rest: int = 0  # lookups left to skip
 
     def __post_init__(self):
         self.k = self.k or self.k_max
@@ -72,6 +77,9 @@ class Speculator:
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """A draft of at most min(k, limit) tokens to follow `tokens` (all verified)."""
+        if self.rest:
+            self.rest -= 1
+            return []
         return self.index.draft(tokens, min(self.k, limit))
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -82,3 +90,5 @@ class Speculator:
         self.accepted += accepted
         self.passes += 1
         self.k = min(self.k_max, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
+        self.misses = self.misses + 1 if accepted == 0 else 0
+        self.rest = min(MAX_REST, 1 << (self.misses - 1)) if self.misses > 1 else 0

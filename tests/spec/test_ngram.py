@@ -88,6 +88,23 @@ def test_the_draft_length_grows_on_whole_acceptance_and_falls_past_a_rejection()
     assert (sp.drafted, sp.accepted, sp.passes) == (24, 12, 6)
 
 
+def test_drafts_rejected_outright_in_a_row_rest_the_lookup():
+    sp = Speculator.ngram(8, 1, 2)
+    tokens = [5, 6, 5, 6, 5]
+    sp.record(1, 0)
+    assert sp.propose(tokens, 8) == [6]  # one miss: no rest yet
+    rests = []
+    for _ in range(6):
+        sp.record(1, 0)
+        skipped = 0
+        while sp.propose(tokens, 8) == []:
+            skipped += 1
+        rests.append(skipped)
+    assert rests == [2, 4, 8, 16, 16, 16]
+    sp.record(1, 1)
+    assert sp.rest == 0 and sp.propose(tokens, 8) == [6, 5]
+
+
 def test_many_decoding_sequences_draft_less_then_not_at_all():
     assert [share(n, 500, 8) for n in (1, 2, 4, 8, 16, 17)] == [8, 8, 4, 2, 1, 0]
     assert share(1, 3, 8) == 3  # the step's budget bounds it too
