@@ -30,6 +30,9 @@ LINES = (
     ("budget",),
     ("evictions",),
     ("offloads", "recalls"),
+    ("spec",),
+    ("drafted", "accepted"),
+    ("tok/verify",),
 )
 
 
@@ -43,11 +46,12 @@ class KVSnapshot:
     stats: Stats  # a copy of engine.stats, with its last few events
     policy: str
     budget: int | None
+    spec: str = "off"  # --spec
 
     @classmethod
     def of(cls, engine, n_events: int = 6) -> "KVSnapshot":
-        evict = engine.config.evict
-        return cls(engine.pool.usage(), engine.stats.snapshot(n_events), evict.policy, evict.budget)
+        evict, spec = engine.config.evict, engine.config.spec
+        return cls(engine.pool.usage(), engine.stats.snapshot(n_events), evict.policy, evict.budget, spec)
 
 
 def bar_widths(counts: list[int], width: int) -> list[int]:
@@ -172,6 +176,11 @@ class KVPanel(VerticalScroll):
             "evictions": str(s.evictions),
             "offloads": str(s.offloads),
             "recalls": str(s.recalls),
+            "spec": snap.spec,
+            "drafted": str(s.drafted),
+            "accepted": f"{s.accepted}" + (f" ({100 * s.accepted / s.drafted:.0f}%)" if s.drafted else ""),
+            # tokens a verify pass yields: its accepted drafts and the one it samples after them
+            "tok/verify": f"{(s.accepted + s.verify_passes) / s.verify_passes:.2f}" if s.verify_passes else "-",
         }
         self.query_one("#kv-stats", Static).update(
             "\n".join(
