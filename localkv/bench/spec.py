@@ -17,8 +17,9 @@ from localkv.bench.options import Options
 from localkv.bench.peer import PeerRunner
 from localkv.bench.report import Column, LoadMeter, Report, Target, median, ratio
 from localkv.engine import Engine
-from localkv.generation import Generation, Result
+from localkv.generation import Generation
 from localkv.hub.catalog import DEFAULT_MODEL, entry_for
+from localkv.result import Result
 from localkv.sampling import SamplingParams
 
 TASKS = Path(__file__).parent / "data" / "spec_tasks.toml"
