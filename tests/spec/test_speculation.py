@@ -162,3 +162,47 @@ def test_a_policy_that_cannot_roll_back_turns_speculation_off(models):  # noqa: 
     r = run(eng)
     assert r.spec == "off" and "--evict sliding" in r.spec_note
     assert r.speculation()["drafted"] == 0
+
+
+def test_a_pool_too_small_for_the_drafts_drops_them_before_preempting(models, monkeypatch):  # noqa: F811
+    """Requests that outgrow a small pool: drafts go first, then the newest request is preempted
+    and recomputed; every greedy text is still its text alone without speculation."""
+    path = models("llama-Q4_1")
+    prompts = [RNG.integers(3, 261, n).tolist() for n in (120, 100, 90)]
+    params = replace(GREEDY, max_tokens=40)
+    alone = [run(engine(path), p, params) for p in prompts]
+    oracle(monkeypatch, {i: p + a.tokens for i, (p, a) in enumerate(zip(prompts, alone))}, seed=5)
+    probe = engine(path)
+    per_block = probe.kv_bytes_per_token * probe.block_size
+    eng = engine(path, spec="ngram", prefix_cache=False, kv_mem=48 * per_block, ctx=256)
+    sched = Scheduler(eng)
+    batches, batch, preempt = [], sched._batch, sched._preempt_newest
+    monkeypatch.setattr(sched, "_batch", lambda undrafted: batches.append(batch(undrafted)) or batches[-1])
+
+    def preempt_without_drafts(keep):
+        assert not any(batches[-1][3]), "preempted while the batch still had drafts"
+        return preempt(keep)
+
+    monkeypatch.setattr(sched, "_preempt_newest", preempt_without_drafts)
+    gens = [Generation(eng, p, params, queued=True) for p in prompts]
+    for g in gens:
+        sched.add(g)
+    drain(sched, gens)
+    assert sched.preemptions > 0 and eng.stats.drafted > 0
+    for i, (g, a) in enumerate(zip(gens, alone)):
+        assert g.result.tokens == a.tokens, f"request {i}"
+    eng.pool.check([])
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_a_kv_budget_ends_a_speculating_reply_at_the_same_token(models, monkeypatch):  # noqa: F811
+    """Policy none with a budget: a draft that would pass it is dropped, not the branch ended."""
+    path = models("llama-Q4_1")
+    budget = EvictConfig(policy="none", budget=len(PROMPT) + 13)
+    params = replace(GREEDY, max_tokens=40)
+    want = run(engine(path, evict=budget), params=params)
+    assert want.finish_reason == "kv_budget"
+    oracle(monkeypatch, {0: PROMPT + want.tokens + [7] * 40}, seed=6)
+    got = run(engine(path, evict=budget, spec="ngram"), params=params)
+    assert (got.tokens, got.finish_reason) == (want.tokens, "kv_budget")
+    assert got.speculation()["drafted"] > 0
