@@ -30,10 +30,8 @@ LINES = (
     ("budget",),
     ("evictions",),
     ("offloads", "recalls"),
-    ("spec",),
-    ("drafted", "accepted"),
-    ("tok/verify",),
 )
+SPEC_LINES = (("spec",), ("drafted", "accepted"), ("tok/verify",))  # under --spec ngram only
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,16 +174,21 @@ class KVPanel(VerticalScroll):
             "evictions": str(s.evictions),
             "offloads": str(s.offloads),
             "recalls": str(s.recalls),
-            "spec": snap.spec,
-            "drafted": str(s.drafted),
-            "accepted": f"{s.accepted}" + (f" ({100 * s.accepted / s.drafted:.0f}%)" if s.drafted else ""),
-            # tokens a verify pass yields: its accepted drafts and the one it samples after them
-            "tok/verify": f"{(s.accepted + s.verify_passes) / s.verify_passes:.2f}" if s.verify_passes else "-",
         }
+        lines = LINES
+        if snap.spec != "off":
+            lines += SPEC_LINES
+            self.shown |= {
+                "spec": snap.spec,
+                "drafted": str(s.drafted),
+                "accepted": f"{s.accepted}" + (f" ({100 * s.accepted / s.drafted:.0f}%)" if s.drafted else ""),
+                # tokens a verify pass yields: its accepted drafts and the one it samples after them
+                "tok/verify": f"{(s.accepted + s.verify_passes) / s.verify_passes:.2f}" if s.verify_passes else "-",
+            }
         self.query_one("#kv-stats", Static).update(
             "\n".join(
                 "".join(f"{k:<12}{self.shown[k]}" if i == 0 else f"  {k} {self.shown[k]}" for i, k in enumerate(keys))
-                for keys in LINES
+                for keys in lines
             )
         )
         self.query_one("#kv-events", Static).update(
