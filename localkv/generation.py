@@ -183,7 +183,8 @@ class Generation:
         room = min(limit, self.params.max_tokens - len(b.tokens) - 1, self.engine.ctx - len(seq.tokens) - 1)
         if room <= 0 or b.finish_reason:
             return 0
-        proposal = b.spec.propose(seq.tokens, room)
+        siblings = tuple(o.spec for o in self.result.branches if o is not b and o.spec is not None)
+        proposal = b.spec.propose(seq.tokens, room, siblings)
         seq.tokens.extend(proposal)
         b.drafted = len(proposal)
         return b.drafted

@@ -75,12 +75,13 @@ class Speculator:
     def ngram(cls, k_max: int, n_min: int, n_max: int) -> "Speculator":
         return cls(NgramIndex(n_min, n_max), k_max)
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """A draft of at most min(k, limit) tokens to follow `tokens` (all verified)."""
+    def propose(self, tokens: list[int], limit: int, siblings: tuple["Speculator", ...] = ()) -> list[int]:
+        """A draft of at most min(k, limit) tokens to follow `tokens` (all verified), from them or
+        from the siblings' tokens (a fork's other branches)."""
         if self.rest:
             self.rest -= 1
             return []
-        return self.index.draft(tokens, min(self.k, limit))
+        return self.index.draft(tokens, min(self.k, limit), tuple(s.index for s in siblings))
 
     def record(self, drafted: int, accepted: int) -> None:
         """A verify pass of `drafted` tokens accepted `accepted` of them (a prefix)."""

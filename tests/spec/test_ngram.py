@@ -65,6 +65,21 @@ def test_the_incremental_index_drafts_what_a_scan_finds(tokens, cuts, n_min, ext
             break
 
 
+def test_a_fork_drafts_from_its_siblings_where_its_own_tokens_have_no_match():
+    prompt = [1, 2, 3]
+    mine, sib = NgramIndex(2, 4), NgramIndex(2, 4)
+    sib.update(prompt + [4, 5, 9, 8, 7, 6])  # a sibling that wrote "4 5" and went on
+    assert mine.draft(prompt + [4, 5], 3, (sib,)) == [9, 8, 7]
+    assert mine.draft(prompt + [4, 5], 3) == []
+
+
+def test_a_longer_match_in_a_sibling_beats_a_shorter_one_here_and_a_tie_stays_here():
+    mine, sib = NgramIndex(1, 3), NgramIndex(1, 3)
+    sib.update([7, 8, 9, 4])
+    assert mine.draft([5, 9, 6, 8, 9], 2, (sib,)) == [4]  # (8, 9) in the sibling over (9,) here
+    assert NgramIndex(1, 3).draft([9, 6, 1, 9], 2, (sib,)) == [6, 1]  # (9,) here and there: here
+
+
 def test_a_shrinking_context_is_a_caller_bug():
     ix = NgramIndex(1, 2)
     ix.update([1, 2, 3])

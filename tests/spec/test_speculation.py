@@ -21,6 +21,7 @@ from localkv.kv.evict import EvictConfig
 from localkv.sampling import Constraint, SamplingParams
 from localkv.scheduler import Scheduler
 from localkv.spec.control import Speculator
+from localkv.spec.ngram import NgramIndex
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 RNG = np.random.default_rng(31)
@@ -41,7 +42,7 @@ def oracle(monkeypatch, want: dict[tuple, list[int]], seed: int = 0):
     rng = np.random.default_rng(seed)
     calls = []
 
-    def propose(self, tokens, limit):
+    def propose(self, tokens, limit, siblings=()):
         full = next((w for w in want.values() if w[: len(tokens)] == tokens), None)
         if full is None:  # a sampled reply: random drafts
             full = tokens + rng.integers(3, 261, limit).tolist()
@@ -151,7 +152,7 @@ def test_max_tokens_and_the_end_token_cut_a_draft(models, monkeypatch):  # noqa:
     assert got.tokens == want.tokens and got.finish_reason == "length"
     eng = engine(path, spec="ngram")
     stop = next(iter(eng.tokenizer.stop_ids))
-    monkeypatch.setattr(Speculator, "propose", lambda self, toks, limit: [stop] * limit)
+    monkeypatch.setattr(Speculator, "propose", lambda self, toks, limit, siblings=(): [stop] * limit)
     ended = run(eng, params=replace(GREEDY, ignore_eos=False))
     assert ended.finish_reason in ("stop", "length")
 
@@ -206,3 +207,14 @@ def test_a_kv_budget_ends_a_speculating_reply_at_the_same_token(models, monkeypa
     got = run(engine(path, evict=budget, spec="ngram"), params=params)
     assert (got.tokens, got.finish_reason) == (want.tokens, "kv_budget")
     assert got.speculation()["drafted"] > 0
+
+
+def test_each_branch_of_a_fork_drafts_from_its_siblings_too(models, monkeypatch):  # noqa: F811
+    path = models("llama-Q4_1")
+    seen, draft = [], NgramIndex.draft
+    monkeypatch.setattr(
+        NgramIndex, "draft", lambda self, toks, k, others=(): seen.append(len(others)) or draft(self, toks, k, others)
+    )
+    sampled = replace(GREEDY, temperature=0.9, seed=3)
+    r = run(engine(path, spec="ngram"), params=sampled, n=3)
+    assert seen and set(seen) == {2} and r.speculation()["drafted"] > 0
