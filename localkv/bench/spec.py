@@ -55,7 +55,10 @@ def run(o: Options) -> Report:
     meter = LoadMeter()
     n = QUICK_TOKENS if o.quick else FULL_TOKENS
     reps = o.reps or (1 if o.quick else 3)
-    engines = {"off": o.new_engine(prefix_cache=False), "ngram": o.new_engine(prefix_cache=False, spec="ngram")}
+    engines = {
+        "off": o.new_engine(prefix_cache=False, spec="off"),
+        "ngram": o.new_engine(prefix_cache=False, spec="ngram"),
+    }
     tasks = load_tasks()
     prompts = [prompt_ids(engines["off"], t) for t in tasks]
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

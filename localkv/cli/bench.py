@@ -34,7 +34,9 @@ SUITE = typer.Argument(
 )
 
 
-@engine_options("model", "threads", "block_size", "kv_mem", "device", flags={"threads": ("-t", "--threads")})
+@engine_options(
+    "model", "threads", "block_size", "kv_mem", "device", "spec", "spec_max", flags={"threads": ("-t", "--threads")}
+)
 def bench_command(
     n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="speed: prompt tokens of the pp test (0: skip it)."),
     n_gen: int = typer.Option(128, "-n", "--n-gen", help="speed: generated tokens of the tg test (0: skip it)."),

@@ -160,6 +160,8 @@ def _call(**kw):
         output="md",
         block_size=16,
         kv_mem="1GiB",
+        spec="off",
+        spec_max=8,
         quick=False,
         plot=None,
         long=False,

@@ -30,3 +30,23 @@ def test_spec_quick(tiny):
     verdicts = {t.name: t.ok for t in rep.targets}
     assert verdicts["text with vs without speculation, all tasks"] is True
     assert verdicts["task a decode vs --spec off"] is None  # speed is judged on SmolLM2 at full size only
+
+
+def test_speculation_flags_reach_the_serve_suite_and_its_command(monkeypatch):
+    """`localkv bench serve --spec ngram`: the server under test speculates, and the command
+    that reproduces the suite says so (bench spec runs both sides itself: no --spec there)."""
+    from localkv.bench import serve
+
+    o = Options(engine=EngineConfig(spec="ngram", spec_max=4), quick=True)
+    assert "--spec ngram --spec-max 4" in o.command("serve", 2)
+    assert "--spec ngram" not in o.command("spec", 2) and "--spec-max 4" in o.command("spec", 2)
+    seen = []
+
+    def server(path, threads, kv_mem, home, extra=()):
+        seen.append(extra)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(serve, "localkv_server", server)
+    with pytest.raises(RuntimeError, match="stop here"):
+        serve._localkv(o, "model.gguf", 1, [], concurrent=True)
+    assert seen == [("--spec", "ngram", "--spec-max", "4")]
