@@ -11,6 +11,7 @@ from pathlib import Path
 from localkv.backends import DEVICES
 from localkv.errors import LocalkvError
 from localkv.kv.evict import EvictConfig
+from localkv.spec import control as speculation
 from localkv.units import parse_size
 
 KV_DTYPES = {"f32": "float32", "f16": "float16"}  # --kv-dtype values (besides auto) -> numpy dtype names
@@ -34,6 +35,10 @@ class EngineConfig:
     offload_dir: str | None = None  # offload policy: spill blocks to a file here instead of RAM
     kv_dtype: str = "auto"  # K/V pool: auto (the backend's default), f32 or f16 (KV_DTYPES)
     ctx: int | None = None  # most tokens one sequence may hold (prompt + reply); None: the model's context
+    spec: str = "off"  # speculative decoding: off | ngram (spec/control.py says why the defaults)
+    spec_max: int = speculation.K_MAX  # most tokens a sequence drafts per verify pass
+    spec_ngram_max: int = speculation.NGRAM_MAX  # longest n-gram of the context's end looked up
+    spec_ngram_min: int = speculation.NGRAM_MIN  # shortest
 
     def __post_init__(self):
         # sizes arrive as text from flags; they are kept as bytes
@@ -64,6 +69,7 @@ class EngineConfig:
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
             raise LocalkvError(f"unknown --kv-dtype {self.kv_dtype!r}: use auto, {', '.join(KV_DTYPES)}")
         self.evict.validate(bs)
+        speculation.check(self.spec, self.spec_max, self.spec_ngram_max, self.spec_ngram_min)
         return self
 
     def to_dict(self) -> dict:

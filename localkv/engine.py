@@ -105,30 +105,47 @@ class Engine:
         made once per step for step to commit. Changes nothing."""
         return plan_step(self.policy, self.kv, seqs, counts)
 
-    def step(self, plan: StepPlan, all_logits: bool = False) -> np.ndarray:
+    def step(self, plan: StepPlan, all_logits: bool = False, drafts: list[int] | None = None) -> np.ndarray:
         """Commit a plan and run its one forward pass; returns logits [len(plan.seqs), vocab] for
-        each sequence's last new token (with all_logits: [tokens run, vocab], one row per token).
+        each sequence's last new token (with all_logits: [tokens run, vocab], one row per token;
+        with drafts: rows for the last 1 + drafts[i] tokens of each seqs[i], in order, where its
+        last drafts[i] tokens are a speculative draft that settle() resolves after the pass).
         A plan that cannot be committed (sequences out of budget: BudgetReached; a pool short of
         blocks: PoolExhausted; a stale plan: RuntimeError) raises before anything changes."""
         slots = commit(self.policy, self.kv, plan)
+        drafts = drafts or [0] * len(plan.seqs)
         tokens, positions, spans, rows = [], [], [], []
-        for seq, n in zip(plan.seqs, plan.counts):
+        for seq, n, d in zip(plan.seqs, plan.counts, drafts):
             start, first = len(tokens), seq.num_computed - n  # committed: the new tokens count as computed
             positions.extend(range(first, first + n))
             tokens.extend(seq.tokens[first : first + n])
             spans.append(Span(start, n, np.asarray(seq.block_table), seq.num_stored, self.policy.extras(seq)))
-            rows.append(len(tokens) - 1)
+            rows.extend(range(len(tokens) - 1 - d, len(tokens)))
         if all_logits:
             rows = list(range(len(tokens)))
         self.model.ensure_positions(max(positions) + 1)
         logits = self.model.forward(
             np.asarray(tokens), np.asarray(positions), np.concatenate(slots), spans, self.pool, rows
         )
-        for seq, sp in zip(plan.seqs, spans):
+        for seq, sp, d in zip(plan.seqs, spans, drafts):
             self.policy.after_forward(seq, sp.extras, sp.length)
-            if self.prefix_caching:
+            # a block holding an unverified draft token is never registered (nor, so, ever
+            # written to the disk tier, which writes registered prompt blocks only): settle()
+            # registers once the draft's rejected tail is rolled back
+            if self.prefix_caching and not d:
                 self.kv.register_full_blocks(seq)
         return logits
+
+    def settle(self, seq: Sequence, drafted: int, accepted: int):
+        """After a step that verified seq's last `drafted` tokens (a draft): keep the first
+        `accepted`, roll back the rest, register the blocks now full of verified tokens, count."""
+        if not 0 <= accepted <= drafted:
+            raise RuntimeError(f"{accepted} of {drafted} drafted tokens accepted: a bug in the caller's logic")
+        if accepted < drafted:
+            self.rollback(seq, drafted - accepted)
+        if self.prefix_caching:
+            self.kv.register_full_blocks(seq)
+        self.stats.count_draft(drafted, accepted)
 
     def forward(
         self,

@@ -16,12 +16,16 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt tokens, found in the prefix cache
     completion_tokens: int = 0
+    drafted_tokens: int = 0  # speculative tokens drafted and verified for the choice
+    accepted_tokens: int = 0  # of which accepted (part of its completion)
 
     def __add__(self, other: "Usage") -> "Usage":
         return Usage(
             self.prompt_tokens + other.prompt_tokens,
             self.cached_tokens + other.cached_tokens,
             self.completion_tokens + other.completion_tokens,
+            self.drafted_tokens + other.drafted_tokens,
+            self.accepted_tokens + other.accepted_tokens,
         )
 
 

@@ -11,93 +11,35 @@ until it completes one (the branch finishes "stop"; the stop string and anything
 never shown) or cannot any more. The tokens that spelled the stop string were computed, so
 their K/V was written; it is freed with the branch's sequence when the branch finishes.
 A constrained reply (params.constraint) has one grammar matcher per branch, in its sampler.
+
+Speculation (EngineConfig.spec): the scheduler asks a decoding branch for a draft (draft()),
+which goes after its pending token in its sequence; the step computes them all and hands back
+a logits row per token, and advance() verifies them in order, as if they were decoded one by
+one: each position's token is sampled (every transform, the grammar matcher, the penalties'
+history of the tokens accepted so far) with the drafted one as the candidate, up to the first
+token that is not the draft's or that ends the branch; the engine then rolls the rest back
+(Engine.settle). The matcher, the n-gram index and the text only ever see accepted tokens.
 """
 
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
 from localkv.events import Delta, Finished, Usage
-from localkv.model.tokenizer import TokenStreamer
 from localkv.progress import PrefillProgress
+from localkv.result import Branch, Result
 from localkv.sampling import Sampler, SamplingParams, TokenLogprob
 from localkv.scheduler import Scheduler
 from localkv.sequence import Sequence
+from localkv.spec import control as speculation
+from localkv.spec.control import Speculator
 from localkv.stops import StopScanner
 
-
-@dataclass(slots=True)
-class Branch:
-    """One reply: its sequence, sampler, streamed text and why it ended."""
-
-    index: int
-    seq: Sequence | None  # None once the branch is finished and freed (or while preempted)
-    sampler: Sampler
-    streamer: TokenStreamer
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = ""  # stop | length | context | kv_budget | interrupted
-    stop_detail: str = ""
-    peak_active_tokens: int = 0  # most tokens of K/V the branch attended to in one layer
-    stored: int = 0  # tokens of K/V it held when it finished
-    stops: StopScanner = field(default_factory=lambda: StopScanner(()))
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, with params.logprobs
-    streamed: int = 0  # of its tokens, those already in a Delta
-
-
-@dataclass(slots=True)
-class Result:
-    branches: list[Branch]
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    load_s: float = 0.0
-    ttft_s: float = 0.0  # from the request (its prefix lookup included) to the first sampled token
-    prompt_s: float = 0.0  # from the request to the prompt's logits: prefix lookup and prefill
-    eval_s: float = 0.0
-    peak_blocks: int = 0  # most distinct blocks this request's sequences held at once
-    unshared_blocks: int = 0  # what the branches would hold without sharing
-    cow_copies: int = 0  # shared blocks this request's sequences copied before writing
-
-    @property
-    def text(self) -> str:
-        return self.branches[0].text if self.branches else ""
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.branches[0].tokens if self.branches else []
-
-    @property
-    def finish_reason(self) -> str:
-        return self.branches[0].finish_reason if self.branches else ""
-
-    @property
-    def stop_detail(self) -> str:
-        return self.branches[0].stop_detail if self.branches else ""
-
-    @property
-    def peak_active_tokens(self) -> int:
-        return max((b.peak_active_tokens for b in self.branches), default=0)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(len(b.tokens) for b in self.branches)
-
-    def timings(self) -> dict:
-        computed = self.prompt_tokens - self.cached_tokens
-        decoded = self.completion_tokens - len(self.branches)  # the first token of each comes from the prefill
-        return {
-            "load_s": round(self.load_s, 4),
-            "ttft_s": round(self.ttft_s, 4),
-            "prompt_s": round(self.prompt_s, 4),
-            "prompt_tps": round(computed / self.prompt_s, 2) if self.prompt_s else 0.0,
-            "eval_s": round(self.eval_s, 4),
-            "eval_tps": round(decoded / self.eval_s, 2) if self.eval_s and decoded > 0 else 0.0,
-        }
+__all__ = ["Branch", "Generation", "Result"]  # Branch and Result live in result.py; callers import them here too
 
 
 class Generation:
@@ -133,6 +75,11 @@ class Generation:
         self.first_choice = first_choice
         self.engine, self.n, self.prompt = engine, n, list(prompt_ids)
         self.result = Result([], len(prompt_ids), load_s=engine.loaded.load_s)
+        cfg = engine.config
+        if cfg.spec != "off":
+            self.result.spec, self.result.spec_note = cfg.spec, speculation.unavailable(engine)
+            if self.result.spec_note:
+                self.result.spec = "off"
         self.stop_ids = frozenset() if self.params.ignore_eos else frozenset(engine.tokenizer.stop_ids)
         self.root: Sequence | None = None  # the prompt's sequence until it forks into the branches
         self.done = False
@@ -223,6 +170,25 @@ class Generation:
         self.advance(live, [rows[b.seq.id] for b in live])
         self._after_advance()
 
+    def draft(self, seq: Sequence, limit: int) -> int:
+        """Replace the draft after seq's pending token with a new one of at most `limit` tokens
+        (0: none), bounded so that verifying it never passes max_tokens or the context; returns
+        its length. Only the tokens of a draft are pending past the one the branch sampled."""
+        b = next((b for b in self.result.branches if b.seq is seq), None)
+        if b is None or b.spec is None:
+            return 0
+        if b.drafted:
+            del seq.tokens[-b.drafted :]
+            b.drafted = 0
+        room = min(limit, self.params.max_tokens - len(b.tokens) - 1, self.engine.ctx - len(seq.tokens) - 1)
+        if room <= 0 or b.finish_reason:
+            return 0
+        siblings = tuple(o.spec for o in self.result.branches if o is not b and o.spec is not None)
+        proposal = b.spec.propose(seq.tokens, room, siblings)
+        seq.tokens.extend(proposal)
+        b.drafted = len(proposal)
+        return b.drafted
+
     def out_of_budget(self, seq: Sequence, reason: str) -> None:
         for b in self.result.branches:
             if b.seq is seq:
@@ -243,6 +209,7 @@ class Generation:
             if b.seq is not None:
                 self._free(b.seq)
                 b.seq = None
+            b.drafted = 0  # the draft went with the sequence; the branch's tokens are all verified
 
     def cancel(self, reason: str, detail: str = "") -> None:
         for b in self.result.branches:
@@ -285,6 +252,8 @@ class Generation:
         for i, seq in enumerate(seqs):
             matcher = self.grammar.matcher() if self.grammar is not None else None  # each branch its own
             b = Branch(i, seq, Sampler(self.params.for_branch(i), matcher), eng.tokenizer.streamer())
+            if r.spec == "ngram":
+                b.spec = Speculator.ngram(eng.config.spec_max, eng.config.spec_ngram_min, eng.config.spec_ngram_max)
             b.stops = StopScanner(self.params.stop)
             b.peak_active_tokens = eng.policy.active_tokens(seq)
             r.branches.append(b)
@@ -292,29 +261,66 @@ class Generation:
         self._after_advance()
 
     def advance(self, live: list[Branch], rows) -> None:
-        """Sample each live branch's next token from its logits row (its tokens so far are the
-        penalties' history), append it, stream its text, and finish the branch on a stop token,
-        a stop string, max_tokens or the context's end."""
-        eng, p, r = self.engine, self.params, self.result
+        """Sample each live branch's next tokens from its logits rows (one row, or 1 + its draft's
+        length: one per verified position), append them, stream their text, and finish the
+        branch on a stop token, a stop string, max_tokens or the context's end."""
         for b, row in zip(live, rows):
-            tok = b.sampler(row, b.seq.tokens)
-            if not r.ttft_s:
-                r.ttft_s = time.perf_counter() - self._t0
-            b.peak_active_tokens = max(b.peak_active_tokens, eng.policy.active_tokens(b.seq))
-            if tok in self.stop_ids:
-                b.finish_reason = "stop"
-                continue
-            b.tokens.append(tok)
+            b.passes += 1
+            picks = self._verify(b, row if b.drafted else row[None])
+            base = len(b.seq.tokens) - b.drafted
+            if b.drafted:  # the draft's tokens up to the first one not picked stay, the rest go
+                n = min(b.drafted, len(picks))
+                accepted = next((i for i in range(n) if picks[i][0] != b.seq.tokens[base + i]), n)
+                self.engine.settle(b.seq, b.drafted, accepted)
+                b.spec.record(b.drafted, accepted)
+                b.drafted = 0
+            for i, (tok, lp) in enumerate(picks):
+                if not self._take(b, tok, lp, base + i):
+                    break
+
+    def _verify(self, b: Branch, rows: np.ndarray) -> list[tuple[int, TokenLogprob | None]]:
+        """The tokens a one-by-one decode would sample at the branch's verified positions, and
+        their log-probabilities: position i samples from rows[i] with the draft's token i as
+        the candidate, on the history of the tokens picked before it, until a pick is not the
+        draft's token (the draft's continuation is void past it), ends the branch, or the rows
+        end (the last one is the bonus: the token after a draft accepted whole)."""
+        seq, d, p = b.seq, b.drafted, self.params
+        base, picks = len(seq.tokens) - d, []
+        for i in range(d + 1):
+            draft = seq.tokens[base + i] if i < d else None
+            tok = b.sampler(rows[i], _history(seq.tokens, base + i, p), draft)
+            picks.append((tok, b.sampler.last))
+            if not self.result.ttft_s:
+                self.result.ttft_s = time.perf_counter() - self._t0
+            ends = tok in self.stop_ids or len(b.tokens) + len(picks) >= p.max_tokens
+            if tok != draft or ends or self._ends_context(base + i + 1):
+                break
+        return picks
+
+    def _take(self, b: Branch, tok: int, lp: TokenLogprob | None, at: int) -> bool:
+        """Append the branch's token at position `at` (it may be there already: an accepted
+        draft's), stream it, finish the branch if it ends it; returns whether it goes on."""
+        eng = self.engine
+        b.peak_active_tokens = max(b.peak_active_tokens, eng.policy.active_tokens(b.seq))
+        if tok in self.stop_ids:
+            b.finish_reason = "stop"
+            return False
+        b.tokens.append(tok)
+        if len(b.seq.tokens) == at:
             b.seq.tokens.append(tok)
-            if b.sampler.last is not None:
-                b.logprobs.append(b.sampler.last)
-            self._emit(b, b.streamer.push(tok))
-            if b.finish_reason:  # a stop string
-                continue
-            if len(b.tokens) >= p.max_tokens:
-                b.finish_reason = "length"
-            elif len(b.seq.tokens) >= eng.ctx and eng.policy.config.policy == "none":
-                b.finish_reason = "context"
+        if lp is not None:
+            b.logprobs.append(lp)
+        self._emit(b, b.streamer.push(tok))
+        if b.finish_reason:  # a stop string
+            return False
+        if len(b.tokens) >= self.params.max_tokens:
+            b.finish_reason = "length"
+        elif self._ends_context(at + 1):
+            b.finish_reason = "context"
+        return not b.finish_reason
+
+    def _ends_context(self, length: int) -> bool:
+        return length >= self.engine.ctx and self.engine.policy.config.policy == "none"
 
     def _emit(self, b: Branch, text: str, last: bool = False):
         """Stream a branch's text past its stop strings, with the tokens sampled since its last
@@ -332,7 +338,9 @@ class Generation:
             self._out.append(Delta(choice, shown, ids, lps))
         if last:
             r, first = self.result, b.index == 0  # the prompt's figures come with the first choice
-            used = Usage(r.prompt_tokens, r.cached_tokens, len(b.tokens)) if first else Usage(0, 0, len(b.tokens))
+            drafted, accepted = (b.spec.drafted, b.spec.accepted) if b.spec is not None else (0, 0)
+            prompt = (r.prompt_tokens, r.cached_tokens) if first else (0, 0)
+            used = Usage(*prompt, len(b.tokens), drafted, accepted)
             self._out.append(Finished(choice, b.finish_reason, b.stop_detail, used, r.ttft_s if first else 0.0))
 
     def _after_advance(self):
@@ -370,6 +378,17 @@ class Generation:
         if not self._persisted:
             self._persisted = True
             self.engine.persist_prompt(seq, self.result.prompt_tokens, self.result.cached_tokens)
+
+
+def _history(tokens: list[int], end: int, p: SamplingParams):
+    """The penalties' history for the token at position `end`: tokens[:end], copied only as far
+    as the penalties look (the list itself when end is its length)."""
+    if end == len(tokens):
+        return tokens
+    if not p.penalized:
+        return ()
+    start = 0 if p.repeat_last_n < 0 else max(0, end - p.repeat_last_n)
+    return tokens[start:end]
 
 
 def _compile(constraint, tokenizer):

@@ -204,13 +204,18 @@ class Sampler:
         self.matcher = matcher
         self.last: TokenLogprob | None = None
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = (), draft: int | None = None) -> int:
+        """The next token. draft: a speculative draft's token for this position, proposed with
+        certainty (prompt lookup: q is one-hot), accepted with probability p(draft) under the
+        distribution every transform above leaves, else replaced by a draw from that
+        distribution without it, renormalised (Leviathan et al.'s rule for such a q): the
+        token's law is p's, whatever was drafted. Greedy returns the argmax as without a draft."""
         allowed = self.matcher.allowed() if self.matcher is not None else None
         row = self.adjusted(logits, history, allowed)
         cand = None if allowed is None else np.flatnonzero(allowed[: row.size])
         if cand is not None and cand.size == 0:
             raise LocalkvError("the grammar allows no token of this model's vocabulary next: it cannot be matched")
-        tok = self._draw(row, cand)
+        tok = self._draw(row, cand, draft)
         if self.matcher is not None:
             self.matcher.accept(tok)
         if self.p.logprobs is not None:
@@ -232,12 +237,27 @@ class Sampler:
         apply_penalties(row, window, p.repeat_penalty, p.presence_penalty, p.frequency_penalty)
         return row
 
-    def _draw(self, logits: np.ndarray, cand: np.ndarray | None) -> int:
+    def _draw(self, logits: np.ndarray, cand: np.ndarray | None, draft: int | None = None) -> int:
         """cand: the ids a mask allows (None: all). The rest of a masked row is -inf: drawing
         among cand alone gives the same result without scanning the whole vocabulary."""
         p = self.p
         if p.temperature == 0:
             return int(np.argmax(logits)) if cand is None else int(cand[np.argmax(logits[cand])])
+        idx, probs = self._distribution(logits, cand)
+        if draft is not None:
+            at = np.flatnonzero(idx == draft)
+            if at.size and self.rng.random() < probs[at[0]]:
+                return draft
+            if at.size:  # rejected: the residual max(0, p - q) is p without the draft
+                probs = probs.copy()
+                probs[at[0]] = 0.0
+                probs /= probs.sum()
+        return int(idx[self.rng.choice(len(idx), p=probs)])
+
+    def _distribution(self, logits: np.ndarray, cand: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The ids a draw may give and their probabilities, after top-k, temperature, top-p and
+        min-p (most likely first)."""
+        p = self.p
         if cand is not None:
             idx = cand[top_k_indices(logits[cand], p.top_k)] if 0 < p.top_k < cand.size else cand
         elif 0 < p.top_k < logits.size:
@@ -258,7 +278,7 @@ class Sampler:
         if p.min_p > 0:  # probs are sorted: the kept ones are a head
             keep = max(1, int(np.count_nonzero(probs >= p.min_p * probs[0])))
             idx, probs = idx[:keep], probs[:keep] / probs[:keep].sum()
-        return int(idx[self.rng.choice(len(idx), p=probs)])
+        return idx, probs
 
     def _logprob(self, row: np.ndarray, tok: int) -> TokenLogprob:
         lp = log_softmax(row)

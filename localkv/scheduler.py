@@ -11,6 +11,11 @@ newest request is preempted: its blocks are freed, and it is recomputed later fr
 and what it generated so far (freed blocks keep their hashes, so most come back from the
 prefix cache); it is never dropped.
 
+Speculation (EngineConfig.spec): each decoding sequence may carry a draft after its pending
+token (Request.draft), verified in the same pass. Drafted tokens count against the step's token
+budget, and the more sequences decode, the less each drafts (spec.control.share); a draft is
+dropped before a sequence is ended for its KV budget or a request is preempted for it.
+
 The scheduler knows requests only through the small protocol below (Generation implements it).
 add() and cancel() may be called from other threads; step() runs on the engine's one thread.
 """
@@ -24,6 +29,7 @@ import numpy as np
 from localkv.engine import Engine
 from localkv.kv.step_plan import StepPlan
 from localkv.sequence import Sequence
+from localkv.spec.control import share
 
 
 class Request(Protocol):
@@ -39,7 +45,9 @@ class Request(Protocol):
 
     def prompt_computed(self) -> int: ...  # prompt tokens whose K/V are computed (0 before admit)
 
-    def on_logits(self, rows: dict[int, np.ndarray]) -> None: ...  # seq id -> logits, for finished chunks
+    def draft(self, seq: Sequence, limit: int) -> int: ...  # a new draft of <= limit tokens after seq's pending one
+
+    def on_logits(self, rows: dict[int, np.ndarray]) -> None: ...  # seq id -> logits (a drafted seq: one per token)
 
     def out_of_budget(self, seq: Sequence, reason: str) -> None: ...  # the KV policy cannot make room: end seq
 
@@ -57,6 +65,7 @@ class Scheduler:
             raise RuntimeError(f"max_seqs {max_seqs} < 1: a bug in the caller's logic")
         self.engine, self.max_seqs = engine, max_seqs
         self.chunk = engine.config.prefill_chunk
+        self.spec_max = engine.config.spec_max if engine.config.spec != "off" else 0
         self.token_budget = max(token_budget or self.chunk, 1)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
@@ -86,38 +95,49 @@ class Scheduler:
         forward pass ran."""
         self._take_inbox()
         self._admit()
-        plan, owners = self._plan()
+        plan, owners, drafts = self._plan()
         if not plan.seqs:
             self._reap()
             return False
-        logits = self.engine.step(plan)
+        logits = self.engine.step(plan, drafts=drafts) if any(drafts) else self.engine.step(plan)
         rows: dict[int, dict[int, np.ndarray]] = {}
-        for seq, row, req in zip(plan.seqs, logits, owners):
-            if not seq.pending:  # its whole chunk is computed: the row is its next token's
-                rows.setdefault(id(req), {})[seq.id] = row
+        at = 0
+        for seq, d, req in zip(plan.seqs, drafts, owners):
+            if not seq.pending:  # its whole chunk is computed: the row is its next token's (a draft's: 1 + d)
+                rows.setdefault(id(req), {})[seq.id] = logits[at : at + 1 + d] if d else logits[at]
+            at += 1 + d
         for req in dict.fromkeys(owners):
             if id(req) in rows:
                 req.on_logits(rows[id(req)])
         self._reap()
         return True
 
-    def _plan(self) -> tuple[StepPlan, list[Request]]:
+    def _plan(self) -> tuple[StepPlan, list[Request], list[int]]:
         """The batch and the engine's plan for it, made once. A sequence the KV policy cannot
         make room for is handed back to its request (which ends it) and the batch planned again
         without it; while the pool is short, the newest request is preempted and the smaller
-        batch planned. Returns the plan and the request of each of its sequences."""
+        batch planned. Drafts go first: a sequence out of budget with a draft, or a pool short
+        for a batch with drafts, is planned again without them. Returns the plan, the request of
+        each of its sequences and the length of each one's draft."""
         told: set[int] = set()
+        undrafted: set[int] = set()  # sequences that do not draft this step; -1: none do
         while True:
-            seqs, counts, owners = self._batch()
+            seqs, counts, owners, drafts = self._batch(undrafted)
             plan = self.engine.plan(seqs, counts)
             if plan.out_of_budget:  # one at a time: ending it may unshare blocks another can then evict
                 seq, why = plan.out_of_budget[0]
+                i = next(i for i, s in enumerate(seqs) if s is seq)
+                if drafts[i]:
+                    undrafted.add(seq.id)
+                    continue
                 if seq.id in told:
                     raise RuntimeError(f"sequence {seq.id} ran on after out_of_budget: a bug in the request's logic")
                 told.add(seq.id)
-                next(r for s, r in zip(seqs, owners) if s is seq).out_of_budget(seq, why)
+                owners[i].out_of_budget(seq, why)
             elif plan.fits:
-                return plan, owners
+                return plan, owners, drafts
+            elif any(drafts):
+                undrafted.add(-1)
             elif not self._preempt_newest(keep=self.running[0]):
                 raise RuntimeError("a lone request outgrew the KV pool (check_fits should have refused it)")
 
@@ -174,26 +194,34 @@ class Scheduler:
             r.prefilling() and r.prompt_computed() < _common_blocks(req.prompt, r.prompt, bs) * bs for r in self.running
         )
 
-    def _batch(self) -> tuple[list[Sequence], list[int], list[Request]]:
-        """Decodes first, then prompt chunks, within the token budget and the KV policy's chunk
-        limit."""
+    def _batch(self, undrafted: set[int]) -> tuple[list[Sequence], list[int], list[Request], list[int]]:
+        """Decodes first, each with its draft (none for the sequences in undrafted, or for any if
+        it holds -1), then prompt chunks, within the token budget and the KV policy's chunk
+        limit. Returns the sequences, their token counts, requests and drafts' lengths."""
         decode, prefill = [], []
         for req in self.running:
             for seq in req.schedulable():
+                if self.spec_max and not req.prefilling():
+                    req.draft(seq, 0)  # a draft made for an earlier plan of this step goes first
                 (decode if len(seq.pending) == 1 and not req.prefilling() else prefill).append((seq, req))
-        seqs, counts, owners = [], [], []
         left = max(self.token_budget, len(decode))
-        for seq, req in decode + prefill:
+        limit = share(len(decode), left - len(decode), self.spec_max) if -1 not in undrafted else 0
+        seqs, counts, owners, drafts = [], [], [], []
+        for i, (seq, req) in enumerate(decode + prefill):
             if left <= 0:
                 break
-            n = self.engine.chunk_counts([seq], min(left, self.chunk))[0]
+            d = req.draft(seq, min(limit, left - 1)) if limit and i < len(decode) and seq.id not in undrafted else 0
+            n = self.engine.chunk_counts([seq], min(left, self.chunk if not d else 1 + d))[0]
+            if d and n < 1 + d:  # the KV policy's chunk limit cut the draft
+                d = req.draft(seq, n - 1)
             if req.prefilling():
                 n = min(n, self._until_waited_blocks(req) or n)
             seqs.append(seq)
             counts.append(n)
             owners.append(req)
+            drafts.append(d)
             left -= n
-        return seqs, counts, owners
+        return seqs, counts, owners, drafts
 
     def _until_waited_blocks(self, req: Request) -> int:
         """Tokens req has left to compute of the leading blocks that waiting requests share with

@@ -8,7 +8,7 @@ child_ttft_peer), and whatever this file imported would load before their clocks
 import importlib
 from collections.abc import Callable
 
-SUITES = ("speed", "memory", "fork", "cache", "evict", "grammar", "serve")  # what `all` runs, in this order
+SUITES = ("speed", "memory", "fork", "cache", "evict", "grammar", "serve", "spec")  # what `all` runs, in this order
 
 RUNNERS = {  # suite -> the module whose run(options) measures it
     "speed": "localkv.bench.speed",
@@ -18,6 +18,7 @@ RUNNERS = {  # suite -> the module whose run(options) measures it
     "evict": "localkv.bench.evict",
     "grammar": "localkv.bench.grammar_cost",
     "serve": "localkv.bench.serve",
+    "spec": "localkv.bench.spec",
 }
 
 

@@ -40,17 +40,19 @@ class Options:
         args = ["localkv", "bench", suite] + (["-m", e.model] if e.model else [])
         if suite == "speed" and not self.quick:
             args += ["-p", str(self.n_prompt), "-n", str(self.n_gen), "-r", str(self.reps or 5)]
-        elif suite in ("fork", "cache", "grammar") and self.reps:
+        elif suite in ("fork", "cache", "grammar", "spec") and self.reps:
             args += ["-r", str(self.reps)]
         if threads and suite != "memory":
             args += ["-t", str(threads)]
-        if self.vs and suite in ("speed", "fork", "cache"):
+        if self.vs and suite in ("speed", "fork", "cache", "spec"):
             args += ["--vs", self.vs]
         args += ["--quick"] * self.quick + ["--long"] * (self.long and suite == "evict")
         args += ["--seed", str(self.seed)] if self.seed else []
         args += ["--block-size", str(e.block_size)] if e.block_size != _DEFAULT.block_size else []
         args += ["--kv-mem", size_flag(e.kv_mem)] if e.kv_mem != _DEFAULT.kv_mem else []
         args += ["--device", e.device] if e.device != _DEFAULT.device and suite != "memory" else []
+        args += ["--spec", e.spec] if e.spec != _DEFAULT.spec and suite not in ("memory", "spec") else []
+        args += ["--spec-max", str(e.spec_max)] if e.spec_max != _DEFAULT.spec_max and suite != "memory" else []
         return shlex.join(args)
 
 

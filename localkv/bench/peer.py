@@ -71,12 +71,16 @@ def _cpu_has(flag: str) -> bool:
 class PeerRunner:
     name = "llama.cpp"
 
-    def __init__(self, path: str | Path, threads: int, n_ctx: int):
+    def __init__(self, path: str | Path, threads: int, n_ctx: int, prompt_lookup: bool = False):
+        """prompt_lookup: llama-cpp-python's LlamaPromptLookupDecoding as the draft model, at its
+        defaults (as a new user would set it up; it turns on logits for every position)."""
         why = peer_problem()
         if why:
             raise LocalkvError(f"--vs llama.cpp: {why}")
         import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+        draft = LlamaPromptLookupDecoding() if prompt_lookup else None
         try:
             # n_batch = n_ubatch = 512 and no logits_all: what llama-bench runs by default
             self.llm = llama_cpp.Llama(
@@ -87,6 +91,7 @@ class PeerRunner:
                 n_batch=512,
                 n_ubatch=512,
                 logits_all=False,
+                draft_model=draft,
                 verbose=False,
             )
         except Exception as e:  # llama.cpp reports load failures as ValueError/RuntimeError
@@ -168,6 +173,19 @@ class PeerRunner:
             "state_bytes": int(state.llama_state_size),
             "tokens": outs,
         }
+
+    def greedy(self, prompt: list[int], n: int) -> dict:
+        """n greedy tokens after prompt through Llama.generate (where its draft model, if any,
+        drafts and verifies): the tokens and the decode seconds, from the first token to the last."""
+        self._reset()
+        out, t_first = [], 0.0
+        for tok in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=True):
+            out.append(tok)
+            if len(out) == 1:
+                t_first = perf_counter()
+            if len(out) == n:
+                break
+        return {"tokens": out, "decode_s": perf_counter() - t_first}
 
     def close(self):
         self.llm.close()

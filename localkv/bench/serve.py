@@ -125,7 +125,9 @@ def _bodies(system: str, questions: list[str], size: dict, seed: int, peer: bool
 
 def _localkv(o: Options, path: Path, threads: int, bodies: list[dict], concurrent: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="localkv-bench-serve-") as home:
-        server = localkv_server(path, threads, size_flag(o.engine.kv_mem), home).wait_ready()
+        e = o.engine
+        spec = ("--spec", e.spec, "--spec-max", str(e.spec_max)) if e.spec != "off" else ()
+        server = localkv_server(path, threads, size_flag(e.kv_mem), home, spec).wait_ready()
         try:
             peak = {"used": 0, "shared": 0}
             outs, wall = asyncio.run(run_load(server.url, bodies, concurrent, watch=_watcher(server.url, peak)))

@@ -21,7 +21,7 @@ VS = typer.Option(
     None,
     "--vs",
     help="Also run llama.cpp (llama-cpp-python) on the same work, interleaved, with a ratio column "
-    "(speed, fork, cache).",
+    "(speed, fork, cache, spec).",
 )
 LONG = typer.Option(
     False, "--long", help="evict: also a 10,000-token generation under a 1,024-token budget per policy."
@@ -30,11 +30,13 @@ SUITE = typer.Argument(
     "speed",
     help="speed (pp/tg t/s), memory (paged vs contiguous KV use), fork (best-of-8 sharing), cache (TTFT cold/warm, "
     "chat hit rate), evict (perplexity under KV budgets), grammar (decode t/s under a JSON schema's mask), "
-    "serve (the OpenAI server under 8 concurrent clients), or all.",
+    "serve (the OpenAI server under 8 concurrent clients), spec (speculative decoding by prompt lookup), or all.",
 )
 
 
-@engine_options("model", "threads", "block_size", "kv_mem", "device", flags={"threads": ("-t", "--threads")})
+@engine_options(
+    "model", "threads", "block_size", "kv_mem", "device", "spec", "spec_max", flags={"threads": ("-t", "--threads")}
+)
 def bench_command(
     n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="speed: prompt tokens of the pp test (0: skip it)."),
     n_gen: int = typer.Option(128, "-n", "--n-gen", help="speed: generated tokens of the tg test (0: skip it)."),

@@ -71,6 +71,26 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         ("--kv-dtype",),
         "K/V pool dtype: f32, f16, or auto (the backend's default: f16 on the CPU and on CUDA).",
     ),
+    "spec": (
+        str,
+        _ENGINE.spec,
+        ("--spec",),
+        "Speculative decoding: off, or ngram (draft the next tokens from the context's own earlier text, "
+        "verify them in one pass; the text is the same). Off under --evict sliding, h2o or offload.",
+    ),
+    "spec_max": (int, _ENGINE.spec_max, ("--spec-max",), "Most tokens drafted per verify pass (--spec ngram)."),
+    "spec_ngram_max": (
+        int,
+        _ENGINE.spec_ngram_max,
+        ("--spec-ngram-max",),
+        "Longest n-gram of the context's end looked up for a draft.",
+    ),
+    "spec_ngram_min": (
+        int,
+        _ENGINE.spec_ngram_min,
+        ("--spec-ngram-min",),
+        "Shortest n-gram looked up (1 drafts after any repeated token).",
+    ),
 }
 
 

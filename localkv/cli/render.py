@@ -38,6 +38,7 @@ def reply_json(engine, r, saved: Saved, logprobs: bool) -> dict:
         "cached_tokens": r.cached_tokens,
         "finish_reason": r.finish_reason,
         "timings": r.timings(),
+        "speculation": r.speculation(),
         "ctx": engine.ctx,
         "kv": {
             "block_size": bs,
@@ -82,7 +83,7 @@ def reply_verbose(engine, r, saved: Saved) -> str:
     ]
     if engine.prefix_caching:
         lines.insert(3, f"prefix cache:         {r.cached_tokens}/{r.prompt_tokens} prompt tokens reused")
-    lines += _policy_lines(engine, r)
+    lines += _policy_lines(engine, r) + _spec_lines(r)
     if saved.conversation is not None:
         lines.append(f"conversation:         {saved.conversation} (message {saved.replies[0]})")
     return "\n".join(lines)
@@ -104,6 +105,20 @@ def _policy_lines(engine, r) -> list[str]:
             f"score {e.score:.3f}  {e.reason}"
         )
     return lines
+
+
+def _spec_lines(r) -> list[str]:
+    """What speculation did, or why it was off for the request; nothing under --spec off."""
+    if r.spec_note:
+        return [f"speculation:          off for this request: {r.spec_note}"]
+    if r.spec == "off":
+        return []
+    s = r.speculation()
+    share = f" ({100 * s['accepted'] / s['drafted']:.0f}%)" if s["drafted"] else ""
+    return [
+        f"speculation:          {s['mode']}: {s['accepted']}/{s['drafted']} drafted tokens accepted{share}, "
+        f"{s['accepted_per_verify']:.2f} per verify pass; {s['tokens_per_pass']:.2f} tokens per pass"
+    ]
 
 
 def _fork_kv(engine, res) -> dict:
@@ -133,6 +148,7 @@ def fork_json(engine, res, saved: Saved, logprobs: bool) -> dict:
             | ({"logprobs": logprobs_json(engine, b)} if logprobs else {})
             for i, b in enumerate(res.branches)
         ],
+        "speculation": res.speculation(),
         "ctx": engine.ctx,
         "kv": _fork_kv(engine, res),
     }
@@ -166,6 +182,8 @@ def fork_verbose(engine, res, saved: Saved) -> str:
         f"tokens/s across {len(res.branches)} branches\n"
         f"context:              {engine.ctx} tokens per sequence (--ctx)"
     )
+    for line in _spec_lines(res):
+        text += "\n" + line
     if saved.conversation is not None:
         text += f"\nconversation:         {saved.conversation}"
     return text

@@ -87,6 +87,13 @@ _HELP = {
     "localkv_disk_hit_tokens_total": ("counter", "Prompt tokens loaded from the disk cache"),
     "localkv_cow_copies_total": ("counter", "Shared blocks copied on a branch's first write"),
     "localkv_evictions_total": ("counter", "Blocks evicted by the KV budget policy"),
+    "localkv_n_drafted_total": ("counter", "Speculative tokens drafted and verified"),
+    "localkv_n_drafted_accepted_total": ("counter", "Drafted tokens accepted"),
+    "localkv_n_verify_passes_total": ("counter", "Sequence-steps that verified a draft"),
+    "localkv_n_drafted_accepted_per_pos_total": (
+        "counter",
+        "Drafts whose token at this position (1 = the first drafted) was accepted",
+    ),
     "localkv_preemptions_total": ("counter", "Requests preempted (blocks freed, recomputed later): the pool ran dry"),
     "localkv_requests_running": ("gauge", "Requests being computed"),
     "localkv_requests_waiting": ("gauge", "Requests queued for a seat or free blocks"),
@@ -129,6 +136,11 @@ def render(counters: Counters, snap: Snapshot | None) -> str:
         put("localkv_disk_hit_tokens_total", s.disk_hits)
         put("localkv_cow_copies_total", s.cow_copies)
         put("localkv_evictions_total", s.evictions)
+        put("localkv_n_drafted_total", s.drafted)
+        put("localkv_n_drafted_accepted_total", s.accepted)
+        put("localkv_n_verify_passes_total", s.verify_passes)
+        for i, n in enumerate(s.accepted_at):
+            put("localkv_n_drafted_accepted_per_pos_total", n, f'{{position="{i + 1}"}}')
         put("localkv_preemptions_total", snap.preemptions)
         put("localkv_requests_running", snap.running)
         put("localkv_requests_waiting", snap.waiting)

@@ -26,12 +26,20 @@ DONE = "data: [DONE]\n\n"
 
 
 def usage(u: Usage) -> dict:
-    return {
+    """OpenAI's usage; with speculation, its predicted-output fields say how many drafted tokens
+    were accepted and rejected (present once a draft was verified)."""
+    out = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    if u.drafted_tokens:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": u.accepted_tokens,
+            "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens,
+        }
+    return out
 
 
 @dataclass(slots=True)

@@ -141,7 +141,7 @@ def test_bad_options_raise_before_loading(args, monkeypatch):
 def test_unknown_suite_names_the_suites():
     res = CliRunner().invoke(_app(), ["speeed"])
     assert isinstance(res.exception, LocalkvError)
-    assert "speed, memory, fork, cache, evict, grammar, serve, all" in str(res.exception)
+    assert "speed, memory, fork, cache, evict, grammar, serve, spec, all" in str(res.exception)
 
 
 def test_bad_output_names_the_formats():
@@ -160,6 +160,8 @@ def _call(**kw):
         output="md",
         block_size=16,
         kv_mem="1GiB",
+        spec="off",
+        spec_max=8,
         quick=False,
         plot=None,
         long=False,

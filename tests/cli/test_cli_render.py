@@ -22,7 +22,15 @@ def _engine(policy="none", prefix_caching=True):
 
 
 def _branch(text, n, reason="length"):
-    return NS(text=text, tokens=list(range(n)), finish_reason=reason, peak_active_tokens=20 + n, logprobs=[])
+    return NS(
+        text=text,
+        tokens=list(range(n)),
+        finish_reason=reason,
+        peak_active_tokens=20 + n,
+        logprobs=[],
+        spec=None,
+        passes=n,
+    )
 
 
 def _result(*branches):
@@ -48,7 +56,7 @@ def test_fork_json_gives_null_ids_and_no_conversation_when_not_saved():
     assert out["branches"][1] == {"id": None, "text": "two", "completion_tokens": 4, "finish_reason": "stop"}
     saved = fork_json(_engine(), res, SAVED, logprobs=False)
     assert [b["id"] for b in saved["branches"]] == ["aaaaaaa", "bbbbbbb"] and saved["conversation_id"] == "c0ffee1"
-    assert list(saved) == ["prompt_tokens", "cached_tokens", "branches", "ctx", "kv", "conversation_id"]
+    assert list(saved) == ["prompt_tokens", "cached_tokens", "branches", "speculation", "ctx", "kv", "conversation_id"]
 
 
 def test_reply_json_names_the_conversation_and_message_only_when_saved():

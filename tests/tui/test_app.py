@@ -392,3 +392,17 @@ async def test_escape_leaves_the_input_for_single_key_commands(engine):
         assert not app.show_panel and app.show_tree
         await pilot.press("escape", "i")
         assert app.focused is app.prompt
+
+
+@pytest.mark.asyncio
+async def test_panel_shows_drafted_and_accepted_tokens(config):
+    """--spec ngram: the panel's drafted / accepted and tokens per verify pass are engine.stats'."""
+    eng = Engine(replace(config, spec="ngram"))
+    app = make_app(eng, max_tokens=60, ignore_eos=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, "abc abc abc abc abc abc")
+        await pilot.pause(0.3)  # one panel tick
+        s, shown = eng.stats, app.query_one(KVPanel).shown
+        assert s.drafted > 0 and shown["spec"] == "ngram" and shown["drafted"] == str(s.drafted)
+        assert shown["accepted"].startswith(f"{s.accepted} (")
+        assert shown["tok/verify"] == f"{(s.accepted + s.verify_passes) / s.verify_passes:.2f}"

@@ -31,6 +31,7 @@ LINES = (
     ("evictions",),
     ("offloads", "recalls"),
 )
+SPEC_LINES = (("spec",), ("drafted", "accepted"), ("tok/verify",))  # under --spec ngram only
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +44,12 @@ class KVSnapshot:
     stats: Stats  # a copy of engine.stats, with its last few events
     policy: str
     budget: int | None
+    spec: str = "off"  # --spec
 
     @classmethod
     def of(cls, engine, n_events: int = 6) -> "KVSnapshot":
-        evict = engine.config.evict
-        return cls(engine.pool.usage(), engine.stats.snapshot(n_events), evict.policy, evict.budget)
+        evict, spec = engine.config.evict, engine.config.spec
+        return cls(engine.pool.usage(), engine.stats.snapshot(n_events), evict.policy, evict.budget, spec)
 
 
 def bar_widths(counts: list[int], width: int) -> list[int]:
@@ -173,10 +175,20 @@ class KVPanel(VerticalScroll):
             "offloads": str(s.offloads),
             "recalls": str(s.recalls),
         }
+        lines = LINES
+        if snap.spec != "off":
+            lines += SPEC_LINES
+            self.shown |= {
+                "spec": snap.spec,
+                "drafted": str(s.drafted),
+                "accepted": f"{s.accepted}" + (f" ({100 * s.accepted / s.drafted:.0f}%)" if s.drafted else ""),
+                # tokens a verify pass yields: its accepted drafts and the one it samples after them
+                "tok/verify": f"{(s.accepted + s.verify_passes) / s.verify_passes:.2f}" if s.verify_passes else "-",
+            }
         self.query_one("#kv-stats", Static).update(
             "\n".join(
                 "".join(f"{k:<12}{self.shown[k]}" if i == 0 else f"  {k} {self.shown[k]}" for i, k in enumerate(keys))
-                for keys in LINES
+                for keys in lines
             )
         )
         self.query_one("#kv-events", Static).update(

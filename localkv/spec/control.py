@@ -1,0 +1,95 @@
+"""How much to draft: the settings' checks, the draft length a branch earns from its
+acceptance, the share each decoding sequence gets of a step, and where speculation cannot run.
+
+Defaults, and why: k_max 8, since a verify pass of 1 + 8 rows still costs about one pass over
+the weights on a memory-bound decode (issue 31's target row), while longer drafts are rarely
+accepted whole. n-grams 4 down to 2: a 4-token match almost always continues as its source
+did, and 2 still finds the places where a rewrite resumes copying; a single token matches some
+earlier occurrence nearly everywhere (every "the", every "(") and drafts noise, which costs a
+wider pass each step on text that quotes nothing (the free-chat control)."""
+
+from dataclasses import dataclass
+
+from localkv.errors import LocalkvError
+from localkv.spec.ngram import NgramIndex
+
+MODES = ("off", "ngram")
+K_MAX, NGRAM_MAX, NGRAM_MIN = 8, 4, 2
+MAX_REST = 16  # most lookups a branch skips after drafts rejected outright in a row
+
+
+def check(mode: str, k_max: int, n_max: int, n_min: int) -> None:
+    """Raise LocalkvError for settings no speculation runs with."""
+    if mode not in MODES:
+        raise LocalkvError(f"unknown --spec {mode!r}: use one of {', '.join(MODES)}")
+    if not 1 <= k_max <= 64:
+        raise LocalkvError(f"invalid --spec-max {k_max}: must be in 1..64 (drafted tokens per pass)")
+    if not 1 <= n_min <= n_max <= 16:
+        raise LocalkvError(
+            f"invalid n-gram sizes --spec-ngram-min {n_min} --spec-ngram-max {n_max}: need 1 <= min <= max <= 16"
+        )
+
+
+def unavailable(engine) -> str:
+    """Why this engine's requests cannot speculate ('' when they can): a rejected draft is rolled
+    back, which a KV policy that evicted or scored for the drafted tokens cannot undo."""
+    policy = engine.policy.config.policy
+    if policy != "none":
+        return f"--evict {policy} cannot roll back rejected drafts"
+    return ""
+
+
+def share(n_decodes: int, room: int, k_max: int) -> int:
+    """Most tokens each of a step's n_decodes decoding sequences may draft, with `room` tokens of
+    the step's budget left after their own: k_max each for one or two sequences, less as more
+    share the pass, none past 2 x k_max. A verify pass pays while it stays bound by reading the
+    weights; with many sequences the pass is wide already (vLLM measured n-gram speculation
+    1.8x slower at high load)."""
+    if n_decodes < 1:
+        return 0
+    return max(0, min(k_max, min(room, 2 * k_max) // n_decodes))
+
+
+@dataclass(slots=True)
+class Speculator:
+    """One branch's drafting: its n-gram index, the draft length its acceptance earned (k), and
+    its counts. k doubles after a draft accepted whole and falls to one past the accepted prefix
+    after a rejection: a branch that copies its context drafts long, one that does not drafts one
+    token at a time, and a new copying stretch is back to k_max within three passes. Drafts
+    rejected outright in a row also rest the drafting for 1, 2, 4 .. up to MAX_REST lookups,
+    so text that quotes nothing pays for a wider pass only now and then."""
+
+    index: NgramIndex
+    k_max: int
+    k: int = 0
+    drafted: int = 0  # tokens drafted and verified
+    accepted: int = 0  # of those, accepted
+    passes: int = 0  # verify passes (steps in which the branch had a draft)
+    misses: int = 0  # verify passes in a row that accepted nothing
+    rest: int = 0  # lookups left to skip
+
+    def __post_init__(self):
+        self.k = self.k or self.k_max
+
+    @classmethod
+    def ngram(cls, k_max: int, n_min: int, n_max: int) -> "Speculator":
+        return cls(NgramIndex(n_min, n_max), k_max)
+
+    def propose(self, tokens: list[int], limit: int, siblings: tuple["Speculator", ...] = ()) -> list[int]:
+        """A draft of at most min(k, limit) tokens to follow `tokens` (all verified), from them or
+        from the siblings' tokens (a fork's other branches)."""
+        if self.rest:
+            self.rest -= 1
+            return []
+        return self.index.draft(tokens, min(self.k, limit), tuple(s.index for s in siblings))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verify pass of `drafted` tokens accepted `accepted` of them (a prefix)."""
+        if not 0 <= accepted <= drafted:
+            raise RuntimeError(f"{accepted} of {drafted} drafted tokens accepted: a bug in the caller's logic")
+        self.drafted += drafted
+        self.accepted += accepted
+        self.passes += 1
+        self.k = min(self.k_max, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
+        self.misses = self.misses + 1 if accepted == 0 else 0
+        self.rest = min(MAX_REST, 1 << (self.misses - 1)) if self.misses > 1 else 0

@@ -1,0 +1,43 @@
+"""--spec on the command line: the same text, the counts in --json and -v, one-line errors, and
+the one line that says speculation is off for a request whose KV policy cannot roll back."""
+
+import json
+
+import pytest
+from test_cli import assert_one_line_error, localkv
+
+from tiny_model import write_gguf
+
+RUN = ("run", "abc abc abc abc", "--raw", "-n", "20", "--ignore-eos", "-t", "0", "--no-save")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_gguf(tmp_path_factory.mktemp("cli-spec") / "tiny.gguf", ctx=256))
+
+
+def test_run_with_speculation_prints_the_same_text_and_its_counts(tiny, tmp_path):
+    plain = localkv(*RUN, "-m", tiny, "--json", env_home=tmp_path)
+    spec = localkv(*RUN, "-m", tiny, "--json", "--spec", "ngram", "--spec-max", "4", env_home=tmp_path)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    a, b = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert a["text"] == b["text"] and a["speculation"]["drafted"] == 0
+    s = b["speculation"]
+    assert s["mode"] == "ngram" and 0 < s["accepted"] <= s["drafted"] and s["tokens_per_pass"] > 1
+    v = localkv(*RUN, "-m", tiny, "-v", "--spec", "ngram", env_home=tmp_path)
+    assert "drafted tokens accepted" in v.stderr and "tokens per pass" in v.stderr
+
+
+def test_a_policy_that_cannot_roll_back_says_so_in_one_verbose_line(tiny, tmp_path):
+    flags = ("--spec", "ngram", "--evict", "sliding", "--kv-budget", "64", "-v")
+    p = localkv(*RUN, "-m", tiny, *flags, env_home=tmp_path)
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("speculation:")]
+    assert lines == ["speculation:          off for this request: --evict sliding cannot roll back rejected drafts"]
+
+
+@pytest.mark.parametrize(
+    "flags, needle", [(("--spec", "draft"), "--spec"), (("--spec", "ngram", "--spec-max", "0"), "--spec-max")]
+)
+def test_bad_speculation_flags_are_one_line_errors(tiny, flags, needle):
+    assert_one_line_error(localkv(*RUN, "-m", tiny, *flags), needle)
