@@ -18,6 +18,7 @@ could leave the cache.
 """
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -42,6 +43,7 @@ _NS = re.compile(r"[0-9A-Za-z_-]{1,16}")
 _SUB = re.compile(r"[0-9a-f]{2}")
 _FILE = re.compile(r"[0-9a-f]{32}\.kvb")
 _TMP = re.compile(re.escape(TMP_PREFIX) + r"[^/]*\.tmp")
+_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk, or the user's quota
 
 
 @dataclass(slots=True)
@@ -188,7 +190,7 @@ class DiskStore:
             if self._total is None:
                 self.prune()
             self._make_dirs(path)
-            if not self._write(path, chunks, keep_existing=True):
+            if not self._write_or_make_room(path, chunks, keep_existing=True):
                 return False
         except OSError as e:
             self._disable(e)
@@ -236,6 +238,24 @@ class DiskStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
+    def _write_or_make_room(self, path: Path, chunks, keep_existing=False) -> bool:
+        """_write; on a full disk, evict least recently used entries and retry once (OSError if
+        that fails too, or nothing could be evicted)."""
+        try:
+            return self._write(path, chunks, keep_existing)
+        except OSError as e:
+            if e.errno not in _NO_SPACE or not self._shrink(sum(len(c) for c in chunks)):
+                raise
+        return self._write(path, chunks, keep_existing)
+
+    def _shrink(self, size: int) -> int:
+        """The disk is full below the cap: lower this run's cap so the store gives up a tenth of
+        what it holds, and at least size bytes, oldest entries first; later writes then evict
+        under the new cap instead of filling the disk again. Entries removed."""
+        total = sum(e.size for e in self._scan())
+        self.max_bytes = max(0, min(int(total * LOW_WATER), total - size))
+        return self._evict(self.max_bytes, self.max_bytes)
+
     def _disable(self, e: OSError):
         self.disabled = True
         where = e.filename or self.root
@@ -281,15 +301,18 @@ class DiskStore:
         return removed + self._enforce_cap()
 
     def _enforce_cap(self) -> int:
-        """Rescan (other processes write too) and delete least recently used entries, damaged
-        ones included, until under LOW_WATER of the cap. Entries the other process deleted
-        count as gone."""
+        return self._evict(self.max_bytes, self.max_bytes * LOW_WATER)
+
+    def _evict(self, over: float, down_to: float) -> int:
+        """Rescan (other processes write too) and, when the entries take more than over bytes,
+        delete the least recently used, damaged ones included, until down_to. Entries the other
+        process deleted count as gone. Entries removed."""
         entries = self._scan()
         total = sum(e.size for e in entries)
         removed = 0
-        if total > self.max_bytes:
+        if total > over:
             for e in sorted(entries, key=lambda e: e.mtime):
-                if total <= self.max_bytes * LOW_WATER:
+                if total <= down_to:
                     break
                 if _unlink(e.path):
                     removed += 1
@@ -310,7 +333,7 @@ class DiskStore:
                 c = self._counters()
                 c["query_tokens"] += int(query_tokens)
                 c["hit_tokens"] += int(hit_tokens)
-                self._write(self.root / "stats.json", [json.dumps(c).encode()])
+                self._write_or_make_room(self.root / "stats.json", [json.dumps(c).encode()])
         except OSError as e:
             self._disable(e)
 
