@@ -8,7 +8,8 @@ still live under a directory per model so stats/ls/clear can work per model:
 
 The file format and its checks are in disk_entry.py. Writes go to a temp file in the same
 directory and are renamed into place, so readers see whole files or none; two processes may
-share a root.
+share a root. A temp file's name carries its writer's host and pid: one left by a writer that was
+killed is swept by the next process that writes, not only once it is an hour old.
 
 Nothing but localkv names files <32 hex>.kvb in these folders, so a file there that fails its
 checks is damage, whatever it holds (zeros after a crash, another format, a FIFO, a symlink):
@@ -22,10 +23,12 @@ import errno
 import json
 import os
 import re
+import socket
 import stat
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +46,8 @@ _NS = re.compile(r"[0-9A-Za-z_-]{1,16}")
 _SUB = re.compile(r"[0-9a-f]{2}")
 _FILE = re.compile(r"[0-9a-f]{32}\.kvb")
 _TMP = re.compile(re.escape(TMP_PREFIX) + r"[^/]*\.tmp")
+_HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"  # a pid names a process on its own host only
+_OWNER = re.compile(re.escape(TMP_PREFIX) + r"([0-9a-f]{8})-(\d+)-")
 _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk, or the user's quota
 
 
@@ -63,6 +68,20 @@ def _real_dirs(path: Path) -> bool:
 
 def _ns(fingerprint: str) -> str:
     return re.sub(r"[^0-9A-Za-z_-]", "_", fingerprint[:16]) or "_"
+
+
+def _orphan(name: str) -> bool:
+    """A temp file whose writer, named in it, was a process of this host that no longer runs."""
+    m = _OWNER.match(name)
+    if m is None or m[1] != _HOST or os.name != "posix" or int(m[2]) == os.getpid():
+        return False  # (on Windows os.kill(pid, 0) would end the process)
+    try:
+        os.kill(int(m[2]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        pass
+    return False
 
 
 def _unlink(path: Path) -> bool:
@@ -224,7 +243,8 @@ class DiskStore:
             raise OSError(f"{path.parent} is not a folder")
 
     def _write(self, path: Path, chunks, keep_existing=False) -> bool:
-        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.stem}-", suffix=".tmp", dir=path.parent)
+        prefix = f"{TMP_PREFIX}{_HOST}-{os.getpid()}-{path.stem}-"
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 for c in chunks:
@@ -286,7 +306,8 @@ class DiskStore:
         return []
 
     def prune(self) -> int:
-        """Remove temp files left by crashed writers and enforce the cap. Files removed."""
+        """Remove temp files left by writers that died (gone from this host, or untouched for
+        STALE_AGE) and enforce the cap. Files removed."""
         temps = []
         self._scan(temps)
         with contextlib.suppress(OSError), os.scandir(self.root) as it:  # stats.json temps
@@ -295,7 +316,7 @@ class DiskStore:
         removed = 0
         for t in temps:
             with contextlib.suppress(OSError):
-                if os.lstat(t).st_mtime < old:
+                if _orphan(t.name) or os.lstat(t).st_mtime < old:
                     t.unlink()
                     removed += 1
         return removed + self._enforce_cap()

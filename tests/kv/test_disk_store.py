@@ -7,6 +7,8 @@ import multiprocessing as mp
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -221,6 +223,25 @@ def test_prune_removes_stale_temp_files_only(tmp_path):
     assert store.prune() == 1
     assert not stale.exists() and fresh.exists()
     assert len(entries(tmp_path)) == 1
+
+
+def test_prune_sweeps_the_temp_files_of_a_writer_that_was_killed(tmp_path):
+    store = DiskStore(tmp_path)
+    put(store, 41)
+    sub = entries(tmp_path)[0].parent
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid no longer runs (pids are not reused this fast)
+    here = f"{ds.TMP_PREFIX}{ds._HOST}"
+    killed, mine, elsewhere, live = (
+        sub / f"{here}-{dead.pid}-x-1.tmp",
+        sub / f"{here}-{os.getpid()}-x-2.tmp",
+        sub / f".lkv-00000000-{dead.pid}-x-3.tmp",  # another host's pid: judged by age only
+        tmp_path / f"{here}-{os.getppid()}-stats-4.tmp",
+    )
+    for f in (killed, mine, elsewhere, live):
+        f.write_bytes(b"half a block")
+    assert store.prune() == 1
+    assert not killed.exists() and mine.exists() and elsewhere.exists() and live.exists()
 
 
 def _worker(root, seeds, barrier, cap):
