@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from localkv.cli.cache import cache_app
 from localkv.kv import disk_entry as entry
+from localkv.kv import disk_files
 from localkv.kv import disk_store as ds
 from localkv.kv.disk_store import DiskStore
 
@@ -231,7 +232,7 @@ def test_prune_sweeps_the_temp_files_of_a_writer_that_was_killed(tmp_path):
     sub = entries(tmp_path)[0].parent
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid no longer runs (pids are not reused this fast)
-    here = f"{ds.TMP_PREFIX}{ds._HOST}"
+    here = f"{disk_files.TMP_PREFIX}{disk_files.HOST}"
     killed, mine, elsewhere, live = (
         sub / f"{here}-{dead.pid}-x-1.tmp",
         sub / f"{here}-{os.getpid()}-x-2.tmp",

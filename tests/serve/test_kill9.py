@@ -14,7 +14,7 @@ import pytest
 from serve_process import COMPLETIONS, ServeProcess, temp_files
 
 from localkv.kv import disk_entry as entry
-from localkv.kv import disk_store as ds
+from localkv.kv import disk_files
 from tiny_model import write_gguf
 
 RNG = np.random.default_rng(9)
@@ -81,8 +81,8 @@ def test_kill_9_under_load_then_restart(tiny, tmp_path):
                 t.join(60)
         files = assert_every_entry_is_whole(tmp_path)
     if not temp_files(tmp_path):  # no kill landed inside a write this time: leave what one would
-        killed = server.proc.pid
-        (files[0].parent / f"{ds.TMP_PREFIX}{ds._HOST}-{killed}-{files[0].stem}-x.tmp").write_bytes(b"half")
+        name = f"{disk_files.TMP_PREFIX}{disk_files.HOST}-{server.proc.pid}-{files[0].stem}-x.tmp"
+        (files[0].parent / name).write_bytes(b"half a block")
     server = ServeProcess(tiny, tmp_path).wait_ready()
     try:
         warm = [answer(server.url, p) for p in CHECKED]
