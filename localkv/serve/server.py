@@ -124,9 +124,9 @@ def serve(engine: EngineConfig, opts: ServeOptions, say=print) -> None:
         pass
     finally:
         sock.close()
-    say("localkv serve: stopped")
     if runner.state == "failed":
         raise LocalkvError(runner.error)
+    say("localkv serve: stopped")
 
 
 class BackgroundServer:
