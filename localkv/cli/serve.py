@@ -34,6 +34,12 @@ def serve(
         show_default=False,
     ),
     log_requests: bool = typer.Option(D.log_requests, "--log-requests", help="Log each HTTP request on stderr."),
+    shutdown_timeout: float = typer.Option(
+        D.shutdown_timeout,
+        "--shutdown-timeout",
+        help="On SIGTERM or Ctrl-C, seconds the requests in flight may take to finish; then each "
+        "ends with an error. New requests get 503 meanwhile; a second signal stops at once.",
+    ),
     *,
     engine: EngineConfig,
 ):
@@ -44,5 +50,7 @@ def serve(
     from localkv.serve.server import serve as run_server  # uvicorn and starlette load only here
 
     key = api_key if api_key is not None else os.environ.get("LOCALKV_API_KEY") or None
-    opts = ServeOptions(host, port, max_seqs, max_queue, batch_tokens, key, log_requests)
+    opts = ServeOptions(
+        host, port, max_seqs, max_queue, batch_tokens, key, log_requests, shutdown_timeout=shutdown_timeout
+    )
     run_server(engine, opts, say=err)

@@ -41,19 +41,65 @@ class Damaged(Exception):
     whose file holds an entry is not written again, so a kept bad file would be a miss for good)."""
 
 
+FIELDS = frozenset({"fingerprint", "model", "hash", "checksum", "dtype", "tokens", "shape"})
+MAX_DIM = 1 << 16  # layers, block size, KV heads or head dim beyond this is damage, not a model
+MAX_TOKEN = 1 << 31  # token ids are below this in every vocabulary
+_HEX = frozenset("0123456789abcdef")
+
+
+def _text(x, longest: int) -> bool:
+    return type(x) is str and 0 < len(x) <= longest
+
+
+def _hex(x, longest: int) -> bool:
+    return _text(x, longest) and _HEX.issuperset(x)
+
+
+def _ints(x, low: int, high: int) -> bool:
+    return type(x) is list and all(type(t) is int and low <= t < high for t in x)
+
+
 def header_ok(m) -> bool:
-    """The JSON header has every field this version reads, with the type it reads it as."""
+    """The JSON header has exactly the fields this version writes, each of the type and in the
+    range a real entry has. Anything else (a list where a string belongs, a bool for an int, a
+    huge number, a missing or extra field) is damage, checked before any value is used: a value
+    of the wrong type must never reach code that hashes, compares or sizes it."""
     return (
-        isinstance(m, dict)
-        and all(isinstance(m.get(k), str) for k in ("fingerprint", "model", "hash", "checksum"))
-        and m.get("dtype") in _NONFINITE
-        and isinstance(m.get("tokens"), list)
-        and all(type(t) is int for t in m["tokens"])
-        and isinstance(m.get("shape"), list)
+        type(m) is dict
+        and m.keys() == FIELDS
+        and _text(m["fingerprint"], 256)
+        and _text(m["model"], 1024)
+        and _hex(m["hash"], 32)
+        and _hex(m["checksum"], 128)  # any version's: read_header shows older entries too
+        and type(m["dtype"]) is str
+        and m["dtype"] in _NONFINITE
+        and _ints(m["shape"], 1, MAX_DIM + 1)
         and len(m["shape"]) == 4
-        and all(type(x) is int and x > 0 for x in m["shape"])
+        and _ints(m["tokens"], 0, MAX_TOKEN)
         and m["shape"][1] == len(m["tokens"])
     )
+
+
+def _unique(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):  # json.loads would keep the last silently: not a file we wrote
+        raise ValueError("duplicate key")
+    return d
+
+
+def _constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_header(raw: bytes) -> dict:
+    """The JSON header of raw bytes, checked by header_ok; Damaged for anything else."""
+    try:
+        m = json.loads(raw, object_pairs_hook=_unique, parse_constant=_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise Damaged(f"bad header: {type(e).__name__}") from None
+    if not header_ok(m):
+        raise Damaged("bad header")
+    return m
 
 
 def _canon(meta: dict) -> bytes:
@@ -88,12 +134,7 @@ def decode(data: bytes) -> tuple[dict, memoryview] | None:
         raise Damaged(f"format {version}, older than {VERSION}")
     if n > MAX_HEAD:
         raise Damaged("header too long")
-    try:
-        meta = json.loads(data[FIXED.size : FIXED.size + n])
-    except (ValueError, RecursionError) as e:
-        raise Damaged(f"bad header: {type(e).__name__}") from None
-    if not header_ok(meta):
-        raise Damaged("bad header")
+    meta = parse_header(data[FIXED.size : FIXED.size + n])
     check = meta.pop("checksum")
     payload = memoryview(data)[FIXED.size + n :]
     if len(payload) != payload_size(meta) or digest(meta, payload) != check:
@@ -128,13 +169,13 @@ def read_header(path: Path) -> dict | None:
             magic, version, n = FIXED.unpack(f.read(FIXED.size))
             if magic != MAGIC or n > MAX_HEAD:
                 return None
-            m = json.loads(f.read(n))
+            m = parse_header(f.read(n))
             size = os.fstat(fd).st_size
     except FileNotFoundError:
         raise
-    except (NotRegularFile, OSError, ValueError, RecursionError, struct.error):
+    except (NotRegularFile, OSError, struct.error, Damaged):
         return None
-    if not header_ok(m) or (version == VERSION and size != FIXED.size + n + payload_size(m)):
+    if version == VERSION and size != FIXED.size + n + payload_size(m):
         return None
     return m
 

@@ -6,9 +6,9 @@ KVManager salt, made by the engine), so another model or format never matches; e
 still live under a directory per model so stats/ls/clear can work per model:
     root/<fingerprint[:16]>/<hash hex[:2]>/<hash hex>.kvb
 
-The file format and its checks are in disk_entry.py. Writes go to a temp file in the same
-directory and are renamed into place, so readers see whole files or none; two processes may
-share a root.
+The file format and its checks are in disk_entry.py; how a file is written into place (readers
+see whole files or none, two processes may share a root) and which temp files are a dead
+writer's, in disk_files.py.
 
 Nothing but localkv names files <32 hex>.kvb in these folders, so a file there that fails its
 checks is damage, whatever it holds (zeros after a crash, another format, a FIFO, a symlink):
@@ -18,11 +18,11 @@ could leave the cache.
 """
 
 import contextlib
+import errno
 import json
 import os
 import re
 import stat
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -32,16 +32,16 @@ import numpy as np
 
 from localkv.home import STALE_AGE, NotRegularFile, home, open_regular, private_dir
 from localkv.kv.disk_entry import MAX_HEAD, Damaged, all_finite, decode, encode, holds_entry, read_file, read_header
+from localkv.kv.disk_files import TMP, make_dirs, orphan, real_dirs, unlink, write_atomic
 from localkv.kv.evict.protocol import to_host
 
 SUFFIX = ".kvb"
-TMP_PREFIX = ".lkv-"  # our temp files: distinct enough that foreign dotfiles are never swept
 DAMAGED = "(damaged)"  # the model column of an entry that fails its checks
 LOW_WATER = 0.9  # evict down to this share of the cap, so a full cache is not evicted per put
 _NS = re.compile(r"[0-9A-Za-z_-]{1,16}")
 _SUB = re.compile(r"[0-9a-f]{2}")
 _FILE = re.compile(r"[0-9a-f]{32}\.kvb")
-_TMP = re.compile(re.escape(TMP_PREFIX) + r"[^/]*\.tmp")
+_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk, or the user's quota
 
 
 @dataclass(slots=True)
@@ -51,27 +51,8 @@ class _Entry:
     mtime: float
 
 
-def _real_dirs(path: Path) -> bool:
-    """The entry's two folders are folders, not symlinks that could lead out of the cache."""
-    try:
-        return all(stat.S_ISDIR(os.lstat(d).st_mode) for d in (path.parent.parent, path.parent))
-    except OSError:
-        return False
-
-
 def _ns(fingerprint: str) -> str:
     return re.sub(r"[^0-9A-Za-z_-]", "_", fingerprint[:16]) or "_"
-
-
-def _unlink(path: Path) -> bool:
-    """True if the file is gone now: removed by us or already by another process."""
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError:
-        return False
-    return True
 
 
 class DiskStore:
@@ -123,7 +104,7 @@ class DiskStore:
         """The verified payload as [2, layers, block_size, kv_heads, head_dim] in its stored
         dtype (a view of the file's bytes), or None; a file that fails a check is deleted."""
         path = self.path(fingerprint, h)
-        if not _real_dirs(path):
+        if not real_dirs(path):
             return None
         try:
             data = read_file(path, self.max_bytes)
@@ -152,7 +133,7 @@ class DiskStore:
         with contextlib.suppress(OSError):
             size = os.lstat(path).st_size
             with self._lock:
-                if _unlink(path) and self._total is not None:
+                if unlink(path) and self._total is not None:
                     self._total -= size
 
     # ----------------------------------------------------------------- write
@@ -165,7 +146,7 @@ class DiskStore:
         if k.shape != v.shape or k.ndim != 4 or k.shape[1] != len(tokens):
             raise ValueError(f"k {k.shape} and v {v.shape} must both be [layers, {len(tokens)}, heads, dim]")
         path = self.path(fingerprint, h)
-        if self.disabled or (_real_dirs(path) and self._holds(path)):  # never look through a symlink
+        if self.disabled or (real_dirs(path) and self._holds(path)):  # never look through a symlink
             return False
         with np.errstate(over="ignore"):
             kv = np.ascontiguousarray(np.stack([k, v]).astype(self.dtype))
@@ -187,8 +168,8 @@ class DiskStore:
         try:
             if self._total is None:
                 self.prune()
-            self._make_dirs(path)
-            if not self._write(path, chunks, keep_existing=True):
+            make_dirs(self.root, path)
+            if not self._write_or_make_room(path, chunks, keep_existing=True):
                 return False
         except OSError as e:
             self._disable(e)
@@ -208,33 +189,23 @@ class DiskStore:
             self._drop(path)
         return bool(held)
 
-    def _make_dirs(self, path: Path):
-        """The entry's folders, 0700; a symlink or a file where one belongs is removed first, so
-        no write lands outside the cache."""
-        private_dir(self.root)
-        for d in (path.parent.parent, path.parent):
-            with contextlib.suppress(FileNotFoundError):
-                if not stat.S_ISDIR(os.lstat(d).st_mode):
-                    os.unlink(d)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(d, 0o700)
-        if not _real_dirs(path):
-            raise OSError(f"{path.parent} is not a folder")
-
-    def _write(self, path: Path, chunks, keep_existing=False) -> bool:
-        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.stem}-", suffix=".tmp", dir=path.parent)
+    def _write_or_make_room(self, path: Path, chunks, keep_existing=False) -> bool:
+        """_write; on a full disk, evict least recently used entries and retry once (OSError if
+        that fails too, or nothing could be evicted)."""
         try:
-            with os.fdopen(fd, "wb") as f:
-                for c in chunks:
-                    f.write(c)
-            # no fsync: after a power loss the checksum turns a torn file into a miss
-            if keep_existing and os.path.lexists(path):
-                return False  # another process wrote the same block meanwhile
-            os.replace(tmp, path)
-            return True
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            return write_atomic(path, chunks, keep_existing)
+        except OSError as e:
+            if e.errno not in _NO_SPACE or not self._shrink(sum(len(c) for c in chunks)):
+                raise
+        return write_atomic(path, chunks, keep_existing)
+
+    def _shrink(self, size: int) -> int:
+        """The disk is full below the cap: lower this run's cap so the store gives up a tenth of
+        what it holds, and at least size bytes, oldest entries first; later writes then evict
+        under the new cap instead of filling the disk again. Entries removed."""
+        total = sum(e.size for e in self._scan())
+        self.max_bytes = max(0, min(int(total * LOW_WATER), total - size))
+        return self._evict(self.max_bytes, self.max_bytes)
 
     def _disable(self, e: OSError):
         self.disabled = True
@@ -255,7 +226,7 @@ class DiskStore:
                             with contextlib.suppress(OSError):
                                 st = f.stat(follow_symlinks=False)
                                 out.append(_Entry(Path(f.path), st.st_size, st.st_mtime))
-                        elif temps is not None and _TMP.fullmatch(f.name):
+                        elif temps is not None and TMP.fullmatch(f.name):
                             temps.append(Path(f.path))
         return out
 
@@ -266,32 +237,36 @@ class DiskStore:
         return []
 
     def prune(self) -> int:
-        """Remove temp files left by crashed writers and enforce the cap. Files removed."""
+        """Remove temp files left by writers that died (gone from this host, or untouched for
+        STALE_AGE) and enforce the cap. Files removed."""
         temps = []
         self._scan(temps)
         with contextlib.suppress(OSError), os.scandir(self.root) as it:  # stats.json temps
-            temps += [Path(f.path) for f in it if _TMP.fullmatch(f.name)]
+            temps += [Path(f.path) for f in it if TMP.fullmatch(f.name)]
         old = time.time() - STALE_AGE
         removed = 0
         for t in temps:
             with contextlib.suppress(OSError):
-                if os.lstat(t).st_mtime < old:
+                if orphan(t.name) or os.lstat(t).st_mtime < old:
                     t.unlink()
                     removed += 1
         return removed + self._enforce_cap()
 
     def _enforce_cap(self) -> int:
-        """Rescan (other processes write too) and delete least recently used entries, damaged
-        ones included, until under LOW_WATER of the cap. Entries the other process deleted
-        count as gone."""
+        return self._evict(self.max_bytes, self.max_bytes * LOW_WATER)
+
+    def _evict(self, over: float, down_to: float) -> int:
+        """Rescan (other processes write too) and, when the entries take more than over bytes,
+        delete the least recently used, damaged ones included, until down_to. Entries the other
+        process deleted count as gone. Entries removed."""
         entries = self._scan()
         total = sum(e.size for e in entries)
         removed = 0
-        if total > self.max_bytes:
+        if total > over:
             for e in sorted(entries, key=lambda e: e.mtime):
-                if total <= self.max_bytes * LOW_WATER:
+                if total <= down_to:
                     break
-                if _unlink(e.path):
+                if unlink(e.path):
                     removed += 1
                 total -= e.size
         self._total = total
@@ -310,7 +285,7 @@ class DiskStore:
                 c = self._counters()
                 c["query_tokens"] += int(query_tokens)
                 c["hit_tokens"] += int(hit_tokens)
-                self._write(self.root / "stats.json", [json.dumps(c).encode()])
+                self._write_or_make_room(self.root / "stats.json", [json.dumps(c).encode()])
         except OSError as e:
             self._disable(e)
 
@@ -325,7 +300,7 @@ class DiskStore:
         try:
             fd = open_regular(lock, os.O_WRONLY | os.O_CREAT)
         except NotRegularFile:  # a FIFO or link in its place: ours to replace
-            _unlink(lock)
+            unlink(lock)
             fd = open_regular(lock, os.O_WRONLY | os.O_CREAT)
         if fd is None:
             raise FileNotFoundError(f"cannot make {lock}")
@@ -404,7 +379,7 @@ class DiskStore:
                 m = {"model": None, "fingerprint": e.path.parent.parent.name}
             if model is not None and m["model"] != model and not m["fingerprint"].startswith(model):
                 continue
-            if _unlink(e.path):
+            if unlink(e.path):
                 n += 1
                 freed += e.size
         for d in self._dirs(self.root, _NS):  # drop emptied dirs; rmdir keeps non-empty ones

@@ -26,7 +26,7 @@ from localkv.hub.catalog import DEFAULT_MODEL, sampling_for
 from localkv.serve import metrics
 from localkv.serve.openai import ApiError, Ask, bad, parse_chat, parse_completion
 from localkv.serve.replies import DONE, Reply, sse
-from localkv.serve.runner import Job, QueueFull, Runner
+from localkv.serve.runner import STOPPING, Job, QueueFull, Runner, ShuttingDown
 
 MAX_BODY = 16 << 20  # bytes of one request body
 
@@ -100,11 +100,17 @@ def _authorize(request: Request):
 
 def _unavailable(runner: Runner) -> ApiError | None:
     """The 503 for a server whose model is not (or never will be) in; None once it is."""
+    if runner.draining:
+        return _stopping()
     if runner.state == "failed":
         return ApiError(503, f"the model failed to load: {runner.error}", code="model_failed")
     if not runner.ready:
         return ApiError(503, "the model is loading; retry in a moment", code="model_loading")
     return None
+
+
+def _stopping(message: str = f"{STOPPING}; retry in a moment") -> ApiError:
+    return ApiError(503, message, code="server_shutting_down")
 
 
 def _ready(request: Request) -> Runner:
@@ -122,7 +128,8 @@ async def health(request: Request) -> JSONResponse:
     e = _unavailable(runner)
     if e is None:
         return JSONResponse({"status": "ok", "model": request.app.state.model_id})
-    return JSONResponse(e.body() | {"status": runner.state}, status_code=503, headers={"Retry-After": "1"})
+    status = "stopping" if runner.draining else runner.state
+    return JSONResponse(e.body() | {"status": status}, status_code=503, headers={"Retry-After": "1"})
 
 
 async def metrics_route(request: Request) -> PlainTextResponse:
@@ -207,6 +214,8 @@ async def _answer(request: Request, ask: Ask) -> Response:
         job = runner.submit(gens, asyncio.get_running_loop())
     except QueueFull as e:
         raise ApiError(429, str(e), code="server_busy") from None
+    except ShuttingDown as e:  # the signal came while the prompt was being tokenized
+        raise _stopping(str(e)) from None
     reply = Reply(ask.kind, request.app.state.model_id, runner.engine.tokenizer, ask.logprobs is not None)
     if ask.stream:
         return EventStream(_events(job, reply, ask), runner, job)
@@ -217,7 +226,7 @@ async def _answer(request: Request, ask: Ask) -> Response:
     finally:
         if not job.done:
             runner.cancel(job)
-    events, failed = _failure(job.take())
+    events, failed = _failure(job.take(), job)
     if failed is not None:
         raise failed
     return JSONResponse(reply.body(events))
@@ -278,11 +287,12 @@ async def _until_done(request: Request, job: Job):
         watcher.cancel()
 
 
-def _failure(events: list[Event]) -> tuple[list[Event], ApiError | None]:
-    """The events before a Failed one, and the 500 it means (None when the job did not fail)."""
+def _failure(events: list[Event], job: Job) -> tuple[list[Event], ApiError | None]:
+    """The events before a Failed one, and the error it means: a 500 when a step broke, a 503
+    when the server stopped (None when the job did not fail)."""
     for i, ev in enumerate(events):
         if isinstance(ev, Failed):
-            return events[:i], ApiError(500, ev.message, code="server_error")
+            return events[:i], _stopping(ev.message) if job.stopped else ApiError(500, ev.message, code="server_error")
     return events, None
 
 
@@ -292,7 +302,7 @@ async def _events(job: Job, reply: Reply, ask: Ask):
     if ask.kind == "chat":
         yield reply.roles(len(job.gens) * ask.n)
     async for batch in job.batches():
-        events, failed = _failure(batch)
+        events, failed = _failure(batch, job)
         text = reply.stream(events)
         if failed is not None:
             yield text + sse(failed.body()) + DONE

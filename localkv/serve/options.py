@@ -15,6 +15,7 @@ class ServeOptions:
     batch_tokens: int = 2048  # tokens one step runs over all requests
     api_key: str | None = None
     log_requests: bool = False
+    shutdown_timeout: float = 15.0  # seconds requests in flight may take to finish on SIGTERM/SIGINT
 
     def validate(self) -> "ServeOptions":
         """Raise LocalkvError for a value no server can run with, naming its flag; return self."""
@@ -26,4 +27,6 @@ class ServeOptions:
             raise LocalkvError(f"invalid --max-queue {self.max_queue}: must be >= 0")
         if self.batch_tokens < 1:
             raise LocalkvError(f"invalid --batch-tokens {self.batch_tokens}: must be >= 1")
+        if not 0 <= self.shutdown_timeout <= 86400:  # also refuses NaN
+            raise LocalkvError(f"invalid --shutdown-timeout {self.shutdown_timeout:g}: must be in 0..86400 seconds")
         return self

@@ -33,6 +33,13 @@ class QueueFull(LocalkvError):
     """More requests in flight than the server takes (its seats and its queue)."""
 
 
+class ShuttingDown(LocalkvError):
+    """The server is stopping: it takes no new request."""
+
+
+STOPPING = "the server is shutting down"
+
+
 @dataclass(eq=False, slots=True)
 class Job:
     """One HTTP request's generations (a completion request may hold several prompts), the
@@ -45,6 +52,7 @@ class Job:
     events: deque[Event] = field(default_factory=deque)
     done: bool = False
     failed: bool = False  # a Failed event was pushed: nothing follows it
+    stopped: bool = False  # failed because the server stopped, not because a step broke
     cancelled: bool = False
     _waking: bool = False  # a wake is on its way to the loop: do not send another
 
@@ -66,10 +74,10 @@ class Job:
             await self.wake.wait()
             self.wake.clear()
 
-    def fail(self, message: str):
+    def fail(self, message: str, stopped: bool = False):
         """From the engine's thread: end the job with Failed (its events from now on are dropped)."""
         if not self.failed:
-            self.failed = True
+            self.failed, self.stopped = True, stopped
             self.events.append(Failed(message))
 
     def notify(self):
@@ -122,6 +130,8 @@ class Runner:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self.draining = False  # drain() was called: no new request, those in flight until the deadline
+        self._deadline = 0.0  # time.monotonic() past which the requests in flight are ended
         self._thread: threading.Thread | None = None
         self.on_state: Callable[[str], None] | None = None  # called (engine thread) once ready or failed
 
@@ -147,6 +157,8 @@ class Runner:
         """Queue the generations of one request; QueueFull when the server holds its limit."""
         with self._lock:
             o = self.opts
+            if self.draining:
+                raise ShuttingDown(f"{STOPPING}; retry on another server or once it is back")
             if self._in_flight + len(gens) > o.max_seqs + o.max_queue:
                 self.counters.count("refused")
                 raise QueueFull(
@@ -174,7 +186,7 @@ class Runner:
         """Run fn() on the engine's thread between two steps; its result comes in the Future."""
         fut: Future = Future()
         if self.state == "failed" or self._stopping:
-            fut.set_exception(LocalkvError(self.error or "the server is shutting down"))
+            fut.set_exception(LocalkvError(self.error or STOPPING))
             return fut
         self._calls.append((fn, fut))
         self._wake.set()
@@ -183,6 +195,16 @@ class Runner:
     def snapshot(self) -> Snapshot:
         """The pool and scheduler numbers (engine thread only: use call(runner.snapshot))."""
         return Snapshot.of(self.engine, self.scheduler)
+
+    def drain(self, timeout: float | None = None):
+        """Take no new request; let those in flight finish for timeout seconds (default: the
+        options' shutdown_timeout), then end them with an error. Not from a signal handler: it
+        takes a lock the interrupted thread may hold."""
+        if self.draining:
+            return
+        self._deadline = time.monotonic() + (self.opts.shutdown_timeout if timeout is None else timeout)
+        self.draining = True
+        self._wake.set()
 
     def close(self, timeout: float = 10.0):
         self._stopping = True
@@ -222,7 +244,9 @@ class Runner:
             self._run_calls()
             while self._new:
                 self._jobs.append(self._new.popleft())
-            if sched.busy:
+            if self.draining and self._jobs and time.monotonic() >= self._deadline:
+                self._cut()
+            elif sched.busy:
                 self._step()
             elif not self._calls and not self._new:
                 self._wake.wait()
@@ -250,6 +274,18 @@ class Runner:
             for job in self._jobs:
                 job.fail(message)
             self.scheduler.abort_all("error")
+        self._after_step()
+
+    def _cut(self):
+        """The drain's deadline passed: end every request still in flight with an error, so each
+        stream still gets its last event; their prompts' blocks are written to disk as they are freed."""
+        self.log(
+            f"localkv serve: {len(self._jobs)} requests still running after --shutdown-timeout "
+            f"{self.opts.shutdown_timeout:g}s: ended with an error"
+        )
+        for job in self._jobs:
+            job.fail(STOPPING, stopped=True)
+        self.scheduler.abort_all("shutdown")
         self._after_step()
 
     def _after_step(self):
@@ -296,11 +332,11 @@ class Runner:
         if self.scheduler is not None:
             self.scheduler.abort_all("shutdown")
         for job in [*self._jobs, *self._new]:
-            job.fail("the server is shutting down")
+            job.fail(STOPPING, stopped=True)
             job.done = True
             job.notify()
         self._jobs.clear()
         while self._calls:
             _, fut = self._calls.popleft()
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(LocalkvError("the server is shutting down"))
+                fut.set_exception(LocalkvError(STOPPING))

@@ -1,9 +1,16 @@
 """Running the app: a listening socket (bound before uvicorn starts, so a port in use is one
 clear error), uvicorn in the foreground for `localkv serve`, or in a background thread for tests
-and the bench. The model loads after the socket listens."""
+and the bench. The model loads after the socket listens.
+
+A stop (SIGTERM or SIGINT) drains: the socket stays open so a new request gets a 503 with
+Retry-After rather than a refused connection, the requests in flight finish (or, past
+--shutdown-timeout, end with an error event), then uvicorn closes the connections and the
+lifespan joins the engine's thread, whose disk writes are then complete: exit 0. uvicorn's own
+handling would wait 3 s, cut the streams, and re-raise the signal (death by SIGTERM)."""
 
 import contextlib
 import ipaddress
+import os
 import socket
 import sys
 import threading
@@ -49,15 +56,43 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _uvicorn(app, opts: ServeOptions) -> uvicorn.Server:
+class _Server(uvicorn.Server):
+    """uvicorn whose first SIGTERM/SIGINT drains the runner before the server exits; a second
+    one exits at once (its disk writes may be cut: a temp file the next start sweeps)."""
+
+    def __init__(self, config: uvicorn.Config, runner: Runner, say=print):
+        super().__init__(config)
+        self.runner, self.say = runner, say
+        self.stop_signal = 0  # set by the handler, acted on by on_tick (a handler may not take locks)
+
+    def handle_exit(self, sig: int, frame) -> None:  # never records sig: uvicorn would re-raise it
+        if self.stop_signal:
+            os.write(2, b"localkv serve: stopped at once by a second signal\n")
+            os._exit(128 + sig)
+        self.stop_signal = sig
+
+    async def on_tick(self, counter: int) -> bool:
+        runner = self.runner
+        if self.stop_signal and not runner.draining:
+            runner.drain()
+            self.say(
+                f"localkv serve: stopping: {runner.in_flight} requests in flight get up to "
+                f"{runner.opts.shutdown_timeout:g}s to finish (a second signal stops at once)"
+            )
+        if runner.draining and not runner.in_flight:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def _uvicorn(app, opts: ServeOptions, runner: Runner, say=print) -> _Server:
     config = uvicorn.Config(
         app,
         log_level="info" if opts.log_requests else "warning",
         access_log=opts.log_requests,
-        timeout_graceful_shutdown=3,
+        timeout_graceful_shutdown=3,  # after the drain: the last bytes of the answers already ended
         lifespan="on",
     )
-    return uvicorn.Server(config)
+    return _Server(config, runner, say)
 
 
 def serve(engine: EngineConfig, opts: ServeOptions, say=print) -> None:
@@ -66,7 +101,7 @@ def serve(engine: EngineConfig, opts: ServeOptions, say=print) -> None:
     opts.validate()
     sock = listen(opts.host, opts.port)
     runner = Runner(engine, opts)
-    server = _uvicorn(create_app(runner, opts.api_key), opts)
+    server = _uvicorn(create_app(runner, opts.api_key), opts, runner, say)
     url = url_of(sock)
 
     def on_state(state: str):
@@ -85,12 +120,13 @@ def serve(engine: EngineConfig, opts: ServeOptions, say=print) -> None:
     say(f"localkv serve: listening on {url} (OpenAI API at {url}/v1; /health, /metrics); loading the model...")
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C: a normal stop
-        say("localkv serve: stopped")
+    except KeyboardInterrupt:  # a Ctrl-C before uvicorn took the signals: nothing was running yet
+        pass
     finally:
         sock.close()
     if runner.state == "failed":
         raise LocalkvError(runner.error)
+    say("localkv serve: stopped")
 
 
 class BackgroundServer:
@@ -106,7 +142,7 @@ class BackgroundServer:
         self.runner = runner(engine, self.opts)
         self._ready = threading.Event()
         self.runner.on_state = lambda state: self._ready.set()
-        self.server = _uvicorn(create_app(self.runner, self.opts.api_key), self.opts)
+        self.server = _uvicorn(create_app(self.runner, self.opts.api_key), self.opts, self.runner)
         self._thread = threading.Thread(target=self._run, name="localkv-http", daemon=True)
         self._wait = wait
 

@@ -1,11 +1,14 @@
 """The on-disk KV block store: round trips, corruption, LRU cap, concurrency, the cache CLI."""
 
 import contextlib
+import errno
 import json
 import multiprocessing as mp
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from typer.testing import CliRunner
 
 from localkv.cli.cache import cache_app
 from localkv.kv import disk_entry as entry
+from localkv.kv import disk_files
 from localkv.kv import disk_store as ds
 from localkv.kv.disk_store import DiskStore
 
@@ -222,6 +226,25 @@ def test_prune_removes_stale_temp_files_only(tmp_path):
     assert len(entries(tmp_path)) == 1
 
 
+def test_prune_sweeps_the_temp_files_of_a_writer_that_was_killed(tmp_path):
+    store = DiskStore(tmp_path)
+    put(store, 41)
+    sub = entries(tmp_path)[0].parent
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid no longer runs (pids are not reused this fast)
+    here = f"{disk_files.TMP_PREFIX}{disk_files.HOST}"
+    killed, mine, elsewhere, live = (
+        sub / f"{here}-{dead.pid}-x-1.tmp",
+        sub / f"{here}-{os.getpid()}-x-2.tmp",
+        sub / f".lkv-00000000-{dead.pid}-x-3.tmp",  # another host's pid: judged by age only
+        tmp_path / f"{here}-{os.getppid()}-stats-4.tmp",
+    )
+    for f in (killed, mine, elsewhere, live):
+        f.write_bytes(b"half a block")
+    assert store.prune() == 1
+    assert not killed.exists() and mine.exists() and elsewhere.exists() and live.exists()
+
+
 def _worker(root, seeds, barrier, cap):
     store = DiskStore(Path(root), max_bytes=cap)
     barrier.wait()
@@ -287,19 +310,60 @@ def test_unwritable_root_disables_writes_with_one_warning(tmp_path):
     assert root.read_text().startswith("a regular file")
 
 
-def test_disk_full_mid_write_leaves_no_temp_file(tmp_path, monkeypatch):
+def test_a_disk_that_stays_full_gives_up_after_one_retry_and_leaves_no_temp_file(tmp_path, monkeypatch):
     store = DiskStore(tmp_path)
     put(store, 60)
+    tries = []
 
     def full(*a):
-        raise OSError(28, "No space left on device")
+        tries.append(a)
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ds.os, "replace", full)
     assert put(store, 61) is False
-    assert "No space left on device" in store.warning
-    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [entries(tmp_path)[0].name]
+    assert len(tries) == 2, "the write is retried once, after evicting"
+    assert store.disabled and store.warning.startswith("disk cache disabled: ") and "No space left" in store.warning
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [], "the oldest entry made way; no temp file is left"
     monkeypatch.undo()
     assert put(store, 62) is False, "stays disabled for the process"
+
+
+class Disk:
+    """A file system that holds capacity bytes of entries: os.replace of an entry past it
+    fails with ENOSPC, as a full disk fails a write."""
+
+    def __init__(self, root: Path, capacity: int, monkeypatch):
+        self.root, self.capacity, self.full = root, capacity, 0
+        real = os.replace
+
+        def replace(src, dst):
+            if str(dst).endswith(".kvb") and self.used() + os.path.getsize(src) > self.capacity:
+                self.full += 1
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(src, dst)
+
+        monkeypatch.setattr(ds.os, "replace", replace)
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in entries(self.root))
+
+
+def test_a_nearly_full_disk_evicts_the_oldest_entries_and_keeps_caching(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path)
+    put(store, 200)
+    os.utime(store.path(FP, block(200)[0]), (1_000_200, 1_000_200))
+    size = entries(tmp_path)[0].stat().st_size
+    disk = Disk(tmp_path, int(size * 5.5), monkeypatch)  # far below the store's cap of 2 GiB
+    for seed in range(201, 220):
+        assert put(store, seed), seed
+        os.utime(store.path(FP, block(seed)[0]), (1_000_000 + seed, 1_000_000 + seed))  # LRU order = write order
+    assert disk.full >= 1 and not store.disabled and store.warning is None
+    assert store.max_bytes < disk.capacity, "the cap follows the disk for the rest of the run"
+    kept = [seed for seed in range(200, 220) if store.contains(FP, block(seed)[0])]
+    assert kept == list(range(220 - len(kept), 220)) and len(kept) >= 3, "the newest entries are kept"
+    h, t, k, _ = block(219)
+    np.testing.assert_allclose(store.get(FP, h, t)[0], k, atol=2e-3)
+    assert disk.full <= 2, "after the first full write, the lowered cap evicts before the disk fills"
 
 
 def test_stats_ls_clear_per_model(tmp_path):

@@ -1,0 +1,88 @@
+"""The cache's files on disk: folders that are never symlinks, writes that land whole (a temp
+file in the same folder, renamed into place), and which temp files a writer that died left.
+
+A temp file's name carries its writer's host and pid: one left by a writer that was killed is
+swept by the next process that writes, not only once it is STALE_AGE old.
+"""
+
+import contextlib
+import os
+import re
+import socket
+import stat
+import tempfile
+import zlib
+from pathlib import Path
+
+from localkv.home import private_dir
+
+TMP_PREFIX = ".lkv-"  # our temp files: distinct enough that foreign dotfiles are never swept
+TMP = re.compile(re.escape(TMP_PREFIX) + r"[^/]*\.tmp")
+HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"  # a pid names a process on its own host only
+_OWNER = re.compile(re.escape(TMP_PREFIX) + r"([0-9a-f]{8})-(\d+)-")
+
+
+def real_dirs(path: Path) -> bool:
+    """The entry's two folders are folders, not symlinks that could lead out of the cache."""
+    try:
+        return all(stat.S_ISDIR(os.lstat(d).st_mode) for d in (path.parent.parent, path.parent))
+    except OSError:
+        return False
+
+
+def orphan(name: str) -> bool:
+    """A temp file whose writer, named in it, was a process of this host that no longer runs."""
+    m = _OWNER.match(name)
+    if m is None or m[1] != HOST or os.name != "posix" or int(m[2]) == os.getpid():
+        return False  # (on Windows os.kill(pid, 0) would end the process)
+    try:
+        os.kill(int(m[2]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        pass
+    return False
+
+
+def unlink(path: Path) -> bool:
+    """True if the file is gone now: removed by us or already by another process."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def make_dirs(root: Path, path: Path):
+    """The entry's folders, 0700; a symlink or a file where one belongs is removed first, so
+    no write lands outside the cache."""
+    private_dir(root)
+    for d in (path.parent.parent, path.parent):
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISDIR(os.lstat(d).st_mode):
+                os.unlink(d)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
+    if not real_dirs(path):
+        raise OSError(f"{path.parent} is not a folder")
+
+
+def write_atomic(path: Path, chunks, keep_existing=False) -> bool:
+    """Write chunks to path through a temp file renamed into place; False (nothing written) when
+    keep_existing and another process wrote path meanwhile. OSError when it cannot."""
+    prefix = f"{TMP_PREFIX}{HOST}-{os.getpid()}-{path.stem}-"
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+        # no fsync: after a power loss the checksum turns a torn file into a miss
+        if keep_existing and os.path.lexists(path):
+            return False  # another process wrote the same block meanwhile
+        os.replace(tmp, path)
+        return True
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
