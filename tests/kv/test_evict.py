@@ -622,6 +622,7 @@ def test_positioned_keys_with_every_block_recalled_attend_as_the_whole_table():
     rng = np.random.default_rng(7)
     seq = new_seq(kv, 32, rng)
     full = np.asarray(seq.block_table).copy()
+    saved = pool.k[:, full].copy()  # [layers, position block, bs, kvh, hd]
     pol = policy(EvictConfig("offload", budget=52, sinks=4, recent=8), pool)  # 13 blocks: 4 resident, 9 recall
     seq.tokens.append(0)
     make_room(pol, seq, 1)
@@ -632,6 +633,8 @@ def test_positioned_keys_with_every_block_recalled_attend_as_the_whole_table():
         kl, vl = pool.k[layer], pool.v[layer]
         at = ex.positioned(layer, q)
         assert at.n_ctx == 32 and (at.tables >= 0).sum(axis=1).tolist() == [3] * KVH and HOLE not in at.tables
+        for h, j in zip(*np.nonzero(at.tables < HOLE)):
+            assert np.array_equal(at.extra[0][h, -2 - at.tables[h, j]], saved[layer, j, :, h])
         got = paged_attention(q, kl, vl, at.tables, at.n_ctx, 0.3, extra=at.extra, head_tables=True)
         np.testing.assert_allclose(got, paged_attention(q, kl, vl, full, 32, 0.3), rtol=1e-5, atol=1e-6)
     pol.after_forward(seq, ex, 3)
