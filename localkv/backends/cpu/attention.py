@@ -46,9 +46,23 @@ def _run_start(block_table) -> int:
 
 
 class Table(np.ndarray):
-    """A read-only block table that carries its run check (see frozen_table)."""
+    """A read-only block table that carries its run check and its per-kv-head copy (see
+    frozen_table and per_head)."""
 
     run_start: int | None = None  # views and results of it (numpy keeps the class) are checked when read
+    heads: np.ndarray | None = None
+
+
+def per_head(block_table, kvh: int) -> np.ndarray:
+    """The table as the causal kernel reads it, int64 [kvh, blocks] (read-only): made once per
+    frozen table, not once per layer."""
+    heads = getattr(block_table, "heads", None)
+    if heads is None or heads.shape[0] != kvh:
+        heads = np.ascontiguousarray(np.broadcast_to(np.asarray(block_table, np.int64), (kvh, len(block_table))))
+        heads.flags.writeable = False
+        if isinstance(block_table, Table):
+            block_table.heads = heads
+    return heads
 
 
 def frozen_table(block_table) -> Table:
@@ -85,13 +99,17 @@ def paged_attention(
     head_tables: block_table is per kv head, int64 [kv_heads, blocks], by position (a KV
     policy's PositionedKV): n_ctx counts positions, an entry -1 is a hole (keys not there) and
     -2 - i block i of extra = (K, V) [kv_heads, n, block_size, hd]; mass has no extra keys then.
-    Plain attention (none of those but head_tables) runs in the tiled kernel when the kernels are on."""
+    Without mass and extra keys before the table, attention runs in the tiled kernel when the
+    kernels are on."""
     if head_tables and np.ndim(block_table) != 2:
         raise RuntimeError(f"head_tables with a table of shape {np.shape(block_table)}: a bug in the caller's logic")
-    if mass is None and extra is None and not (softcap or window or head_tables) and cpu_kernels.attends(q.shape[2]):
-        if build.FAST_PATHS and len(q) <= SHORT_T and n_ctx - len(q) >= SHORT_PAST:
+    if mass is None and (extra is None or head_tables) and cpu_kernels.attends(q.shape[2]):
+        if head_tables:
+            return cpu_kernels.causal_attention(q, k_layer, v_layer, block_table, n_ctx, scale, softcap, window, extra)
+        if build.FAST_PATHS and len(q) <= SHORT_T and n_ctx - len(q) >= SHORT_PAST and not (softcap or window):
             return _short_pass(q, k_layer, v_layer, block_table, n_ctx, scale)
-        return cpu_kernels.causal_attention(q, k_layer, v_layer, block_table, n_ctx, scale)
+        tables = per_head(block_table, k_layer.shape[2])
+        return cpu_kernels.causal_attention(q, k_layer, v_layer, tables, n_ctx, scale, softcap, window)
     if window and not head_tables:
         block_table, n_ctx, mass, extra = _window_skip(
             k_layer.shape[1], block_table, n_ctx, len(q), window, mass, extra
