@@ -21,7 +21,7 @@ class Span:
     length: int
     block_table: np.ndarray
     n_ctx: int
-    extras: AttendExtras | None = None  # the KV policy's extra keys and attention-mass array, if any
+    extras: AttendExtras | None = None  # the KV policy's extra or positioned keys and attention-mass array, if any
 
 
 ROPE_POSITIONS = 4096  # RoPE table rows made at start; more as positions are used

