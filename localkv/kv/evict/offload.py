@@ -186,8 +186,8 @@ class Retriever:
         kmax: np.ndarray,
         r_blocks: int,
         rerank: int,
-        resident: np.ndarray | None = None,
-        n_ctx: int = 0,
+        resident: np.ndarray,
+        n_ctx: int,
     ):
         self.tier, self.starts, self.slots = tier, starts, slots
         self.kmin, self.kmax = kmin, kmax  # [L, kvh, hd, n]
@@ -195,7 +195,7 @@ class Retriever:
         self.rerank = max(1, rerank)
         # for positioned(): the pool's blocks by position (TablePositions.by_position) and the
         # positions the forward's queries end at
-        self.resident, self.n_ctx = np.zeros(0, np.int64) if resident is None else resident, n_ctx
+        self.resident, self.n_ctx = resident, n_ctx
         self._picks: list[tuple[np.ndarray, np.ndarray]] = []  # (starts, largest q·k) per layer and head
         self.most = 0  # most tokens one layer read back
 
