@@ -104,6 +104,23 @@ def decode_attention(q, k_layer, v_layer, tables, lens, scale: float, scores, wo
     return out
 
 
+def decode_rows(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables, lens, scale: float) -> np.ndarray:
+    """See kernels/decode_rows.paged_decode: attention of B sequences' last tokens q [B, H, hd]
+    over int64 tables [B, blocks] and lens [B] (read-only), normalised [B, H, hd]: each row
+    the bits causal_attention gives it. Call only when attends(hd)."""
+    import numba
+
+    B, H, hd = q.shape
+    kvh = k_layer.shape[2]
+    g = H // kvh
+    qt = np.empty((kvh, hd, B, g), np.float32)
+    np.multiply(q.reshape(B, kvh, g, hd).transpose(1, 3, 0, 2), np.float32(scale), out=qt)
+    out = np.empty((kvh, B * g, hd), np.float32)
+    parts = min(B, -(-2 * numba.get_num_threads() // kvh))  # enough jobs to keep every thread busy
+    state.decode_rows.paged_decode(qt.reshape(kvh, hd, B * g), _bits(k_layer), _bits(v_layer), tables, lens, parts, out)
+    return out.reshape(kvh, B, g, hd).transpose(1, 0, 2, 3).reshape(B, H, hd)
+
+
 def causal_max(s: np.ndarray, tq: int, first: int, window: int = 0):
     """See kernels/elementwise.causal_max. Call only when active()."""
     state.elementwise.causal_max(s, tq, first, window)
