@@ -43,8 +43,6 @@ CHUNKS = (1, 3, 16, 31, 32, 33, 512)
 NUMPY_ATTENTION = pytest.mark.xfail(
     KERNELS_OFF, strict=True, reason="soft-capped / windowed attention is numpy, shape-dependent"
 )
-# offload's recalled blocks are extra keys, attended in numpy beside the table's
-OFFLOAD = pytest.mark.xfail(strict=True, reason="recalled blocks attend as numpy extra keys, not in the causal kernel")
 
 
 def cases(names, *more):
@@ -248,7 +246,7 @@ def test_preempted_requests_are_recomputed_to_the_same_logits(models, name):
         assert_same_run(g, a, f"{name}: request {i} after preemption")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=OFFLOAD) for n in WARM_MODELS])
+@pytest.mark.parametrize("name", WARM_MODELS)
 def test_offload_recall_gives_the_logits_of_the_full_cache(models, name):
     """Offload moves blocks out and recalls every one of them while they fit its recall slots:
     the logits equal those of the whole cache held in the pool."""

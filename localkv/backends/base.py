@@ -23,7 +23,7 @@ class Capabilities:
     batched_decode: bool  # decode, decode_batch: one call per layer for many single-token sequences
     quant_weights: bool  # computes on QTensor/QStack weights (others get model.weights.dense_weights)
     kv_dtypes: tuple[str, ...]  # the KV pool dtypes (numpy names) EngineConfig.kv_dtype may choose
-    attention_options: frozenset[str]  # what paged_attention takes beyond Llama's: "softcap", "window"
+    attention_options: frozenset[str]  # what paged_attention takes beyond Llama's: "softcap", "window", "head_tables"
 
 
 def missing_ability(backend: str, method: str, flag: str) -> RuntimeError:
@@ -95,7 +95,8 @@ class Backend(Protocol):
     ):
         """Causal attention of q [T, H, hd] (the last T tokens of an n_ctx context) over the K/V
         found through block_table; see backends/cpu/attention.py for mass and extra; options: the
-        caps.attention_options the model's architecture needs (softcap=, window=)."""
+        caps.attention_options the model's architecture needs (softcap=, window=), and
+        head_tables=True for a KV policy's keys by position (kv/evict/protocol.PositionedKV)."""
 
     def to_host(self, x) -> np.ndarray: ...
 

@@ -21,7 +21,7 @@ class Span:
     length: int
     block_table: np.ndarray
     n_ctx: int
-    extras: AttendExtras | None = None  # the KV policy's extra keys and attention-mass array, if any
+    extras: AttendExtras | None = None  # the KV policy's extra or positioned keys and attention-mass array, if any
 
 
 ROPE_POSITIONS = 4096  # RoPE table rows made at start; more as positions are used
@@ -83,6 +83,8 @@ class Llama:
         self.rope_style = () if cfg.rope_style == "neox" else (cfg.rope_style,)
         # soft-capped or windowed attention runs per sequence through paged_attention, which takes them
         self.plain_attention = not (cfg.attn_softcap or self.local)
+        # a KV policy's keys by position (PositionedKV) where the backend takes per-kv-head tables
+        self.positioned = "head_tables" in backend.caps.attention_options
 
     def ensure_positions(self, n: int):
         """RoPE tables for positions up to n."""
@@ -202,20 +204,27 @@ class Llama:
         return self.backend.decode(q, kl, vl, plan.batch, self.scale)  # one launch for all
 
     def _attend(self, i: int, q, kl, vl, spans: list[tuple[Span, object]], attn):
-        """Attention of each span's rows through its own table (with the KV policy's extra keys
-        and attention mass, a soft-cap, a sliding window where they apply), into attn."""
+        """Attention of each span's rows through its own table (or the KV policy's per-kv-head
+        tables; with its extra keys and attention mass, a soft-cap, a sliding window where they
+        apply), into attn."""
         xp, cfg = self.backend.xp, self.cfg
         opts = {"softcap": cfg.attn_softcap} if cfg.attn_softcap else {}
         if i in self.local:
             opts["window"] = cfg.sliding_window
         for sp, table in spans:
             rows = slice(sp.start, sp.start + sp.length)
-            ex = sp.extras
-            extra = None if ex is None or ex.kv is None else ex.kv(i, q[rows])
+            ex, n_ctx, extra, by_position = sp.extras, sp.n_ctx, None, {}
+            if ex is not None and ex.positioned is not None and self.positioned:
+                at = ex.positioned(i, q[rows])
+                table, n_ctx, extra, by_position = at.tables, at.n_ctx, at.extra, {"head_tables": True}
+            elif ex is not None and ex.kv is not None:
+                extra = ex.kv(i, q[rows])
             if extra is not None:
                 extra = tuple(xp.asarray(a, dtype=kl.dtype) for a in extra)
             mass = None if ex is None or ex.mass is None else ex.mass[i]
-            attn[rows] = self.backend.paged_attention(q[rows], kl, vl, table, sp.n_ctx, self.scale, mass, extra, **opts)
+            attn[rows] = self.backend.paged_attention(
+                q[rows], kl, vl, table, n_ctx, self.scale, mass, extra, **opts, **by_position
+            )
 
     def _decode_batch(self, spans: list[Span]):
         """The backend's batch of single-token spans for its one-launch decode, when it has one."""

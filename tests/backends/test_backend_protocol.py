@@ -15,7 +15,8 @@ from localkv.backends.base import Backend, Capabilities
 from localkv.backends.cpu import CpuBackend
 
 P = inspect.Parameter
-ATTENTION_OPTIONS = {"softcap", "window"}  # what the model may pass paged_attention beyond the protocol's
+# what the model may pass paged_attention beyond the protocol's
+ATTENTION_OPTIONS = {"softcap", "window", "head_tables"}
 # the methods of an optional ability, by the Capabilities flag that says whether a backend has them
 ABILITIES = {
     "shared_prefix": ("frozen_tails", "shared_prefix_decode"),

@@ -12,6 +12,7 @@ from localkv.kv.block_tables import KVManager
 from localkv.kv.evict import POLICIES, AttendExtras, EvictConfig, NoPolicy, RoomPlan, make_policy
 from localkv.kv.evict.h2o import H2OPolicy
 from localkv.kv.evict.offload import OffloadPolicy, OffloadTier, quest_scores
+from localkv.kv.evict.protocol import HOLE, extra_entry
 from localkv.kv.evict.window import SlidingPolicy, TablePositions, choose_victims, ref_counts
 from localkv.sequence import Sequence
 
@@ -580,6 +581,64 @@ def test_each_layer_reads_back_its_own_best_blocks():
     assert pol.active_tokens(seq) == seq.num_stored + BS
     pol.after_forward(seq, pol.extras(seq), 1)  # nothing picked this time (no forward ran): no new events
     assert len(events(pool, "recall")) == 2 and pol.active_tokens(seq) == seq.num_stored
+
+
+def test_positioned_keys_put_each_recalled_block_where_it_was_computed():
+    """The same picks as extra keys, laid out by position per kv head: the pool's blocks at
+    theirs, the recalled block (its exact K/V) at its own, holes for the blocks left in the
+    tier; the recall events and active tokens as with extra keys."""
+    pool, kv = make()
+    seq = new_seq(kv, 32)
+    pool.k[..., 1:] = 0.0
+    pool.k[0, seq.block_table[2], :, :, 1] = 1.0  # layer 0: positions 8-11 align with q
+    pool.k[1, seq.block_table[3], :, :, 1] = 1.0  # layer 1: positions 12-15
+    saved = {i: (pool.k[:, seq.block_table[i]].copy(), pool.v[:, seq.block_table[i]].copy()) for i in range(8)}
+    pol = policy(EvictConfig("offload", budget=20, sinks=4, recent=8, rerank=2), pool)
+    seq.tokens.append(0)
+    make_room(pol, seq, 1)
+    ex = pol.extras(seq)
+    q = np.zeros((1, HEADS, HD), np.float32)
+    q[..., 1] = 10.0
+    for layer, want in ((0, 2), (1, 3)):
+        at = ex.positioned(layer, q)
+        resident = [seq.block_table[0], *[HOLE] * 5, *seq.block_table[1:]]
+        resident[want] = extra_entry(0)
+        assert at.n_ctx == 32 and at.tables.tolist() == [resident] * KVH
+        k, v = at.extra
+        assert k.shape == v.shape == (KVH, 1, BS, HD) and k.dtype == pool.k.dtype
+        for h in range(KVH):
+            assert np.array_equal(k[h, 0], saved[want][0][layer, :, h])
+            assert np.array_equal(v[h, 0], saved[want][1][layer, :, h])
+    pol.after_forward(seq, ex, 1)
+    assert [e.positions for e in events(pool, "recall")] == [(8, 12), (12, 16)]
+    assert pol.active_tokens(seq) == seq.num_stored + BS
+
+
+def test_positioned_keys_with_every_block_recalled_attend_as_the_whole_table():
+    """Recall slots for every offloaded block: paged_attention over the keys by position gives
+    what it gave over the whole table before the offload (tests/backends/test_positioned_attention.py:
+    with the kernels, the same bits)."""
+    pool, kv = make()
+    rng = np.random.default_rng(7)
+    seq = new_seq(kv, 32, rng)
+    full = np.asarray(seq.block_table).copy()
+    saved = pool.k[:, full].copy()  # [layers, position block, bs, kvh, hd]
+    pol = policy(EvictConfig("offload", budget=52, sinks=4, recent=8), pool)  # 13 blocks: 4 resident, 9 recall
+    seq.tokens.append(0)
+    make_room(pol, seq, 1)
+    assert pool.stats.offloads == 5 and pol.config.recall_blocks(BS) >= 5
+    ex = pol.extras(seq)
+    q = rng.standard_normal((3, HEADS, HD)).astype(np.float32)  # positions 29-31, in the last block
+    for layer in range(LAYERS):
+        kl, vl = pool.k[layer], pool.v[layer]
+        at = ex.positioned(layer, q)
+        assert at.n_ctx == 32 and (at.tables >= 0).sum(axis=1).tolist() == [3] * KVH and HOLE not in at.tables
+        for h, j in zip(*np.nonzero(at.tables < HOLE)):
+            assert np.array_equal(at.extra[0][h, -2 - at.tables[h, j]], saved[layer, j, :, h])
+        got = paged_attention(q, kl, vl, at.tables, at.n_ctx, 0.3, extra=at.extra, head_tables=True)
+        np.testing.assert_allclose(got, paged_attention(q, kl, vl, full, 32, 0.3), rtol=1e-5, atol=1e-6)
+    pol.after_forward(seq, ex, 3)
+    assert len(events(pool, "recall")) == 5
 
 
 def test_fork_copies_heavy_hitters_and_free_forgets():

@@ -85,6 +85,7 @@ def paged_attention(
     extra=None,
     softcap: float = 0.0,
     window: int = 0,
+    head_tables: bool = False,
 ) -> np.ndarray:
     """Causal attention of q [T, H, hd] — the last T tokens of an n_ctx context — over the
     K/V found through block_table. Returns [T, H, hd]. extra = (K, V) [kv_heads, n, hd]: more
@@ -95,19 +96,32 @@ def paged_attention(
     heads (the table's keys only). softcap > 0: scores become softcap * tanh(score / softcap)
     (Gemma 2). window > 0: a query sees only the `window` newest keys up to itself (its own
     included: llama.cpp's sliding window); blocks wholly before every query's window are not read.
-    Without mass and extra keys, attention runs in the tiled kernel when the kernels are on."""
-    if mass is None and extra is None and cpu_kernels.attends(q.shape[2]):
+    head_tables: block_table is per kv head, int64 [kv_heads, blocks], by position (a KV
+    policy's PositionedKV): n_ctx counts positions, an entry -1 is a hole (keys not there) and
+    -2 - i block i of extra = (K, V) [kv_heads, n, block_size, hd]; mass has no extra keys then.
+    Without mass and extra keys before the table, attention runs in the tiled kernel when the
+    kernels are on."""
+    if head_tables and np.ndim(block_table) != 2:
+        raise RuntimeError(f"head_tables with a table of shape {np.shape(block_table)}: a bug in the caller's logic")
+    if mass is None and (extra is None or head_tables) and cpu_kernels.attends(q.shape[2]):
+        if head_tables:
+            return cpu_kernels.causal_attention(q, k_layer, v_layer, block_table, n_ctx, scale, softcap, window, extra)
         if build.FAST_PATHS and len(q) <= SHORT_T and n_ctx - len(q) >= SHORT_PAST and not (softcap or window):
             return _short_pass(q, k_layer, v_layer, block_table, n_ctx, scale)
         tables = per_head(block_table, k_layer.shape[2])
         return cpu_kernels.causal_attention(q, k_layer, v_layer, tables, n_ctx, scale, softcap, window)
-    if window:
+    if window and not head_tables:
         block_table, n_ctx, mass, extra = _window_skip(
             k_layer.shape[1], block_table, n_ctx, len(q), window, mass, extra
         )
     T, H, hd = q.shape
-    k = gather_kv(k_layer, block_table, n_ctx)
-    v = gather_kv(v_layer, block_table, n_ctx)
+    holes = None
+    if head_tables:
+        k, v, holes = gather_positioned(k_layer, v_layer, block_table, n_ctx, extra)
+        extra = None
+    else:
+        k = gather_kv(k_layer, block_table, n_ctx)
+        v = gather_kv(v_layer, block_table, n_ctx)
     ne = 0
     if extra is not None:
         ne = extra[0].shape[1]
@@ -137,6 +151,8 @@ def paged_attention(
             s *= 1.0 / softcap
             np.tanh(s, out=s)
             s *= softcap
+        if holes is not None:
+            s += holes[:, None, k0:kend]
         _mask_max(s, tq, past + q0 - k0, window)
         np.exp(s, out=s)
         total = row_sums(s)
@@ -153,6 +169,23 @@ def paged_attention(
             o = np.matmul(s, v[:, k0:kend])
         out[q0:q1] = o.reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
     return out.reshape(T, H, hd)
+
+
+def gather_positioned(k_layer: np.ndarray, v_layer: np.ndarray, tables, n_ctx: int, extra=None):
+    """The first n_ctx positions of K and V through per-kv-head tables (paged_attention), as
+    [kv_heads, n_ctx, hd] float32 each, zeros at the holes; and the holes as a score bias
+    [kv_heads, n_ctx] (-inf there, else 0), None when there are none."""
+    nb, bs, kvh, hd = k_layer.shape
+    tables = np.asarray(tables)
+    k, v = np.zeros((2, kvh, tables.shape[1], bs, hd), np.float32)
+    for h, t in enumerate(tables):
+        pool, far = t >= 0, t <= -2
+        k[h, pool], v[h, pool] = k_layer[t[pool], :, h], v_layer[t[pool], :, h]
+        if far.any():
+            k[h, far], v[h, far] = extra[0][h, -2 - t[far]], extra[1][h, -2 - t[far]]
+    hole = np.repeat(tables == -1, bs, axis=1)[:, :n_ctx]
+    holes = np.where(hole, np.float32(-np.inf), np.float32(0)) if hole.any() else None
+    return k.reshape(kvh, -1, hd)[:, :n_ctx], v.reshape(kvh, -1, hd)[:, :n_ctx], holes
 
 
 def _window_skip(bs: int, block_table, n_ctx: int, T: int, window: int, mass, extra):

@@ -320,7 +320,7 @@ class CpuBackend:
             batched_decode=True,  # decode(): one kernel call per layer for all single-token sequences
             quant_weights=True,
             kv_dtypes=("float32", "float16"),
-            attention_options=frozenset({"softcap", "window"}),
+            attention_options=frozenset({"softcap", "window", "head_tables"}),
         )
         self.threads = threads
         self._cores = CoreShare(threads)

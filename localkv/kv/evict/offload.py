@@ -12,7 +12,7 @@ import numpy as np
 from localkv.errors import LocalkvError
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.evict.budget import EvictConfig
-from localkv.kv.evict.protocol import AttendExtras, RoomPlan, to_host
+from localkv.kv.evict.protocol import AttendExtras, PositionedKV, RoomPlan, extra_entry, to_host
 from localkv.kv.evict.window import SeqState, TablePositions, WindowPolicy
 from localkv.sequence import Sequence
 from localkv.stats import Stats
@@ -108,9 +108,9 @@ class OffloadTier:
         stats.emit("offload", seq.id, bid, pos, reason=reason)
         return slot
 
-    def block_kv(self, slots: np.ndarray, which: int, layer: int, head: int) -> np.ndarray:
-        """K (which=0) or V (1) of one layer and kv head for the given slots: [len(slots),
-        block_size, hd], exact copies of what was offloaded."""
+    def block_kv(self, slots: np.ndarray, which: int, layer: int, head) -> np.ndarray:
+        """K (which=0) or V (1) of one layer for the given slots and kv head (or heads, an array
+        that broadcasts with slots): [*shape, block_size, hd], exact copies of what was offloaded."""
         return self.kv[slots, which, layer, head]
 
     def index(self, seq_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -173,8 +173,9 @@ def quest_scores(q: np.ndarray, kmin: np.ndarray, kmax: np.ndarray) -> np.ndarra
 class Retriever:
     """One sequence's offloaded blocks during one forward. Per layer and kv head, Quest's
     bound keeps the top `rerank * r_blocks` blocks as candidates, then the exact largest q·k
-    over their keys picks `r_blocks`, whose K/V are read from the tier as extra keys. Nothing
-    goes back into the pool, so each layer attends to at most resident + r_blocks blocks."""
+    over their keys picks `r_blocks`, whose K/V are read from the tier: as extra keys
+    (__call__), or at their positions beside the pool's blocks (positioned). Nothing goes back
+    into the pool, so each layer attends to at most resident + r_blocks blocks."""
 
     def __init__(
         self,
@@ -185,11 +186,16 @@ class Retriever:
         kmax: np.ndarray,
         r_blocks: int,
         rerank: int,
+        resident: np.ndarray,
+        n_ctx: int,
     ):
         self.tier, self.starts, self.slots = tier, starts, slots
         self.kmin, self.kmax = kmin, kmax  # [L, kvh, hd, n]
         self.r = min(r_blocks, len(slots))
         self.rerank = max(1, rerank)
+        # for positioned(): the pool's blocks by position (TablePositions.by_position) and the
+        # positions the forward's queries end at
+        self.resident, self.n_ctx = resident, n_ctx
         self._picks: list[tuple[np.ndarray, np.ndarray]] = []  # (starts, largest q·k) per layer and head
         self.most = 0  # most tokens one layer read back
 
@@ -205,11 +211,10 @@ class Retriever:
         first = np.flatnonzero(np.r_[True, starts[1:] != starts[:-1]])
         return dict(zip(starts[first].tolist(), best[first].tolist()))
 
-    def __call__(self, layer: int, q) -> tuple[np.ndarray, np.ndarray] | None:
-        """K/V [kvh, r * block_size, hd] of this layer's chosen blocks for queries q [T, H, hd]."""
+    def _pick(self, layer: int, q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This layer's chosen blocks for queries q [T, H, hd], per kv head: their tier slots
+        and starts [kvh, r] and their keys [kvh, r, block_size, hd]. Call only when r > 0."""
         r = self.r
-        if not r:
-            return None
         q = to_host(q)
         T, H, hd = q.shape
         kvh, n = self.kmin.shape[1], len(self.slots)
@@ -221,18 +226,38 @@ class Retriever:
             cand = np.argpartition(bound, n - c, axis=1)[:, n - c :]
         else:
             cand = np.broadcast_to(np.arange(n), (kvh, n))
-        k = np.empty((kvh, r * bs, hd), self.tier.dtype)
-        v = np.empty_like(k)
+        chosen = np.empty((kvh, r), np.int64)
+        k = np.empty((kvh, r, bs, hd), self.tier.dtype)
         for h in range(kvh):
-            slots = self.slots[cand[h]]
-            keys = self.tier.block_kv(slots, 0, layer, h)  # [c, bs, hd]
+            keys = self.tier.block_kv(self.slots[cand[h]], 0, layer, h)  # [c, bs, hd]
             best = (keys.reshape(c * bs, hd) @ qh[h].T).reshape(c, -1).max(axis=1)
             pick = np.argpartition(best, c - r)[c - r :] if r < c else np.arange(c)
-            k[h] = keys[pick].reshape(r * bs, hd)
-            v[h] = self.tier.block_kv(slots[pick], 1, layer, h).reshape(r * bs, hd)
-            self._picks.append((self.starts[cand[h][pick]], best[pick]))
+            chosen[h], k[h] = cand[h][pick], keys[pick]
+            self._picks.append((self.starts[chosen[h]], best[pick]))
         self.most = max(self.most, r * bs)
-        return k, v
+        return self.slots[chosen], self.starts[chosen], k
+
+    def __call__(self, layer: int, q) -> tuple[np.ndarray, np.ndarray] | None:
+        """K/V [kvh, r * block_size, hd] of this layer's chosen blocks for queries q [T, H, hd]."""
+        if not self.r:
+            return None
+        slots, _, k = self._pick(layer, q)
+        kvh, r, bs, hd = k.shape
+        v = self.tier.block_kv(slots, 1, layer, np.arange(kvh)[:, None])
+        return k.reshape(kvh, r * bs, hd), v.reshape(kvh, r * bs, hd)
+
+    def positioned(self, layer: int, q) -> PositionedKV:
+        """This layer's keys for queries q [T, H, hd] by position, per kv head: the pool's
+        blocks, the chosen blocks (read from the tier) where they were computed, holes for the
+        rest."""
+        kvh = self.kmin.shape[1]
+        tables = np.repeat(self.resident[None], kvh, axis=0)
+        if not self.r:
+            return PositionedKV(tables, self.n_ctx)
+        slots, starts, k = self._pick(layer, q)
+        heads = np.arange(kvh)[:, None]
+        tables[heads, starts // self.tier.block_shape[1]] = extra_entry(np.arange(self.r))
+        return PositionedKV(tables, self.n_ctx, (k, self.tier.block_kv(slots, 1, layer, heads)))
 
 
 @dataclass(slots=True)
@@ -275,10 +300,12 @@ class OffloadPolicy(WindowPolicy):
             st.index = (self.tier.version, self.tier.index(seq.id))
         starts, slots, kmin, kmax = st.index[1]
         st.retriever = None
-        if len(slots):
-            recall = self.config.recall_blocks(self.block_size)
-            st.retriever = Retriever(self.tier, starts, slots, kmin, kmax, recall, self.config.rerank)
-        return None if st.retriever is None else AttendExtras(kv=st.retriever)
+        if not len(slots):
+            return None
+        recall, resident = self.config.recall_blocks(self.block_size), st.table.by_position(seq.block_table)
+        ret = Retriever(self.tier, starts, slots, kmin, kmax, recall, self.config.rerank, resident, seq.num_computed)
+        st.retriever = ret
+        return AttendExtras(kv=ret, positioned=ret.positioned)
 
     def after_forward(self, seq: Sequence, extras: AttendExtras | None, n_queries: int) -> None:
         """One `recall` event per block some layer read back this step but not in the step

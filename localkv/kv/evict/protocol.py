@@ -1,5 +1,5 @@
-"""What the engine and the model see of a KV policy: the Policy protocol and the two small
-records that cross it."""
+"""What the engine and the model see of a KV policy: the Policy protocol and the small records
+that cross it."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,12 +18,34 @@ class RoomPlan:
     victims: list[int] = field(default_factory=list)  # table indices that would leave the pool (unshared blocks)
 
 
+HOLE = -1  # a PositionedKV.tables entry for keys that are not there (offloaded, not recalled)
+
+
+def extra_entry(i):
+    """The PositionedKV.tables entry of block i of its extra K/V (the entries below HOLE)."""
+    return -2 - i
+
+
+@dataclass(slots=True)
+class PositionedKV:
+    """One layer's keys by absolute position, per kv head, as the causal kernel reads them: so a
+    recalled block sits where it was computed, and a key set with holes attends with the bits
+    of the full cache for the keys it has."""
+
+    tables: np.ndarray  # int64 [kv_heads, ceil(n_ctx / block_size)]: pool block, HOLE, or extra_entry(i)
+    n_ctx: int  # positions, holes included; the queries are the last of them
+    extra: tuple | None = None  # (K, V) [kv_heads, n, block_size, hd] in the pool's dtype (recalled blocks)
+
+
 @dataclass(slots=True)
 class AttendExtras:
-    """What one sequence's attention needs besides its block table, for one forward."""
+    """What one sequence's attention needs besides its block table, for one forward. A backend
+    that takes per-kv-head tables (attention option "head_tables") reads `positioned` where it
+    is given, the others `kv`."""
 
     mass: np.ndarray | None = None  # h2o: [layers, kv_heads, n_extra + n_stored] float32, filled by the model
     kv: Callable[[int, Any], tuple | None] | None = None  # (layer, q [T, H, hd]) -> extra (K, V) [kv_heads, n, hd]
+    positioned: Callable[[int, Any], PositionedKV] | None = None  # (layer, q [T, H, hd]) -> the layer's keys
 
 
 def to_host(x) -> np.ndarray:

@@ -9,7 +9,7 @@ import numpy as np
 from localkv.errors import BudgetReached, LocalkvError
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.evict.budget import EvictConfig, ceil_div
-from localkv.kv.evict.protocol import AttendExtras, RoomPlan
+from localkv.kv.evict.protocol import HOLE, AttendExtras, RoomPlan
 from localkv.sequence import Sequence
 from localkv.stats import Stats
 
@@ -42,6 +42,19 @@ class TablePositions:
 
     def remove(self, i) -> None:
         self.start = np.delete(self.start, i)
+
+    def by_position(self, block_table) -> np.ndarray:
+        """block_table's blocks at their positions (int64, entry j for positions j * block_size
+        on, up to next_pos), HOLE where a block left the table."""
+        bs = self.block_size
+        if len(block_table) != len(self.start) or (self.start % bs).any():
+            raise RuntimeError(
+                f"a table of {len(block_table)} blocks against {len(self.start)} positions, or a block off the "
+                f"{bs}-token grid: a bug in the caller's logic"
+            )
+        out = np.full(ceil_div(self.next_pos, bs), HOLE, np.int64)
+        out[self.start // bs] = block_table
+        return out
 
     def copy(self) -> "TablePositions":
         return TablePositions(self.block_size, self.start.copy(), self.next_pos, self.stored)
