@@ -5,6 +5,16 @@ from itertools import count
 
 _ids = count()
 
+# A block-table entry read per kv head (kv/evict's PositionedKV, the CPU causal kernel's tables)
+# may also say where a block's keys are not: HOLE (offloaded, not recalled: they weigh 0), or
+# extra_entry(i) for block i of K/V recalled beside the pool.
+HOLE = -1
+
+
+def extra_entry(i):
+    """The table entry of block i of the recalled K/V (the entries below HOLE)."""
+    return -2 - i
+
 
 @dataclass(slots=True)
 class Sequence:

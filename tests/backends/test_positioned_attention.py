@@ -6,7 +6,7 @@ import pytest
 
 from localkv.backends.cpu import build, paged_attention
 from localkv.backends.cpu import compiled as cpu_kernels
-from localkv.kv.evict.protocol import HOLE, extra_entry
+from localkv.sequence import HOLE, extra_entry
 
 KVH, H, HD, BS = 2, 6, 16, 16
 KERNELS = pytest.mark.skipif(not build.load(), reason="no numba kernels")

@@ -12,9 +12,8 @@ from localkv.kv.block_tables import KVManager
 from localkv.kv.evict import POLICIES, AttendExtras, EvictConfig, NoPolicy, RoomPlan, make_policy
 from localkv.kv.evict.h2o import H2OPolicy
 from localkv.kv.evict.offload import OffloadPolicy, OffloadTier, quest_scores
-from localkv.kv.evict.protocol import HOLE, extra_entry
 from localkv.kv.evict.window import SlidingPolicy, TablePositions, choose_victims, ref_counts
-from localkv.sequence import Sequence
+from localkv.sequence import HOLE, Sequence, extra_entry
 
 BS, LAYERS, KVH, HEADS, HD = 4, 2, 2, 4, 8
 

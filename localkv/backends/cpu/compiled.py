@@ -154,7 +154,7 @@ def causal_attention(
 ):
     """Causal attention of q [T, H, hd] (the last T of n_ctx positions) over the pool layers k/v
     [blocks, bs, kvh, hd], normalised: [T, H, hd]. tables: a block table (every kv head) or
-    int64 [kvh, n_blocks] per kv head, whose entries may also be kernels.HOLE (keys absent) or
+    int64 [kvh, n_blocks] per kv head, whose entries may also be sequence.HOLE (keys absent) or
     -2 - i for block i of extra = (K, V) [kvh, nx, bs, hd] in the pool's dtype (blocks
     recalled from an offload tier). softcap > 0: Gemma 2's soft-capped scores; window > 0: a
     query sees its `window` newest keys. Call only when attends(hd)."""

@@ -12,9 +12,9 @@ import numpy as np
 from localkv.errors import LocalkvError
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.evict.budget import EvictConfig
-from localkv.kv.evict.protocol import AttendExtras, PositionedKV, RoomPlan, extra_entry, to_host
+from localkv.kv.evict.protocol import AttendExtras, PositionedKV, RoomPlan, to_host
 from localkv.kv.evict.window import SeqState, TablePositions, WindowPolicy
-from localkv.sequence import Sequence
+from localkv.sequence import Sequence, extra_entry
 from localkv.stats import Stats
 
 

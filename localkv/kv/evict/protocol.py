@@ -18,14 +18,6 @@ class RoomPlan:
     victims: list[int] = field(default_factory=list)  # table indices that would leave the pool (unshared blocks)
 
 
-HOLE = -1  # a PositionedKV.tables entry for keys that are not there (offloaded, not recalled)
-
-
-def extra_entry(i):
-    """The PositionedKV.tables entry of block i of its extra K/V (the entries below HOLE)."""
-    return -2 - i
-
-
 @dataclass(slots=True)
 class PositionedKV:
     """One layer's keys by absolute position, per kv head, as the causal kernel reads them: so a

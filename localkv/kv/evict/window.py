@@ -9,8 +9,8 @@ import numpy as np
 from localkv.errors import BudgetReached, LocalkvError
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.evict.budget import EvictConfig, ceil_div
-from localkv.kv.evict.protocol import HOLE, AttendExtras, RoomPlan
-from localkv.sequence import Sequence
+from localkv.kv.evict.protocol import AttendExtras, RoomPlan
+from localkv.sequence import HOLE, Sequence
 from localkv.stats import Stats
 
 

@@ -23,6 +23,7 @@ from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR, PAR, self_check
 from localkv.backends.cpu.simd.f32x8 import fload, float_of_bits, fma, fsplat, fsplat_at, fstore, hload
+from localkv.sequence import HOLE
 
 KEYS = 64  # keys per chunk
 SPLITS = 4  # jobs per kv head (each a run of chunks): enough for 2 threads when kv heads are few
@@ -201,7 +202,6 @@ QT = 32  # query tokens per tile of the causal kernel
 # ... and for a pass of at most QT tokens (a turn after a cached prompt, a short chunk): one
 # tile of 32 would leave one job per kv head for the threads, most of its rows padding
 QT_SHORT = 8
-HOLE = -1  # a tables entry for keys not there (offloaded, not recalled): they weigh 0
 
 
 @register_jitable
