@@ -5,6 +5,7 @@ than mapped afresh, and Python's cyclic collector paused while a start allocates
 import contextlib
 import ctypes
 import gc
+import math
 import mmap
 import sys
 import threading
@@ -77,7 +78,7 @@ def reused_empty(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
     handed out again. A fresh mmap is page-faulted in by whatever first writes it: a prefill
     matmul writing a new 32 MiB output ran far below OpenBLAS's speed on a reused one."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MMAP_THRESHOLD:
         return np.empty(shape, dtype)
     kept = _kept.__dict__.setdefault("buffers", [])

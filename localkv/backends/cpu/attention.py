@@ -46,9 +46,23 @@ def _run_start(block_table) -> int:
 
 
 class Table(np.ndarray):
-    """A read-only block table that carries its run check (see frozen_table)."""
+    """A read-only block table that carries its run check and its per-kv-head copy (see
+    frozen_table and per_head)."""
 
     run_start: int | None = None  # views and results of it (numpy keeps the class) are checked when read
+    heads: np.ndarray | None = None
+
+
+def per_head(block_table, kvh: int) -> np.ndarray:
+    """The table as the causal kernel reads it, int64 [kvh, blocks] (read-only): made once per
+    frozen table, not once per layer."""
+    heads = getattr(block_table, "heads", None)
+    if heads is None or heads.shape[0] != kvh:
+        heads = np.ascontiguousarray(np.broadcast_to(np.asarray(block_table, np.int64), (kvh, len(block_table))))
+        heads.flags.writeable = False
+        if isinstance(block_table, Table):
+            block_table.heads = heads
+    return heads
 
 
 def frozen_table(block_table) -> Table:
@@ -81,11 +95,12 @@ def paged_attention(
     heads (the table's keys only). softcap > 0: scores become softcap * tanh(score / softcap)
     (Gemma 2). window > 0: a query sees only the `window` newest keys up to itself (its own
     included: llama.cpp's sliding window); blocks wholly before every query's window are not read.
-    Plain attention (none of those) runs in the tiled kernel when the kernels are on."""
-    if mass is None and extra is None and not (softcap or window) and cpu_kernels.attends(q.shape[2]):
-        if build.FAST_PATHS and len(q) <= SHORT_T and n_ctx - len(q) >= SHORT_PAST:
+    Without mass and extra keys, attention runs in the tiled kernel when the kernels are on."""
+    if mass is None and extra is None and cpu_kernels.attends(q.shape[2]):
+        if build.FAST_PATHS and len(q) <= SHORT_T and n_ctx - len(q) >= SHORT_PAST and not (softcap or window):
             return _short_pass(q, k_layer, v_layer, block_table, n_ctx, scale)
-        return cpu_kernels.causal_attention(q, k_layer, v_layer, block_table, n_ctx, scale)
+        tables = per_head(block_table, k_layer.shape[2])
+        return cpu_kernels.causal_attention(q, k_layer, v_layer, tables, n_ctx, scale, softcap, window)
     if window:
         block_table, n_ctx, mass, extra = _window_skip(
             k_layer.shape[1], block_table, n_ctx, len(q), window, mass, extra

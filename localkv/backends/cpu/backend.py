@@ -265,6 +265,9 @@ class DecodeBatch:
         self.lens = np.asarray(n_ctx, np.int32)
         self.scores = None  # the kernel's scratch, sized at the first layer
         self.work = 0  # its multiply-adds per layer
+        # what the one-answer kernel (compiled.decode_rows) reads: int64, read-only
+        self.tables64, self.lens64 = self.tables.astype(np.int64), self.lens.astype(np.int64)
+        self.tables64.flags.writeable = self.lens64.flags.writeable = False
 
 
 def decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, batch: DecodeBatch, scale: float) -> np.ndarray:
@@ -273,6 +276,8 @@ def decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, batch: Decod
     if not cpu_kernels.attends(q.shape[2]):
         rows = zip(q, batch.tables, batch.lens)
         return np.stack([paged_attention(qb[None], k_layer, v_layer, t, int(n), scale)[0] for qb, t, n in rows])
+    if not build.FAST_PATHS:  # each row the bits of its own causal attention (the one-answer rule)
+        return cpu_kernels.decode_rows(q, k_layer, v_layer, batch.tables64, batch.lens64, scale)
     if batch.scores is None:
         kvh = k_layer.shape[2]
         batch.scores = np.empty((len(batch.lens) * kvh, q.shape[1] // kvh, int(batch.lens.max())), np.float32)
@@ -308,11 +313,12 @@ class CpuBackend:
     def __init__(self, threads: int):
         if threads < 1:
             raise ValueError(f"CpuBackend needs at least one thread, got {threads}")
-        # the cascade over a shared prefix and the batched decode kernel sum in their own order:
-        # without the fast paths every span attends through paged_attention's causal kernel
+        # the cascade over a shared prefix and the fast batched decode kernel sum in their own
+        # order: without the fast paths decode() gives each row the causal kernel's bits (and
+        # reads a prefix its rows share once, kernels/decode_rows)
         self.caps = Capabilities(
             shared_prefix=build.FAST_PATHS,
-            batched_decode=build.FAST_PATHS,  # decode(): one kernel call per layer for all single-token sequences
+            batched_decode=True,  # decode(): one kernel call per layer for all single-token sequences
             quant_weights=True,
             kv_dtypes=("float32", "float16"),
             attention_options=frozenset({"softcap", "window"}),

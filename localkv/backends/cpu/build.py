@@ -50,8 +50,9 @@ class State:
     why: str | None = None  # why they do not
     types: dict[str, str | None] = field(default_factory=dict)  # weight type -> None (runs) or why not
     amx: dict[str, str | None] = field(default_factory=dict)  # "" (the tile unit) or block type -> same
-    attention: ModuleType | None = None  # kernels.attention, decode, elementwise once checked
+    attention: ModuleType | None = None  # kernels.attention, decode, decode_rows, elementwise once checked
     decode: ModuleType | None = None
+    decode_rows: ModuleType | None = None
     elementwise: ModuleType | None = None
     weights: ModuleType | None = None  # quant.compiled, once a weight type's kernels passed
     amx_kernels: ModuleType | None = None  # kernels.amx, once the tile unit is granted
@@ -123,7 +124,7 @@ def _load() -> tuple[bool, str | None]:
     try:
         drop_stale_cache()
         with _absent("scipy.linalg"), tables_deferred():
-            from localkv.backends.cpu.kernels import CHECKS, attention, decode, elementwise
+            from localkv.backends.cpu.kernels import CHECKS, attention, decode, decode_rows, elementwise
 
             if not all(check() for check in CHECKS["base"]):
                 return False, "kernel self-check failed"
@@ -131,7 +132,7 @@ def _load() -> tuple[bool, str | None]:
             return False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
     except Exception as e:  # no OpenMP runtime, a numba/numpy mismatch, an unwritable cache...
         return False, f"numba kernels unavailable ({type(e).__name__}: {first_line(e)})"
-    state.attention, state.decode, state.elementwise = attention, decode, elementwise
+    state.attention, state.decode, state.decode_rows, state.elementwise = attention, decode, decode_rows, elementwise
     return True, None
 
 

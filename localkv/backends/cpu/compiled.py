@@ -12,6 +12,7 @@ each where numpy makes several.
 """
 
 import contextlib
+import functools
 import threading
 
 import numpy as np
@@ -103,6 +104,23 @@ def decode_attention(q, k_layer, v_layer, tables, lens, scale: float, scores, wo
     return out
 
 
+def decode_rows(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables, lens, scale: float) -> np.ndarray:
+    """See kernels/decode_rows.paged_decode: attention of B sequences' last tokens q [B, H, hd]
+    over int64 tables [B, blocks] and lens [B] (read-only), normalised [B, H, hd]: each row
+    the bits causal_attention gives it. Call only when attends(hd)."""
+    import numba
+
+    B, H, hd = q.shape
+    kvh = k_layer.shape[2]
+    g = H // kvh
+    qt = np.empty((kvh, hd, B, g), np.float32)
+    np.multiply(q.reshape(B, kvh, g, hd).transpose(1, 3, 0, 2), np.float32(scale), out=qt)
+    out = np.empty((kvh, B * g, hd), np.float32)
+    parts = min(B, -(-2 * numba.get_num_threads() // kvh))  # enough jobs to keep every thread busy
+    state.decode_rows.paged_decode(qt.reshape(kvh, hd, B * g), _bits(k_layer), _bits(v_layer), tables, lens, parts, out)
+    return out.reshape(kvh, B, g, hd).transpose(1, 0, 2, 3).reshape(B, H, hd)
+
+
 def causal_max(s: np.ndarray, tq: int, first: int, window: int = 0):
     """See kernels/elementwise.causal_max. Call only when active()."""
     state.elementwise.causal_max(s, tq, first, window)
@@ -124,30 +142,60 @@ def paged_partial(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table
 
 
 def causal_attention(
-    q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, n_ctx: int, scale: float
+    q: np.ndarray,
+    k_layer: np.ndarray,
+    v_layer: np.ndarray,
+    tables: np.ndarray,
+    n_ctx: int,
+    scale: float,
+    softcap: float = 0.0,
+    window: int = 0,
+    extra: tuple[np.ndarray, np.ndarray] | None = None,
 ):
-    """Causal attention of q [T, H, hd] (the last T of n_ctx tokens) over the pool layers k/v
-    [blocks, bs, kvh, hd] read through a block table, normalised: [T, H, hd]. Call only when
-    attends(hd)."""
+    """Causal attention of q [T, H, hd] (the last T of n_ctx positions) over the pool layers k/v
+    [blocks, bs, kvh, hd], normalised: [T, H, hd]. tables: a block table (every kv head) or
+    int64 [kvh, n_blocks] per kv head, whose entries may also be kernels.HOLE (keys absent) or
+    -2 - i for block i of extra = (K, V) [kvh, nx, bs, hd] in the pool's dtype (blocks
+    recalled from an offload tier). softcap > 0: Gemma 2's soft-capped scores; window > 0: a
+    query sees its `window` newest keys. Call only when attends(hd)."""
     T, H, hd = q.shape
-    kvh = k_layer.shape[2]
+    nb, bs, kvh, _ = k_layer.shape
     kernels = state.attention
-    g, QT = H // kvh, kernels.QT if T > kernels.QT else kernels.QT_SHORT  # query tokens per tile
-    tiles, full = -(-T // QT), T // QT
-    # [kvh, tiles, hd, QT * g]: a tile's rows ordered (token, head), transposed, scaled; one
-    # strided pass over q (a zero-padded copy only for a last tile that is not full)
-    qt = np.empty((kvh, tiles, hd, QT, g), np.float32)
+    g = H // kvh
+    QT = kernels.QT if T > kernels.QT else min(T, kernels.QT_SHORT)  # query tokens per tile
+    tiles, full, RT = -(-T // QT), T // QT, -(-QT * g // 8) * 8
+    # [kvh, tiles, hd, RT]: a tile's rows ordered (token, head), transposed, scaled, zero rows
+    # after QT * g; one strided pass over q (a zero-padded copy only for a last tile not full)
+    make = np.empty if QT * g == RT else np.zeros
+    qt = make((kvh, tiles, hd, RT), np.float32)
+    rows = qt[..., : QT * g].reshape(kvh, tiles, hd, QT, g)
     src, scale = q.reshape(T, kvh, g, hd), np.float32(scale)
-    np.multiply(src[: full * QT].reshape(full, QT, kvh, g, hd).transpose(2, 0, 4, 1, 3), scale, out=qt[:, :full])
+    np.multiply(src[: full * QT].reshape(full, QT, kvh, g, hd).transpose(2, 0, 4, 1, 3), scale, out=rows[:, :full])
     if full < tiles:
         last = np.zeros((QT, kvh, g, hd), np.float32)
         last[: T - full * QT] = src[full * QT :]
-        np.multiply(last.transpose(1, 3, 0, 2), scale, out=qt[:, full])
-    qt = qt.reshape(kvh, tiles, hd, QT * g)
-    out = np.empty((kvh, tiles, QT * g, hd), np.float32)
-    with _large_kernel(T * (n_ctx - T // 2) * H * hd):  # the scores' multiply-adds, causal
-        kernels.paged_causal(qt, _bits(k_layer), _bits(v_layer), _table(table), n_ctx - T, T, QT, out)
-    return out.reshape(kvh, tiles * QT, g, hd).transpose(1, 0, 2, 3).reshape(tiles * QT, H, hd)[:T]
+        np.multiply(last.transpose(1, 3, 0, 2), scale, out=rows[:, full])
+    if tables.ndim == 1:
+        tables = np.broadcast_to(tables, (kvh, len(tables)))
+    xk, xv = _no_extra(k_layer.dtype, kvh, bs, hd) if extra is None else (np.ascontiguousarray(a) for a in extra)
+    out = np.empty((kvh, tiles, RT, hd), np.float32)
+    args = (qt, _bits(k_layer), _bits(v_layer), _table(tables), _bits(xk), _bits(xv), n_ctx - T, T, QT, g)
+    work = T * (n_ctx - T // 2) * H * hd  # the scores' multiply-adds, causal
+    if work < PARALLEL_CAUSAL:
+        kernels.paged_causal(*args, np.float32(softcap), window, out)
+    else:
+        with _large_kernel(work):
+            kernels.paged_causal(*args, np.float32(softcap), window, out)
+    out = out[:, :, : QT * g].reshape(kvh, tiles, QT, g, hd).transpose(1, 2, 0, 3, 4)
+    return out.reshape(tiles * QT, H, hd)[:T]
+
+
+@functools.lru_cache(maxsize=16)
+def _no_extra(dtype, kvh: int, bs: int, hd: int) -> tuple[np.ndarray, np.ndarray]:
+    """causal_attention's extra blocks when there are none: empty, in the pool's dtype (and
+    writable, as recalled blocks are: one build of the kernel for both)."""
+    none = np.empty((kvh, 0, bs, hd), dtype)
+    return none, none
 
 
 def paged_tails(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables: np.ndarray, lens: np.ndarray):

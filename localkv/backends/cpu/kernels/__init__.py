@@ -2,8 +2,10 @@
 the backend runs without numba):
 - attention: a chunk of keys at a time on 8 x 8 register tiles: the shared prefix of many
   decoding sequences, and a prefill pass's causal attention (flash-style online softmax);
+- decode_rows: one query token per sequence, every row the causal kernel's bits, a chunk the
+  rows of several sequences share (forks, a system prompt) read once for all of them;
 - decode: one query token per sequence (decode steps, the forks' own tails), vectors along
-  the head dimension;
+  the head dimension (LOCALKV_FAST_PATHS=1);
 - elementwise: fused one-pass RMSNorm, RoPE, SwiGLU and causal mask-and-max for prefill;
 - matmul_few: the decode matmuls of 1-8 activation rows on every block type (int8 activations,
   integer multiply-adds), and the dequantizer;

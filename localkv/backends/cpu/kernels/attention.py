@@ -197,44 +197,96 @@ def paged_prefix(qt, k, v, table, n, out, mx, sm):
             mx[h, r], sm[h, r] = m, total
 
 
-QT = 32  # query tokens per tile of the causal kernel (times the group: a multiple of 8 rows)
+QT = 32  # query tokens per tile of the causal kernel
 # ... and for a pass of at most QT tokens (a turn after a cached prompt, a short chunk): one
 # tile of 32 would leave one job per kv head for the threads, most of its rows padding
 QT_SHORT = 8
+HOLE = -1  # a tables entry for keys not there (offloaded, not recalled): they weigh 0
+
+
+@register_jitable
+def _sourced_rows(pool, extra, tables, h, t0, n, dst, hd, seen):
+    """_rows through a per-kv-head table: tables[h, j] maps positions j * bs .. j * bs + bs - 1
+    to a pool block (>= 0), to nothing (HOLE: zeros, seen[t] False) or to block -2 - e of
+    extra [kvh, nx, bs, hd] (recalled from an offload tier)."""
+    bs, kvh = pool.shape[1], pool.shape[2]
+    for t in range(KEYS):
+        seen[t] = False
+        if t < n:
+            e, o = tables[h, (t0 + t) // bs], (t0 + t) % bs
+            if e >= 0:
+                at = ((e * bs + o) * kvh + h) * hd
+                for d in range(0, hd, 8):
+                    fstore(dst, t * hd + d, vload(pool, at + d))
+                seen[t] = True
+            elif e < HOLE:
+                at = ((h * extra.shape[1] + (-2 - e)) * bs + o) * hd
+                for d in range(0, hd, 8):
+                    fstore(dst, t * hd + d, vload(extra, at + d))
+                seen[t] = True
+        if not seen[t]:
+            for d in range(hd):
+                dst[t, d] = 0
+
+
+@register_jitable
+def _cap_and_mask(st, n, t0, first, g, rows, softcap, window, seen):
+    """Scores st [KEYS, RT] of a chunk at t0, for rows whose token r // g sits at position
+    first + r // g (rows >= `rows` are padding): soft-capped (softcap > 0: softcap *
+    tanh(s / softcap), Gemma 2), and -inf where the key is absent, in the row's future or
+    (window > 0) not among its `window` newest keys."""
+    RT = st.shape[1]
+    ninf = np.float32(-np.inf)
+    if softcap > 0:
+        inv = np.float32(1) / softcap
+        for t in range(n):
+            for r in range(RT):
+                st[t, r] = softcap * np.tanh(st[t, r] * inv)
+    for t in range(n):
+        if not seen[t]:
+            for r in range(RT):
+                st[t, r] = ninf
+    last = first + (rows - 1) // g  # the tile's last row's position
+    if t0 + n - 1 > first or (window > 0 and t0 <= last - window):
+        for t in range(n):
+            for r in range(RT):
+                p = first + r // g
+                if t0 + t > p or (window > 0 and t0 + t <= p - window):
+                    st[t, r] = ninf
 
 
 @njit(**EXACT_PAR)
-def paged_causal(qt, k, v, table, past, T, QT, out):
+def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, window, out):
     """Causal attention of a pass's T query tokens (token i at position past + i) over the
-    first past + T tokens of one block table: qt [kvh, tiles, hd, QT * g] holds tile c's
-    QT tokens x g query heads of kv head h (rows ordered (token, head), transposed, scaled);
-    out [kvh, tiles, QT * g, hd] the normalised result. Parallel over (kv head, tile), the
-    tiles paired long with short; each tile reads only the keys its rows can see, chunk by
-    chunk, masking the keys past a row's own position in the chunks that cross them."""
+    first past + T positions of per-kv-head tables (_sourced_rows): qt [kvh, tiles, hd, RT]
+    holds tile c's QT tokens x g query heads of kv head h (rows ordered (token, head), RT >=
+    QT * g a multiple of 8, zero padding after; transposed, scaled); out [kvh, tiles, RT, hd]
+    the normalised result. Parallel over (kv head, tile), the tiles paired long with short.
+    Each tile reads the keys its rows can see, chunk by chunk at the positions 0, KEYS,
+    2 * KEYS..., masking the others (_cap_and_mask): a masked key weighs 0 and a chunk a row
+    sees nothing of leaves it as it was, so each row's bits depend on its own keys only
+    (not on T, QT, the tile or the chunks skipped before a window)."""
     kvh, tiles, hd, RT = qt.shape
-    g = RT // QT
-    ninf = np.float32(-np.inf)
     for job in prange(kvh * tiles):
         h, i = job // tiles, job % tiles
         c = i // 2 if i % 2 == 0 else tiles - 1 - i // 2  # 0, last, 1, last - 1, ...
         kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
         st, top = np.empty((KEYS, RT), np.float32), np.empty(RT, np.float32)
+        seen = np.empty(KEYS, np.bool_)
         o, m, sums = np.zeros((RT, hd), np.float32), np.full(RT, -np.inf, np.float32), np.zeros(RT, np.float32)
+        rows = min(T - c * QT, QT) * g  # the tile's real rows
         first, end = past + c * QT, past + min(T, (c + 1) * QT)  # the tile's first position; keys seen
-        for t0 in range(0, end, KEYS):
+        start = max(0, first - window + 1) // KEYS * KEYS if window > 0 else 0
+        for t0 in range(start, end, KEYS):
             n = min(end - t0, KEYS)
-            _rows(k, table, h, t0, n, kc, hd)
-            _rows(v, table, h, t0, n, vc, hd)
+            _sourced_rows(k, extra_k, tables, h, t0, n, kc, hd, seen)
+            _sourced_rows(v, extra_v, tables, h, t0, n, vc, hd, seen)
             _scores(qt[h, c], kc, st, RT, hd)
-            if t0 + n - 1 > first:  # keys past the first rows' positions
-                for t in range(n):
-                    for r in range(RT):
-                        if t0 + t > first + r // g:
-                            st[t, r] = ninf
+            _cap_and_mask(st, n, t0, first, g, rows, softcap, window, seen)
             _softmax_step(st, n, o, m, sums, top)
             _accumulate(st, vc, o, RT, hd)
         for r in range(RT):
-            inv = np.float32(1) / sums[r]
+            inv = np.float32(1) / sums[r] if sums[r] > 0 else np.float32(0)
             for d in range(hd):
                 out[h, c, r, d] = o[r, d] * inv
 
@@ -251,5 +303,8 @@ def check() -> bool:
     paged_prefix(np.ones((2, 8, 8), np.float32), k, k, table, 3, out, mx, sm)
     ok = bool((mx == 8.0).all() and (sm == 3.0).all() and (out == 3.0).all())
     cout = np.empty((2, 1, QT, 8), np.float32)  # one tile of one head each
-    paged_causal(np.ones((2, 1, 8, QT), np.float32), k, k, table, 0, 3, QT, cout)
+    tables = np.zeros((2, 1), np.int64)
+    tables.flags.writeable = False
+    none = np.empty((2, 0, 4, 8), np.uint16)
+    paged_causal(np.ones((2, 1, 8, QT), np.float32), k, k, tables, none, none, 0, 3, QT, 1, np.float32(0), 0, cout)
     return ok and bool((cout[:, :, :3] == 1.0).all())

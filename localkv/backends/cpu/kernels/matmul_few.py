@@ -202,17 +202,23 @@ def _spread(xs16):
 def _interleave(xq, dx, xs16):
     """The activations in the 8-lane layout: xi [g][dword][row][4 bytes], dxv/xsa/xsb [g][row]
     (rows past R are zero, so their lanes compute nothing)."""
-    R, K = xq.shape
-    ng = K // 32
+    ng = xq.shape[1] // 32
     xi = np.zeros(ng * 256, np.int8)
     dxv, xsa, xsb = np.zeros(ng * 8, np.float32), np.zeros(ng * 8, np.float32), np.zeros(ng * 8, np.float32)
+    _interleave_into(xq, dx, xs16, xi, dxv, xsa, xsb)
+    return xi, dxv, xsa, xsb
+
+
+@register_jitable
+def _interleave_into(xq, dx, xs16, xi, dxv, xsa, xsb):
+    """_interleave into given arrays (zero where rows past R go)."""
+    R, K = xq.shape
     for r in range(R):
-        for g in range(ng):
+        for g in range(K // 32):
             for k in range(8):
                 for i in range(4):
                     xi[256 * g + 32 * k + 4 * r + i] = xq[r, 32 * g + 4 * k + i]
             dxv[8 * g + r], xsa[8 * g + r], xsb[8 * g + r] = dx[r, g], xs16[r, 2 * g], xs16[r, 2 * g + 1]
-    return xi, dxv, xsa, xsb
 
 
 @njit(**PAR)
@@ -242,18 +248,19 @@ def matmul_few(qt, x, ws, offs, out):
                     out[r, col + n] = lane(v, r)
 
 
-@njit(_nrt=True, boundscheck=False, cache=True, nogil=True)
+@njit(**EXACT_PAR)
 def lanes_inputs(qt, x):
     """x [R, K] quantized (as matmul_few) and interleaved per block of 8 rows, for matmul_lanes:
-    (xi [blocks, K * 8] int8, dxv, xsa, xsb [blocks, K / 4] float32)."""
+    (xi [blocks, K * 8] int8, dxv, xsa, xsb [blocks, K / 4] float32). Parallel over the blocks
+    (a row's values are its own: the same bits on any split)."""
     R, K = x.shape
     ng, nb = K // 32, (R + LANES - 1) // LANES
-    xq, dx, xs16 = quantized(x, act_group(qt))
-    xi, dxv = np.empty((nb, ng * 256), np.int8), np.empty((nb, ng * 8), np.float32)
-    xsa, xsb = np.empty((nb, ng * 8), np.float32), np.empty((nb, ng * 8), np.float32)
-    for b in range(nb):
+    xi, dxv = np.zeros((nb, ng * 256), np.int8), np.zeros((nb, ng * 8), np.float32)
+    xsa, xsb = np.zeros((nb, ng * 8), np.float32), np.zeros((nb, ng * 8), np.float32)
+    for b in prange(nb):
         r0, r1 = b * LANES, min(R, (b + 1) * LANES)
-        xi[b], dxv[b], xsa[b], xsb[b] = _interleave(xq[r0:r1], dx[r0:r1], xs16[r0:r1])
+        xq, dx, xs16 = quantized(x[r0:r1], act_group(qt))
+        _interleave_into(xq, dx, xs16, xi[b], dxv[b], xsa[b], xsb[b])
     return xi, dxv, xsa, xsb
 
 
