@@ -367,10 +367,10 @@ class CpuBackend:
 
     def begin_forward(self, rows: int) -> None:
         if not cpu_kernels.active():
-            if not build.FAST_PATHS:  # the numpy path: a few rows' products (one block of rows, each
-                # query's attention) are too small to pay for waking BLAS's workers; results do
-                # not depend on BLAS's thread count (tests/test_one_answer.py, chunk sizes)
-                self._blas_threads(1 if rows <= KERNEL_ROWS else self._cores.threads())
+            if not build.FAST_PATHS:  # the numpy path: each of its BLAS calls is small (one block of
+                # rows times one cache-sized tile of a weight, one query's attention), too small
+                # to pay for waking BLAS's workers (several times slower on a busy machine)
+                self._blas_threads(1)
             return  # with the fast paths BLAS keeps the engine's threads throughout
         threads = self._cores.threads()  # the engine's, less the cores other processes keep busy
         if rows > KERNEL_ROWS and (self.prefill_amx or not build.FAST_PATHS):  # numba's kernels
