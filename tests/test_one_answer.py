@@ -38,16 +38,6 @@ KERNELS_OFF = os.environ.get("LOCALKV_CPU_KERNELS", "1").strip().lower() in ("0"
 RECIPES = ("llama3", "llama2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3-128k")
 MODELS = [*(f"{r}-Q8_0" for r in RECIPES), "llama-Q4_1", "llama-Q4_K"]
 CHUNKS = (1, 3, 16, 31, 32, 33, 512)
-# with the kernels off, Gemma's soft-capped and sliding-window attention runs in numpy
-# (cpu_attention.paged_attention), whose BLAS products sum in an order that depends on the pass's shape
-NUMPY_ATTENTION = pytest.mark.xfail(
-    KERNELS_OFF, strict=True, reason="soft-capped / windowed attention is numpy, shape-dependent"
-)
-
-
-def cases(names, *more):
-    """names as parameters, Gemma's marked (NUMPY_ATTENTION), and `more` marks on all."""
-    return [pytest.param(n, marks=[*more, *([NUMPY_ATTENTION] if "gemma" in n else [])]) for n in names]
 
 
 N_PROMPT = 300  # past 256 positions: the short passes after a long context run their own attention
@@ -144,7 +134,7 @@ def assert_same(got, want, what: str):
 # ---------------------------------------------------------------- chunk sizes
 
 
-@pytest.mark.parametrize("name", cases(MODELS))
+@pytest.mark.parametrize("name", MODELS)
 def test_chunk_size_changes_no_logit_and_no_kv_row(models, name):
     """The last prompt token's logits and every K/V row in the pool, with the prompt cut into
     chunks of 1 (the decode step), 3, 16, 31, 32 (the few-row kernels), 33 and 512 (the many-row
@@ -191,7 +181,7 @@ def assert_same_run(got: Generation, want: Generation, what: str):
 WARM_MODELS = ["llama3-Q8_0", "qwen2-Q8_0", "gemma2-Q8_0", "llama-Q4_1"]
 
 
-@pytest.mark.parametrize("name", cases(WARM_MODELS))
+@pytest.mark.parametrize("name", WARM_MODELS)
 def test_a_pool_prefix_hit_changes_nothing(models, name):
     path = models(name)
     cold = generate(engine(path, prefix_cache=False), PROMPT)
@@ -227,7 +217,7 @@ def test_forked_branches_get_the_logits_of_a_lone_request(models, name):
         assert_same(np.stack(forked.rows[i]), np.stack(alone.rows[0]), f"{name}: branch {i}")
 
 
-@pytest.mark.parametrize("name", cases(WARM_MODELS))
+@pytest.mark.parametrize("name", WARM_MODELS)
 def test_preempted_requests_are_recomputed_to_the_same_logits(models, name):
     path = models(name)
     prompts = [RNG.integers(3, 261, n).tolist() for n in (120, 100, 90)]
@@ -268,7 +258,7 @@ ASKS = [RNG.integers(3, 261, n).tolist() for n in (9, 30, 3, 45)]
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-prompts", "system-prompt"])
-@pytest.mark.parametrize("name", cases(WARM_MODELS))
+@pytest.mark.parametrize("name", WARM_MODELS)
 def test_requests_alone_together_or_staggered_get_the_same_logits(models, name, shared):
     """N requests run alone (a fresh engine each), all together, and staggered (each joins while
     the others decode, its prompt chunks sharing steps with their decodes): identical logits."""
@@ -293,7 +283,6 @@ def test_requests_alone_together_or_staggered_get_the_same_logits(models, name, 
 
 
 @pytest.mark.skipif(KERNELS_OFF or not build.load(), reason="this is the child process, or no kernels")
-@pytest.mark.xfail(strict=True, reason="the numpy path's BLAS products and sums depend on the pass's shape")
 def test_the_numpy_path_agrees_with_itself_too():
     """LOCALKV_CPU_KERNELS=0 is its own numeric definition: the same checks in a child process."""
     env = dict(os.environ, LOCALKV_CPU_KERNELS="0")

@@ -114,6 +114,80 @@ def paged_attention(
         block_table, n_ctx, mass, extra = _window_skip(
             k_layer.shape[1], block_table, n_ctx, len(q), window, mass, extra
         )
+    if build.FAST_PATHS:
+        return _query_blocks(q, k_layer, v_layer, block_table, n_ctx, scale, mass, extra, softcap, window, head_tables)
+    holes = None
+    if head_tables:
+        k, v, holes = gather_positioned(k_layer, v_layer, block_table, n_ctx, extra)
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    else:
+        k, v = (_keys(layer, block_table, n_ctx, extra, i) for i, layer in enumerate((k_layer, v_layer)))
+    return _by_query(q, k, v, scale, mass, k.shape[1] - n_ctx, softcap, window, holes)
+
+
+def _keys(layer: np.ndarray, block_table, n_ctx: int, extra, which: int) -> np.ndarray:
+    """K or V of the table's first n_ctx tokens (extra's first) as one C-contiguous float32
+    [kv_heads, n, hd]: the same layout whether the table is one run of blocks or not."""
+    kv = gather_kv(layer, block_table, n_ctx)
+    if extra is not None:
+        return np.concatenate((extra[which].astype(np.float32, copy=False), kv), axis=1)
+    return np.ascontiguousarray(kv)
+
+
+def _by_query(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mass, ne: int, softcap: float, window: int, holes
+):
+    """paged_attention one query token at a time (keys k, v [kvh, n, hd]: ne extra keys, then
+    the table's, the last T of them the queries' own): each query's scores, softmax and
+    weighted sum over exactly the keys it sees, in matmuls over its heads whose shapes depend on
+    its position alone, so that its result does not depend on the tokens that share its pass
+    (the one-answer rule)."""
+    T, H, hd = q.shape
+    kvh, n = k.shape[0], k.shape[1]
+    g = H // kvh
+    qg = (q * np.float32(scale)).reshape(T, kvh, g, hd)
+    kt = k.transpose(0, 2, 1)
+    out = np.empty((T, kvh, g, hd), np.float32)
+    for t in range(T):
+        end = n - T + t + 1  # keys past end are in this query's future
+        k0 = max(0, end - window) if window else 0
+        s = _capped(np.matmul(qg[t], kt[:, :, k0:end]), softcap)  # [kvh, g, keys]
+        if holes is not None:  # keys offloaded and not recalled
+            s += holes[:, None, k0:end]
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        total = s.sum(axis=-1, keepdims=True)
+        if mass is not None:
+            _add_mass(mass, s / total, k0, end, ne)
+        np.matmul(s, v[:, k0:end], out=out[t])
+        out[t] /= total
+    return out.reshape(T, H, hd)
+
+
+def _capped(s: np.ndarray, softcap: float) -> np.ndarray:
+    """Scores s soft-capped in place (softcap * tanh(s / softcap)) when softcap > 0."""
+    if softcap:
+        s *= 1.0 / softcap
+        np.tanh(s, out=s)
+        s *= softcap
+    return s
+
+
+def _add_mass(mass: np.ndarray, p: np.ndarray, k0: int, end: int, ne: int):
+    """Attention weights p [kvh, rows, keys k0..end] summed over their rows into mass
+    (paged_attention's two forms)."""
+    if mass.ndim == 2:
+        mass[:, k0:end] += p.sum(axis=1)
+    else:
+        a = max(k0, ne)
+        mass[a - ne : end - ne] += p.sum(axis=(0, 1))[a - k0 :]
+
+
+def _query_blocks(
+    q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass, extra, softcap, window, head_tables
+):
+    """paged_attention in blocks of Q_BLOCK queries (the fast paths' numpy attention: its sums'
+    order depends on the pass's shape)."""
     T, H, hd = q.shape
     holes = None
     if head_tables:
@@ -147,10 +221,7 @@ def paged_attention(
             k[:, k0:kend].transpose(0, 2, 1),
             out=s_buf[: kvh * g * tq * n].reshape(kvh, g * tq, n),
         )
-        if softcap:
-            s *= 1.0 / softcap
-            np.tanh(s, out=s)
-            s *= softcap
+        _capped(s, softcap)
         if holes is not None:
             s += holes[:, None, k0:kend]
         _mask_max(s, tq, past + q0 - k0, window)
@@ -161,11 +232,7 @@ def paged_attention(
             o /= total
         else:
             s /= total
-            if mass.ndim == 2:
-                mass[:, k0:kend] += s.sum(axis=1)
-            else:
-                a = max(k0, ne)
-                mass[a - ne : kend - ne] += s.sum(axis=(0, 1))[a - k0 :]
+            _add_mass(mass, s, k0, kend, ne)
             o = np.matmul(s, v[:, k0:kend])
         out[q0:q1] = o.reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
     return out.reshape(T, H, hd)

@@ -70,9 +70,10 @@ def linear(x: np.ndarray, w, kind: str) -> np.ndarray:
     dequantized into a scratch of this thread's, then BLAS (with AMX: its tile kernels). Its
     result is the transpose of a C-ordered [out, T] array: gate and up are then each one
     contiguous block for SwiGLU, and the down projection reads its transpose as a plain matrix.
-    Unless build.FAST_PATHS, every row count takes one kernel (quant.matmul_rows): a
-    token's outputs are then the same bits whatever else shares its pass."""
-    if cpu_kernels.active() and not build.FAST_PATHS:
+    Unless build.FAST_PATHS, every row count takes one kernel (quant.matmul_rows; without the
+    kernels, BLAS on fixed blocks of rows): a token's outputs are then the same bits whatever else
+    shares its pass."""
+    if not build.FAST_PATHS:
         return quant.matmul_rows(x, w)
     rows = len(x)
     if rows <= quant.MAX_FEW:
@@ -366,7 +367,11 @@ class CpuBackend:
 
     def begin_forward(self, rows: int) -> None:
         if not cpu_kernels.active():
-            return  # BLAS keeps the engine's threads throughout
+            if not build.FAST_PATHS:  # the numpy path: each of its BLAS calls is small (one block of
+                # rows times one cache-sized tile of a weight, one query's attention), too small
+                # to pay for waking BLAS's workers (several times slower on a busy machine)
+                self._blas_threads(1)
+            return  # with the fast paths BLAS keeps the engine's threads throughout
         threads = self._cores.threads()  # the engine's, less the cores other processes keep busy
         if rows > KERNEL_ROWS and (self.prefill_amx or not build.FAST_PATHS):  # numba's kernels
             cpu_kernels.set_threads(threads)
@@ -380,6 +385,9 @@ class CpuBackend:
         else:
             cpu_kernels.set_threads(threads)
             want = 1
+        self._blas_threads(want)
+
+    def _blas_threads(self, want: int) -> None:
         if self._blas is None:
             from threadpoolctl import ThreadpoolController
 

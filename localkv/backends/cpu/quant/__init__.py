@@ -91,7 +91,7 @@ def matmul_rows(x: np.ndarray, w: "QTensor | QStack") -> np.ndarray:
     a decode row takes kernels/matmul_out, the same bits with outputs in the lanes), so that a
     token's result does not depend on the rows that share its pass. Slower than the cut-dependent
     kernels (build.FAST_PATHS): matmul_few for 2 rows, superblock for the K-quants' 1-2 and
-    matmul_many for many."""
+    matmul_many for many. Without the kernels, BLAS on fixed blocks of rows (fallback.matmul_rows)."""
     x = _activations(x, w)
     R = x.shape[0]
     out = np.empty((-(-R // 8) * 8, w.rows), np.float32)  # the lanes kernel writes all 8 of a block
@@ -114,14 +114,27 @@ def _by_runs(kernel: str, x: np.ndarray, w: "QTensor | QStack", out: np.ndarray)
     for run in w.runs:
         if active(run.qtype) and (run.qtype in BLOCK_TYPES or w.cols % 8 == 0):
             getattr(state.weights, kernel)(run, x, out)
+        elif kernel == "every_row":
+            _rows_numpy(run, x, out)
         else:
             _few_numpy(run, x, out[: len(x)])
 
 
+def _numpy_activations(run: KernelRun, x: np.ndarray) -> np.ndarray:
+    return fallback.quantize_activations(x, activation_group(run.qtype)) if run.qtype in BLOCK_TYPES else x
+
+
 def _few_numpy(run: KernelRun, x: np.ndarray, out: np.ndarray):
-    xa = fallback.quantize_activations(x, activation_group(run.qtype)) if run.qtype in BLOCK_TYPES else x
+    xa = _numpy_activations(run, x)
     for t, col in zip(run.tensors, run.offs):
         out[:, col : col + t.rows] = fallback.matmul_t(xa, t.data, t.qtype, t.rows, t.cols, None, _dequant(t)).T
+
+
+def _rows_numpy(run: KernelRun, x: np.ndarray, out: np.ndarray):
+    """matmul_rows's numpy path: each row's outputs the same bits whatever rows share the call."""
+    xa = _numpy_activations(run, x)
+    for t, col in zip(run.tensors, run.offs):
+        fallback.matmul_rows(xa, t.data, t.qtype, _dequant(t), out, col, t.rows)
 
 
 def matmul_many(x: np.ndarray, w: "QTensor | QStack", scratch: np.ndarray | None = None) -> np.ndarray:

@@ -2,6 +2,7 @@
 weight rows, then BLAS. Slower, same results as the kernels within float rounding: for block
 types the few-row product quantizes the activations to int8 exactly as the kernels do
 (`quantize_activations`, per `types.activation_group` values), so both paths compute the same sums.
+`matmul_rows` is the product whose rows do not depend on the rows beside them (the one-answer rule).
 """
 
 import numpy as np
@@ -11,10 +12,14 @@ from localkv import gguf_py
 # Weights per dequantized tile (16 MiB of float32). BLAS runs each tile as one gemm, and many
 # small gemms cost it far more than the dequantizing does: tiles of a few hundred rows or more.
 TILE_VALUES = 1 << 22
+# matmul_rows multiplies blocks of this many activation rows: one BLAS call shape for every row
+# count (a single row would otherwise take OpenBLAS's gemv, which sums in another order)
+ROW_BLOCK = 16
+ROWS_TILE_VALUES = 1 << 18  # its tiles: small enough to stay in cache for every block of rows
 
 
-def tile_rows(cols: int) -> int:
-    return max(64, TILE_VALUES // cols)
+def tile_rows(cols: int, values: int | None = None) -> int:
+    return max(64, (TILE_VALUES if values is None else values) // cols)
 
 
 def quantize_activations(x: np.ndarray, group: int = 32) -> np.ndarray:
@@ -62,3 +67,24 @@ def matmul_t(x: np.ndarray, data: np.ndarray, qtype: str, rows: int, cols: int, 
         tile = dequant(r0, r1, flat[: (r1 - r0) * cols].reshape(r1 - r0, cols))
         np.matmul(tile, x.T, out=out_t[r0:r1])
     return out_t
+
+
+def matmul_rows(x: np.ndarray, data: np.ndarray, qtype: str, dequant, out: np.ndarray, col: int, rows: int):
+    """out[:R, col : col + rows] = x @ W.T for x [R, cols] (C-contiguous float32), each row's
+    outputs one function of that row alone: x padded with zero rows to blocks of ROW_BLOCK,
+    W dequantized in tiles that depend only on its shape, and every BLAS call one tile times
+    one block (W @ block.T, the faster order), whatever R is."""
+    R, cols = x.shape
+    if R % ROW_BLOCK:
+        x = np.concatenate((x, np.zeros((ROW_BLOCK - R % ROW_BLOCK, cols), np.float32)))
+    step = rows if qtype == "F32" else tile_rows(cols, ROWS_TILE_VALUES)
+    tile = None if qtype == "F32" else np.empty((min(step, rows), cols), np.float32)
+    block = np.empty((min(step, rows), ROW_BLOCK), np.float32)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        w = data[r0:r1] if tile is None else dequant(r0, r1, tile[: r1 - r0])
+        for b in range(0, R, ROW_BLOCK):
+            n = min(R - b, ROW_BLOCK)
+            np.matmul(w, x[b : b + ROW_BLOCK].T, out=block[: r1 - r0])
+            out[b : b + n, col + r0 : col + r1] = block[: r1 - r0, :n].T
+    return out
