@@ -93,11 +93,16 @@ def run(o: Options) -> Report:
     return meter.finish(rep, eng.threads)
 
 
+PEER_DRAFT_ROOM = 16
+
+
 def measure(o: Options, engines: dict, prompts: list[list[int]], params: SamplingParams, reps: int) -> dict:
     """Every task on every side, reps interleaved (off, ngram, llama.cpp, next task, ...), after
     one short warm-up run per engine (kernels compiled)."""
     n = params.max_tokens
-    ctx = -(-(max(map(len, prompts)) + n + 1) // 256) * 256
+    # llama-cpp-python evaluates a prompt-lookup draft (10 tokens at its defaults) past the last
+    # token it hands back: its context needs that room too
+    ctx = -(-(max(map(len, prompts)) + n + 1 + PEER_DRAFT_ROOM) // 256) * 256
     peer = PeerRunner(engines["off"].path, engines["off"].threads, ctx, prompt_lookup=True) if o.vs else None
     names = [t["name"] for t in load_tasks()]
     runs = {name: {"off": [], "ngram": [], "peer": []} for name in names}
