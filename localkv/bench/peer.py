@@ -90,7 +90,9 @@ class PeerRunner:
                 n_threads_batch=threads,
                 n_batch=512,
                 n_ubatch=512,
-                logits_all=False,
+                # with a draft model llama-cpp-python keeps logits for every position but sizes
+                # their buffer by this flag (n_batch rows without it): past 512 tokens it overflows
+                logits_all=prompt_lookup,
                 draft_model=draft,
                 verbose=False,
             )
