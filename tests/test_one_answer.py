@@ -316,3 +316,49 @@ def test_the_real_model_answers_the_same_cold_and_warm(real_model_path):
         cold = _run(real_model_path, prompt, "--no-cache")
         assert _run(real_model_path, prompt) == cold, prompt[:40]  # fills the disk cache
         assert _run(real_model_path, prompt) == cold, prompt[:40]  # served from it
+
+
+STORIES = ["a lighthouse", "a lost key", "a robot cook", "the last train", "a paper boat", "an old map",
+           "a quiet library", "a red kite"]  # fmt: skip
+SYSTEM_PROMPT = "You are a storyteller. Every answer is a short story of a few sentences, told simply. " * 8
+
+
+@pytest.mark.model
+def test_the_real_model_served_alone_or_together_answers_the_same(real_model_path, tmp_path):
+    """`localkv serve` on SmolLM2, 8 story requests after one shared system prompt at temperature
+    0, through the openai client: sent one at a time, then all at once (batched, over the shared
+    prefix): the same 8 answers (issue 30's server experiment)."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    from localkv.bench.serve_load import localkv_server
+
+    async def answers(client, together: bool) -> list[str]:
+        model = (await client.models.list()).data[0].id
+
+        async def one(story: str) -> str:
+            messages = [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": f"A story of {story}."},
+            ]
+            r = await client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=32)
+            return r.choices[0].message.content
+
+        if together:
+            return list(await asyncio.gather(*(one(s) for s in STORIES)))
+        return [await one(s) for s in STORIES]
+
+    async def both(url: str):
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=600)
+        try:
+            return await answers(client, False), await answers(client, True)
+        finally:
+            await client.close()
+
+    server = localkv_server(str(real_model_path), threads=2, kv_mem="256MiB", home=str(tmp_path)).wait_ready()
+    try:
+        alone, together = asyncio.run(both(server.url))
+    finally:
+        server.stop()
+    assert together == alone
