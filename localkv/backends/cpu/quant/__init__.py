@@ -87,11 +87,12 @@ def matmul_few(x: np.ndarray, w: "QTensor | QStack | Sequence[QTensor]") -> np.n
 
 def matmul_rows(x: np.ndarray, w: "QTensor | QStack") -> np.ndarray:
     """x [R, cols] @ W.T -> float32 [R, rows] for any R, each row's outputs computed by one
-    arithmetic whatever R is (the 8-lane kernel's for block types: matmul_few's for 3-8 rows;
-    a decode row takes kernels/matmul_out, the same bits with outputs in the lanes), so that a
-    token's result does not depend on the rows that share its pass. Slower than the cut-dependent
-    kernels (build.FAST_PATHS): matmul_few for 2 rows, superblock for the K-quants' 1-2 and
-    matmul_many for many. Without the kernels, BLAS on fixed blocks of rows (fallback.matmul_rows)."""
+    arithmetic whatever R is, so that a token's result does not depend on the rows that share
+    its pass: Q4_K and Q6_K by super-blocks (integer sums, then one float step per 256 values:
+    kernels/superblock.matmul_rows), the other block types by the 8-lane kernel's (matmul_few's
+    for 3-8 rows; a decode row takes kernels/matmul_out, the same bits with outputs in the
+    lanes). Slower for many rows than the cut-dependent kernels (build.FAST_PATHS: matmul_many).
+    Without the kernels, BLAS on fixed blocks of rows (fallback.matmul_rows)."""
     x = _activations(x, w)
     R = x.shape[0]
     out = np.empty((-(-R // 8) * 8, w.rows), np.float32)  # the lanes kernel writes all 8 of a block

@@ -18,6 +18,7 @@ from localkv.backends.cpu.kernels.matmul_out import OUT_ROWS
 from localkv.backends.cpu.kernels.matmul_out import matmul_out as _matmul_out
 from localkv.backends.cpu.kernels.superblock import ROWS as SUPER_ROWS
 from localkv.backends.cpu.kernels.superblock import TYPES as SUPER_TYPES
+from localkv.backends.cpu.kernels.superblock import matmul_rows as _matmul_super_rows
 from localkv.backends.cpu.kernels.superblock import matmul_super as _matmul_super
 from localkv.backends.cpu.quant.formats import MARKERS
 from localkv.backends.cpu.quant.tensor import QStack, sample_weight
@@ -34,11 +35,14 @@ def few(run, x: np.ndarray, out: np.ndarray):
 
 
 def every_row(run, x: np.ndarray, out: np.ndarray):
-    """few() for any number of rows in one arithmetic per row, whatever the count: the 8-lane
-    kernel for block types (up to OUT_ROWS rows its bits with outputs in the lanes, faster for
-    so few), the float kernel (a dot per row) for the others."""
+    """few() for any number of rows in one arithmetic per row, whatever the count: Q4_K and Q6_K
+    by super-blocks in integers (superblock.matmul_rows), the other block types by the 8-lane
+    kernel (up to OUT_ROWS rows its bits with outputs in the lanes, faster for so few), the
+    float kernel (a dot per row) for the others."""
     qt = MARKERS[run.qtype]
-    if run.qtype in BLOCK_TYPES and len(x) <= OUT_ROWS:
+    if run.qtype in SUPER_TYPES:
+        _matmul_super_rows(qt, x, run.datas, run.offs, out)
+    elif run.qtype in BLOCK_TYPES and len(x) <= OUT_ROWS:
         _matmul_out(qt, x, run.datas, run.offs, out)
     elif run.qtype in BLOCK_TYPES:
         _matmul_lanes(qt, *_lanes_inputs(qt, x), run.datas, run.offs, out)

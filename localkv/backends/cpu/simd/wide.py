@@ -17,6 +17,7 @@ the arrays given, C-contiguous, nothing bounds-checked).
 
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from localkv.backends.cpu.simd.vec import F32, FAST, I8, I16, I32, Vec, features, function, ptr, splat
@@ -122,6 +123,67 @@ def _q4k_scales(context, builder, arrty, w, blk):
     return builder.zext(builder.bitcast(v, _V16I8), _V16I16)
 
 
+def _q4k_ints(context, builder, tys, w, blk, xp, bs, sbs):
+    """Q4_K's integer work on one super-block, against each activation super-block in sbs (the
+    weights decoded once for all): per sb (the 16 int32 lanes of scale_j * u . x, the 4 lanes
+    of min_j * the sums of group j's activations). tys: the types of w, xp and bs."""
+    wty, xty, sty = tys
+    sm = _q4k_scales(context, builder, wty, w, blk)
+    sm32 = builder.shuffle_vector(sm, sm, _mask(list(range(16)) * 2))
+    mins = builder.shuffle_vector(sm, sm, _mask(range(8, 16)))
+    xos = [builder.mul(sb, ir.Constant(sb.type, 256)) for sb in sbs]
+    isums = [ir.Constant(_V16I32, [0] * 16) for _ in sbs]
+    for h in range(2):
+        v = _load(context, builder, wty, w, _at(builder, blk, 16 + 64 * h), _V64I8)
+        lo = builder.and_(v, _bytesplat(builder, _V64I8, 15))
+        hi = builder.lshr(v, _bytesplat(builder, _V64I8, 4))
+        for k, u in enumerate((lo, hi)):
+            sc = _spread(builder, sm32, (4 * h + k, 4 * h + k + 2), 16)
+            for r, xo in enumerate(xos):
+                x = _load(context, builder, xty, xp, _at(builder, xo, 128 * h + 64 * k), _V64I8)
+                isums[r] = builder.add(isums[r], _madd(context, builder, _maddubs(context, builder, u, x), sc))
+    out = []
+    for isum, sb in zip(isums, sbs):
+        sums = _load(context, builder, sty, bs, builder.mul(sb, ir.Constant(sb.type, 8)), _V8I16)
+        out.append((isum, _madd(context, builder, mins, sums)))
+    return out
+
+
+def _q6k_ints(context, builder, tys, w, blk, xq, bs, sbs):
+    """Q6_K's integer work on one super-block against each activation super-block in sbs: per
+    sb (the 16 int32 lanes of scale_k * u . x, the 8 lanes of scale_k * the sums of the 16
+    activations of k), u = the unsigned 6-bit values. tys: the types of w, xq and bs."""
+    wty, xty, sty = tys
+    raw = _load(context, builder, wty, w, _at(builder, blk, 192), _V16I8)
+    sc = builder.sext(raw, _V16I16)
+    sc32 = builder.shuffle_vector(sc, sc, _mask(list(range(16)) * 2))
+    xos = [builder.mul(sb, ir.Constant(sb.type, 256)) for sb in sbs]
+    isums = [ir.Constant(_V16I32, [0] * 16) for _ in sbs]
+    c = lambda k: _bytesplat(builder, _V64I8, k)  # noqa: E731
+    for h in range(2):
+        ql = _load(context, builder, wty, w, _at(builder, blk, 64 * h), _V64I8)
+        qh = _load(context, builder, wty, w, _at(builder, blk, 128 + 32 * h), _V32I8)
+        qh = _join(builder, qh, builder.lshr(qh, _bytesplat(builder, _V32I8, 2)))  # bits 0-1 | 2-3
+        u01 = builder.or_(builder.and_(ql, c(15)), builder.shl(builder.and_(qh, c(3)), c(4)))
+        u23 = builder.or_(builder.lshr(ql, c(4)), builder.shl(builder.and_(builder.lshr(qh, c(4)), c(3)), c(4)))
+        for k, u in enumerate((u01, u23)):
+            s = _spread(builder, sc32, [8 * h + 4 * k + i for i in range(4)], 8)
+            for r, xo in enumerate(xos):
+                x = _load(context, builder, xty, xq, _at(builder, xo, 128 * h + 64 * k), _V64I8)
+                isums[r] = builder.add(isums[r], _madd(context, builder, _maddubs(context, builder, u, x), s))
+    out = []
+    for isum, sb in zip(isums, sbs):
+        sums = _load(context, builder, sty, bs, builder.mul(sb, ir.Constant(sb.type, 16)), _V16I16)
+        out.append((isum, _madd(context, builder, sc, sums)))
+    return out
+
+
+def _reduced(builder, v):
+    """The sum of an int32 vector's lanes, as int64 (exact: integer adds in any order)."""
+    reduce = function(builder, "llvm.vector.reduce.add.v" + str(v.type.count) + "i32", I32, [v.type])
+    return builder.sext(builder.call(reduce, [v]), ir.IntType(64))
+
+
 @intrinsic
 def q4k_block(typingctx, acc, w, blk, xp, bs, sb, scale):
     """One Q4_K super-block (at byte blk of w) . activations super-block sb: returns
@@ -130,24 +192,25 @@ def q4k_block(typingctx, acc, w, blk, xp, bs, sb, scale):
     values 0-31, 64-95, 32-63, 96-127, then the same from 128; bs their per-32 sums (int16)."""
 
     def codegen(context, builder, sig, args):
-        acc, w, blk, xp, bs, sb, _ = args
-        sm = _q4k_scales(context, builder, sig.args[1], w, blk)
-        sm32 = builder.shuffle_vector(sm, sm, _mask(list(range(16)) * 2))
-        xo = builder.mul(sb, ir.Constant(sb.type, 256))
-        isum = ir.Constant(_V16I32, [0] * 16)
-        for h in range(2):
-            v = _load(context, builder, sig.args[1], w, _at(builder, blk, 16 + 64 * h), _V64I8)
-            lo = builder.and_(v, _bytesplat(builder, _V64I8, 15))
-            hi = builder.lshr(v, _bytesplat(builder, _V64I8, 4))
-            for k, u in enumerate((lo, hi)):
-                x = _load(context, builder, sig.args[3], xp, _at(builder, xo, 128 * h + 64 * k), _V64I8)
-                sc = _spread(builder, sm32, (4 * h + k, 4 * h + k + 2), 16)
-                isum = builder.add(isum, _madd(context, builder, _maddubs(context, builder, u, x), sc))
-        sums = _load(context, builder, sig.args[4], bs, builder.mul(sb, ir.Constant(sb.type, 8)), _V8I16)
-        mins = builder.shuffle_vector(sm, sm, _mask(range(8, 16)))
-        return _finish(context, builder, sig, acc, isum, _madd(context, builder, mins, sums), args[6])
+        ((isum, msum),) = _q4k_ints(context, builder, (sig.args[1], sig.args[3], sig.args[4]), *args[1:5], args[5:6])
+        return _finish(context, builder, sig, args[0], isum, msum, args[6])
 
     return types.Tuple((F32x16, types.int64))(acc, w, blk, xp, bs, sb, scale), codegen
+
+
+@intrinsic
+def q4k_sums(typingctx, w, blk, xp, bs, sbs):
+    """q4k_block's two integers whole, exact, for each activation super-block in the tuple sbs
+    (the weights decoded once for them all): a flat tuple (product sum, offset sum) per sb, for
+    a float step written out by the caller."""
+
+    def codegen(context, builder, sig, args):
+        sbs = cgutils.unpack_tuple(builder, args[4])
+        pairs = _q4k_ints(context, builder, (sig.args[0], sig.args[2], sig.args[3]), *args[:4], sbs)
+        flat = [_reduced(builder, v) for pair in pairs for v in pair]
+        return context.make_tuple(builder, sig.return_type, flat)
+
+    return types.UniTuple(types.int64, 2 * sbs.count)(w, blk, xp, bs, sbs), codegen
 
 
 @intrinsic
@@ -157,27 +220,24 @@ def q6k_block(typingctx, acc, w, blk, xq, bs, sb, scale):
     sum of the 16 activations of k), u = the unsigned 6-bit values (value = u - 32)."""
 
     def codegen(context, builder, sig, args):
-        acc, w, blk, xq, bs, sb, _ = args
-        raw = _load(context, builder, sig.args[1], w, _at(builder, blk, 192), _V16I8)
-        sc = builder.sext(raw, _V16I16)
-        sc32 = builder.shuffle_vector(sc, sc, _mask(list(range(16)) * 2))
-        xo = builder.mul(sb, ir.Constant(sb.type, 256))
-        isum = ir.Constant(_V16I32, [0] * 16)
-        c = lambda k: _bytesplat(builder, _V64I8, k)  # noqa: E731
-        for h in range(2):
-            ql = _load(context, builder, sig.args[1], w, _at(builder, blk, 64 * h), _V64I8)
-            qh = _load(context, builder, sig.args[1], w, _at(builder, blk, 128 + 32 * h), _V32I8)
-            qh = _join(builder, qh, builder.lshr(qh, _bytesplat(builder, _V32I8, 2)))  # bits 0-1 | 2-3
-            u01 = builder.or_(builder.and_(ql, c(15)), builder.shl(builder.and_(qh, c(3)), c(4)))
-            u23 = builder.or_(builder.lshr(ql, c(4)), builder.shl(builder.and_(builder.lshr(qh, c(4)), c(3)), c(4)))
-            for k, u in enumerate((u01, u23)):
-                x = _load(context, builder, sig.args[3], xq, _at(builder, xo, 128 * h + 64 * k), _V64I8)
-                s = _spread(builder, sc32, [8 * h + 4 * k + i for i in range(4)], 8)
-                isum = builder.add(isum, _madd(context, builder, _maddubs(context, builder, u, x), s))
-        sums = _load(context, builder, sig.args[4], bs, builder.mul(sb, ir.Constant(sb.type, 16)), _V16I16)
-        return _finish(context, builder, sig, acc, isum, _madd(context, builder, sc, sums), args[6])
+        ((isum, msum),) = _q6k_ints(context, builder, (sig.args[1], sig.args[3], sig.args[4]), *args[1:5], args[5:6])
+        return _finish(context, builder, sig, args[0], isum, msum, args[6])
 
     return types.Tuple((F32x16, types.int64))(acc, w, blk, xq, bs, sb, scale), codegen
+
+
+@intrinsic
+def q6k_sums(typingctx, w, blk, xq, bs, sbs):
+    """q6k_block's two integers whole (exact) for each activation super-block in sbs, as
+    q4k_sums."""
+
+    def codegen(context, builder, sig, args):
+        sbs = cgutils.unpack_tuple(builder, args[4])
+        pairs = _q6k_ints(context, builder, (sig.args[0], sig.args[2], sig.args[3]), *args[:4], sbs)
+        flat = [_reduced(builder, v) for pair in pairs for v in pair]
+        return context.make_tuple(builder, sig.return_type, flat)
+
+    return types.UniTuple(types.int64, 2 * sbs.count)(w, blk, xq, bs, sbs), codegen
 
 
 @intrinsic
