@@ -27,6 +27,7 @@ def pytest_collection_modifyitems(config, items):
 def private_home(tmp_path, monkeypatch):
     home = tmp_path / "localkv-home"
     monkeypatch.setenv("LOCALKV_HOME", str(home))
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama-models"))  # not the user's own store
     return home
 
 
