@@ -39,7 +39,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
         dict(name=m.ref.spec, size=m.size, params=0, quant="", path=str(m.path), store="ollama") for m in installed()
     ]
     if as_json:
-        print(json.dumps([r | {"store": "localkv"} for r in rows] + theirs, indent=2))
+        print(json.dumps(rows + theirs, indent=2))  # Ollama's rows say "store": "ollama"
         return
     if not rows:
         err("no models pulled yet: run `localkv pull` (or just `localkv run`, which pulls the default)")

@@ -96,7 +96,7 @@ def test_models_lists_ollamas_store_apart(store, tiny, capsys):
     mine, _, theirs = out.partition(f"in Ollama's store ({store}, read only)")
     assert rc == 0 and "ollama:" not in mine and "ollama:tiny:q4" in theirs and "ollama:me/other:q4" in theirs
     rows = json.loads(cli(capsys, "models", "--json")[1])
-    assert {r["name"] for r in rows if r["store"] == "ollama"} == {"ollama:tiny:q4", "ollama:me/other:q4"}
+    assert {r["name"] for r in rows if r.get("store") == "ollama"} == {"ollama:tiny:q4", "ollama:me/other:q4"}
 
 
 def test_rm_leaves_ollamas_store_alone(store, capsys, monkeypatch):
