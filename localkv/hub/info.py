@@ -8,6 +8,7 @@ from gguf.constants import LlamaFileType
 
 from localkv.errors import ModelError
 from localkv.hub.catalog import DEFAULT_MODEL, CatalogEntry, entry_for, find
+from localkv.hub.hf_cache import cached
 from localkv.hub.hf_ref import HfRef, is_hf
 from localkv.hub.ollama_store import find as find_ollama
 from localkv.hub.ollama_store import is_ollama
@@ -28,6 +29,8 @@ def locate(spec: str | None) -> tuple[Path | None, CatalogEntry | None]:
         return find_ollama(spec).path, None
     if is_hf(spec):  # a hub file the catalog does not name: only once pulled
         ref = HfRef.parse(spec)
+        if not ref.path.is_file() and (found := cached(ref)) is not None:
+            return found, None
         if not ref.path.is_file():
             raise ModelError(f"{ref.spec} is not pulled: run `localkv pull {ref.spec}`")
         return ref.path, None
