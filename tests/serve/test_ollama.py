@@ -178,3 +178,26 @@ def test_keep_alive_reads_seconds_and_go_durations():
     for bad in ("5", "m", "5 m", True, [1]):
         with pytest.raises(ApiError):
             keep_alive(bad)
+
+
+@pytest.mark.model
+def test_the_ollama_client_on_the_real_model(real_model_path):
+    """chat, generate, streaming, a schema, tags and show with SmolLM2, named as Ollama would."""
+    config = EngineConfig(model=str(real_model_path), disk_cache=False, kv_mem="256MiB")
+    with BackgroundServer(config) as s:
+        c = ollama.Client(host=s.url, timeout=300)
+        (listed,) = c.list().models
+        name = listed.model
+        assert name == "SmolLM2-135M-Instruct.Q4_1:latest" and listed.details.quantization_level == "Q4_1"
+        ask = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+        r = c.chat(model=name, messages=ask, options={"temperature": 0, "num_predict": 16})
+        assert "Paris" in r.message.content and r.done_reason == "stop"
+        parts = list(c.chat(model=name, messages=ask, options={"temperature": 0, "num_predict": 16}, stream=True))
+        assert "".join(p.message.content for p in parts) == r.message.content
+        g = c.generate(model=name, prompt=ask[0]["content"], options={"temperature": 0, "num_predict": 16})
+        assert g.response == r.message.content
+        schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        j = c.chat(model=name, messages=ask, format=schema, options={"temperature": 0, "num_predict": 40})
+        assert "Paris" in json.loads(j.message.content)["city"]
+        shown = c.show(name)
+        assert shown.details.family == "llama" and "im_start" in shown.template
