@@ -27,6 +27,10 @@ def pytest_collection_modifyitems(config, items):
 def private_home(tmp_path, monkeypatch):
     home = tmp_path / "localkv-home"
     monkeypatch.setenv("LOCALKV_HOME", str(home))
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama-models"))  # not the user's own store
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # nor their Hugging Face cache
+    for var in ("HF_HUB_CACHE", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
     return home
 
 

@@ -23,6 +23,7 @@ class Options:
     n_prompt: int = 512  # speed only
     n_gen: int = 128  # speed only
     progress: Callable[[str], None] | None = None
+    url: str | None = None  # serve: the load against this OpenAI-compatible server instead of localkv's own
 
     def say(self, msg: str):
         if self.progress:
@@ -47,6 +48,7 @@ class Options:
         if self.vs and suite in ("speed", "fork", "cache", "spec"):
             args += ["--vs", self.vs]
         args += ["--quick"] * self.quick + ["--long"] * (self.long and suite == "evict")
+        args += ["--url", self.url] if self.url and suite == "serve" else []
         args += ["--seed", str(self.seed)] if self.seed else []
         args += ["--block-size", str(e.block_size)] if e.block_size != _DEFAULT.block_size else []
         args += ["--kv-mem", size_flag(e.kv_mem)] if e.kv_mem != _DEFAULT.kv_mem else []

@@ -7,6 +7,11 @@ sampled tokens. Measured three ways, each on a fresh server (an empty prefix cac
 - with --vs llama.cpp, llama-cpp-python's own server (`python -m llama_cpp.server`), all N at once
   (it answers them one after another, reusing the previous prompt's KV for the shared prefix).
 
+With --url, the first two runs go to that server instead (any OpenAI-compatible one: llama-server,
+vLLM, SGLang, Ollama), the same bodies (EOS held off both ways: ignore_eos and min_tokens) with
+the `model` it lists; the report has the same shape. The workload is cut by the local model's
+tokenizer (-m), so the same text goes to every server.
+
 Reported per run: aggregate tokens/s (generated tokens over the wall time of the whole load),
 TTFT and inter-token latency p50/p99 as the clients saw them, the prefix cache's hit rate over
 requests 2..N, and the pool's peak blocks (polled from /metrics). Runs are interleaved by rep.
@@ -23,7 +28,6 @@ from localkv.bench.options import Options, size_flag
 from localkv.bench.report import Column, LoadMeter, Report, Target, median, ratio
 from localkv.bench.serve_load import (
     Outcome,
-    ServerProcess,
     decode_tps,
     llama_cpp_server,
     localkv_server,
@@ -31,6 +35,7 @@ from localkv.bench.serve_load import (
     run_load,
 )
 from localkv.bench.text import TEXT
+from localkv.errors import LocalkvError, ModelError
 from localkv.hub.resolve import resolve_model
 from localkv.model.tokenizer import Tokenizer
 
@@ -57,34 +62,41 @@ COLUMNS = [
 def run(o: Options) -> Report:
     meter = LoadMeter()
     size = QUICK if o.quick else FULL
-    path = resolve_model(o.engine.model, progress=False)
+    path = _tokenizer_model(o)
     threads = o.engine.threads or os.cpu_count() or 1
     tok = Tokenizer.from_gguf(path) if path.is_file() else Tokenizer.from_hf_dir(path)
     system, questions = workload(tok, size)
     n_sys = len(tok.encode(system))
     reps = o.reps or (1 if o.quick else 2)
     runs: dict[str, list[dict]] = {"burst": [], "serial": [], "peer": []}
+    served = served_model(o.url, o.engine.model) if o.url else None
+    shown = Path(served).stem if served and served.lower().endswith(".gguf") else served  # a file's path: its name
+    engine = f"{shown} at {o.url}" if o.url else "localkv"
+
+    def measure(concurrent: bool) -> dict:
+        bodies = _bodies(system, questions, size, o.seed, model=served)
+        if o.url:
+            return _remote(o.url, bodies, concurrent) | {"system_tokens": n_sys}
+        return _localkv(o, path, threads, bodies, concurrent) | {"system_tokens": n_sys}
+
     for rep in range(reps):
-        o.say(f"serve rep {rep + 1}/{reps}: localkv, {size['clients']} clients at once")
-        runs["burst"].append(
-            _localkv(o, path, threads, _bodies(system, questions, size, o.seed), True) | {"system_tokens": n_sys}
-        )
-        o.say(f"serve rep {rep + 1}/{reps}: localkv, the same {size['clients']} requests one at a time")
-        runs["serial"].append(
-            _localkv(o, path, threads, _bodies(system, questions, size, o.seed), False) | {"system_tokens": n_sys}
-        )
+        o.say(f"serve rep {rep + 1}/{reps}: {engine}, {size['clients']} clients at once")
+        runs["burst"].append(measure(True))
+        o.say(f"serve rep {rep + 1}/{reps}: {engine}, the same {size['clients']} requests one at a time")
+        runs["serial"].append(measure(False))
         if o.vs:
             o.say(f"serve rep {rep + 1}/{reps}: llama-cpp-python's server, {size['clients']} clients at once")
             runs["peer"].append(_peer(path, threads, _bodies(system, questions, size, o.seed, peer=True)))
-    rows = [_row("localkv", f"{size['clients']} at once", runs["burst"])]
-    rows.append(_row("localkv", "one at a time", runs["serial"]))
+    rows = [_row(engine, f"{size['clients']} at once", runs["burst"])]
+    rows.append(_row(engine, "one at a time", runs["serial"]))
     if runs["peer"]:
         rows.append(_row("llama-cpp-python server", f"{size['clients']} at once", runs["peer"]))
     rep = Report(
         "serve",
         f"OpenAI server under load: {size['clients']} streaming clients, a shared {n_sys}-token system prompt + a "
         f"distinct {size['question']}-token question each, {size['gen']} sampled tokens (temperature 0.8, top-k 40, "
-        f"top-p 0.95, EOS ignored) per request; each run on a fresh server",
+        f"top-p 0.95, EOS ignored) per request; "
+        + (f"every run on the one server at {o.url}" if o.url else "each run on a fresh server"),
         command=_command(o, threads),
         rows=rows,
         columns=list(COLUMNS),
@@ -96,7 +108,23 @@ def run(o: Options) -> Report:
         "the spans first token -> end); all t/s: every generated token over the wall time of the whole load",
         "TTFT of one request alone: the first request of the one-at-a-time run (cold cache, as the burst's first)",
     ]
+    if o.url:
+        rep.notes.append(
+            f"{o.url} is not restarted between runs: its prefix cache may hold the system prompt from the "
+            "run before (the one-at-a-time TTFT is then warm); hit rates only where its usage reports cached tokens"
+        )
     return meter.finish(rep, threads)
+
+
+def _tokenizer_model(o: Options) -> Path:
+    """The local model whose tokenizer cuts the workload: -m; with --url, -m may name a model only
+    that server has, and the default model's tokenizer cuts it then."""
+    try:
+        return resolve_model(o.engine.model, progress=False)
+    except ModelError:
+        if not o.url:
+            raise
+        return resolve_model(None, progress=False)
 
 
 def workload(tok: Tokenizer, size: dict) -> tuple[str, list[str]]:
@@ -111,16 +139,45 @@ def workload(tok: Tokenizer, size: dict) -> tuple[str, list[str]]:
     return system, questions
 
 
-def _bodies(system: str, questions: list[str], size: dict, seed: int, peer: bool = False) -> list[dict]:
+def _bodies(
+    system: str, questions: list[str], size: dict, seed: int, peer: bool = False, model: str | None = None
+) -> list[dict]:
     out = []
     for i, q in enumerate(questions):
         body = {"prompt": system + q, "max_tokens": size["gen"], "seed": seed + i, **SAMPLING}
         # both sides generate exactly gen tokens: localkv ignores EOS, llama.cpp holds it off to min_tokens
-        out.append(
-            body
-            | ({"min_tokens": size["gen"]} if peer else {"ignore_eos": True, "stream_options": {"include_usage": True}})
-        )
+        if peer:
+            body["min_tokens"] = size["gen"]
+        else:
+            body |= {"ignore_eos": True, "stream_options": {"include_usage": True}}
+        if model is not None:  # another server: its model's name, and both ways of holding EOS off
+            body |= {"model": model, "min_tokens": size["gen"]}
+        out.append(body)
     return out
+
+
+def served_model(url: str, wanted: str | None) -> str:
+    """The model name a server lists at /v1/models: -m's name (or its file's stem) when listed,
+    else the only (or first) one; a LocalkvError when the server cannot be asked."""
+    try:
+        r = httpx.get(url + "/v1/models", timeout=30)
+        ids = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise LocalkvError(f"--url {url}: no model list at {url}/v1/models ({type(e).__name__}: {e})") from None
+    if not ids:
+        raise LocalkvError(f"--url {url}: {url}/v1/models lists no model (status {r.status_code})")
+    names = {wanted, Path(wanted).stem} if wanted else set()
+    return next((i for i in ids if i in names), ids[0])
+
+
+def _remote(url: str, bodies: list[dict], concurrent: bool) -> dict:
+    try:
+        outs, wall = asyncio.run(run_load(url, bodies, concurrent))
+    except httpx.HTTPError as e:
+        raise LocalkvError(f"--url {url}: {type(e).__name__}: {e}") from None
+    _check(outs, url)
+    _length_usage(outs, bodies)
+    return {"outs": outs, "wall": wall, "peak": None, "metrics": {}}
 
 
 def _localkv(o: Options, path: Path, threads: int, bodies: list[dict], concurrent: bool) -> dict:
@@ -134,7 +191,7 @@ def _localkv(o: Options, path: Path, threads: int, bodies: list[dict], concurren
             final = _metrics(server.url)
         finally:
             server.stop()
-    _check(outs, server)
+    _check(outs, " ".join(server.cmd[1:4]))
     return {"outs": outs, "wall": wall, "peak": peak, "metrics": final}
 
 
@@ -144,19 +201,23 @@ def _peer(path: Path, threads: int, bodies: list[dict]) -> dict:
         outs, wall = asyncio.run(run_load(server.url, bodies, True))
     finally:
         server.stop()
-    _check(outs, server)
-    for o, b in zip(outs, bodies):  # its stream has no usage; a chunk may carry two tokens of one character
-        if o.finish == "length":
-            o.usage = {"completion_tokens": b["max_tokens"]}
+    _check(outs, " ".join(server.cmd[1:4]))
+    _length_usage(outs, bodies)
     return {"outs": outs, "wall": wall, "peak": None, "metrics": {}}
 
 
-def _check(outs: list[Outcome], server: ServerProcess):
+def _length_usage(outs: list[Outcome], bodies: list[dict]):
+    """A stream without usage (llama-cpp-python's): a reply cut by length has max_tokens tokens
+    (counting its chunks would not do: a chunk may carry two tokens of one character)."""
+    for o, b in zip(outs, bodies):
+        if not o.usage and o.finish == "length":
+            o.usage = {"completion_tokens": b["max_tokens"]}
+
+
+def _check(outs: list[Outcome], where: str):
     bad = [o for o in outs if o.status != 200 or not o.chunks]
     if bad:
-        from localkv.errors import LocalkvError
-
-        raise LocalkvError(f"{len(bad)} requests failed on {' '.join(server.cmd[1:4])}: {bad[0].status} {bad[0].error}")
+        raise LocalkvError(f"{len(bad)} requests failed on {where}: {bad[0].status} {bad[0].error}")
 
 
 def _watcher(url: str, peak: dict):
@@ -195,7 +256,7 @@ def _row(engine: str, load: str, runs: list[dict]) -> dict:
         "ttft_first": per_run(lambda r: r["outs"][0].ttft),
         "itl_p50_ms": per_run(lambda r: _ms(percentile([g for o in r["outs"] for g in o.gaps], 50))),
         "itl_p99_ms": per_run(lambda r: _ms(percentile([g for o in r["outs"] for g in o.gaps], 99))),
-        "hit_rate": per_run(lambda r: _hit_rate(r)) if engine == "localkv" else None,
+        "hit_rate": per_run(_hit_rate),
         "peak_blocks": per_run(lambda r: r["peak"]["used"] if r["peak"] else None),
         "peak_shared_blocks": per_run(lambda r: r["peak"]["shared"] if r["peak"] else None),
         "wall_s": per_run(lambda r: r["wall"]),
@@ -210,7 +271,10 @@ def _ms(s: float | None) -> float | None:
 
 def _hit_rate(run: dict) -> float | None:
     """Cached prompt tokens of requests 2..N over their system prompt's tokens (the request that
-    computed the prompt is the one with the fewest cached tokens)."""
+    computed the prompt is the one with the fewest cached tokens); None from a server whose usage
+    does not say."""
+    if not any("prompt_tokens_details" in o.usage for o in run["outs"]):
+        return None
     outs = sorted(run["outs"], key=lambda o: o.cached)[1:]
     return sum(o.cached for o in outs) / (len(outs) * run["system_tokens"]) if outs else None
 

@@ -23,6 +23,12 @@ VS = typer.Option(
     help="Also run llama.cpp (llama-cpp-python) on the same work, interleaved, with a ratio column "
     "(speed, fork, cache, spec).",
 )
+URL = typer.Option(
+    None,
+    "--url",
+    help="serve: run the same load against this OpenAI-compatible server (llama-server, vLLM, SGLang, Ollama, "
+    "localkv) instead of starting localkv's own; -m is the local model whose tokenizer cuts the workload.",
+)
 LONG = typer.Option(
     False, "--long", help="evict: also a 10,000-token generation under a 1,024-token budget per policy."
 )
@@ -46,6 +52,7 @@ def bench_command(
     quick: bool = typer.Option(False, "--quick", help="Smoke run of the suite at tiny sizes (seconds; CI)."),
     plot: str | None = typer.Option(None, "--plot", help="Write PNG charts into this folder (needs matplotlib)."),
     long: bool = LONG,
+    url: str | None = URL,
     seed: int = typer.Option(0, "--seed", help="Seed of the workloads, random tokens and sampling."),
     suite: str = SUITE,
     *,
@@ -57,6 +64,7 @@ def bench_command(
     Each suite prints what it measured, the hardware and load, the command that reproduces it, and
     the targets it checks. --vs llama.cpp runs llama-cpp-python on the same work in the same run."""
     _check(suite, vs=vs, output=output, plot=plot, quick=quick, n_prompt=n_prompt, n_gen=n_gen, reps=repetitions)
+    url = _check_url(url, suite, vs)
     from localkv.bench.options import Options  # the engine's code loads only when a bench runs
 
     opts = Options(
@@ -69,6 +77,7 @@ def bench_command(
         n_prompt=n_prompt,
         n_gen=n_gen,
         progress=_say,
+        url=url,
     )
     reports = []
     for i, name in enumerate(bench.SUITES if suite == "all" else (suite,)):
@@ -95,6 +104,19 @@ def _check(suite: str, *, vs, output: str, plot, quick: bool, n_prompt: int, n_g
     why = peer.peer_problem() if vs else None
     if why:
         raise LocalkvError(f"--vs llama.cpp: {why}")
+
+
+def _check_url(url: str | None, suite: str, vs: str | None) -> str | None:
+    """--url as the base the OpenAI paths hang from (a trailing /v1 dropped), or None."""
+    if url is None:
+        return None
+    if suite != "serve":
+        raise LocalkvError(f"--url is for `localkv bench serve` only, not {suite!r}")
+    if vs:
+        raise LocalkvError("--url and --vs: give one (--url measures one server, whichever it is)")
+    if not url.startswith(("http://", "https://")) or len(url.split("//", 1)[1].strip("/")) == 0:
+        raise LocalkvError(f"invalid --url {url!r}: expected http://HOST:PORT (optionally ending in /v1)")
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def check_suite(suite: str):

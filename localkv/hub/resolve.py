@@ -6,6 +6,8 @@ from pathlib import Path
 from localkv.errors import ModelError
 from localkv.hub.catalog import DEFAULT_MODEL, find, names
 from localkv.hub.hf_ref import is_hf
+from localkv.hub.ollama_store import find as find_ollama
+from localkv.hub.ollama_store import is_ollama
 from localkv.hub.pull import ensure_model
 
 
@@ -25,14 +27,17 @@ def _check_dir(p: Path) -> Path:
 
 def resolve_model(spec: str | None, progress: bool = True) -> Path:
     """None or a catalog name/alias -> the local GGUF (pulled if missing); hf:OWNER/REPO/FILE.gguf
-    -> its copy under models_dir()/hf (pulled from the hub if missing); a .gguf path or a Hugging
-    Face style directory -> itself. Catalog names win over same-named local paths."""
+    -> its copy under models_dir()/hf (pulled from the hub if missing); ollama:NAME[:TAG] -> its
+    blob in Ollama's store (never pulled: Ollama pulls); a .gguf path or a Hugging Face style
+    directory -> itself. Catalog names win over same-named local paths."""
     if spec is None:
         return ensure_model(DEFAULT_MODEL, progress=progress)
     if (e := find(spec)) is not None:
         return ensure_model(e.name, progress=progress, entry=e)
     if is_hf(spec):
         return ensure_model(spec, progress=progress)
+    if is_ollama(spec):
+        return find_ollama(spec).path
     p = Path(spec).expanduser()
     if p.is_dir():
         return _check_dir(p)

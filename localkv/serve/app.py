@@ -1,40 +1,37 @@
 """The HTTP routes (Starlette): OpenAI's chat and text completions, streamed as server-sent
-events or whole, the model list, /health and /metrics. Each request is checked (openai.py),
-turned into Generations off the event loop (tokenizing a long prompt takes a while), handed to
-the Runner, and answered from the events the engine's thread pushes onto the request's Job (the
-routes never read a Generation). A client that goes away is cancelled at once: its blocks go
+events or whole, the model list, /health and /metrics; Ollama's API beside them
+(ollama_routes.py). Each request is checked (openai.py), turned into Generations off the event
+loop, handed to the Runner, and answered from the events the engine's thread pushes onto the
+request's Job (jobs.py: the routes never read a Generation). A client that goes away is cancelled at once: its blocks go
 back to the pool at the next step."""
 
 import asyncio
 import contextlib
-import hmac
-import json
 from pathlib import Path
 
-import anyio
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from localkv.errors import ContextOverflow, LocalkvError, PoolExhausted
-from localkv.events import Event, Failed
-from localkv.generation import Generation
-from localkv.hub.catalog import DEFAULT_MODEL, sampling_for
-from localkv.serve import metrics
-from localkv.serve.openai import ApiError, Ask, bad, parse_chat, parse_completion
+from localkv.hub.catalog import DEFAULT_MODEL
+from localkv.hub.ollama_store import OllamaRef, is_ollama
+from localkv.serve import metrics, ollama_routes
+from localkv.serve.jobs import EventStream, authorize, failure, read_json, ready, submit, unavailable, whole
+from localkv.serve.openai import ApiError, Ask, parse_chat, parse_completion
 from localkv.serve.replies import DONE, Reply, sse
-from localkv.serve.runner import STOPPING, Job, QueueFull, Runner, ShuttingDown
-
-MAX_BODY = 16 << 20  # bytes of one request body
+from localkv.serve.runner import Job, Runner
 
 
 def model_id(model: str | None) -> str:
-    """The name /v1/models lists: the catalog name, or the file's or folder's name without .gguf."""
+    """The name /v1/models lists: the catalog name, an Ollama model's NAME:TAG, or the file's or
+    folder's name without .gguf."""
     if model is None:
         return DEFAULT_MODEL
+    if is_ollama(model):
+        return OllamaRef.parse(model).short
     p = Path(model)
     return p.stem if p.suffix.lower() == ".gguf" else p.name or model
 
@@ -47,6 +44,7 @@ def create_app(runner: Runner, api_key: str | None = None) -> Starlette:
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        *ollama_routes.routes(),  # Ollama's API, its own error shape
     ]
     handlers = {HTTPException: _http_error, ApiError: _api_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=_lifespan)
@@ -86,46 +84,12 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
     return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
 
 
-def _authorize(request: Request):
-    key = request.app.state.api_key
-    if not key:
-        return
-    auth = request.headers.get("authorization", "")
-    scheme, _, given = auth.partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        raise ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key")
-    if not hmac.compare_digest(given.strip().encode(), key.encode()):
-        raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
-
-
-def _unavailable(runner: Runner) -> ApiError | None:
-    """The 503 for a server whose model is not (or never will be) in; None once it is."""
-    if runner.draining:
-        return _stopping()
-    if runner.state == "failed":
-        return ApiError(503, f"the model failed to load: {runner.error}", code="model_failed")
-    if not runner.ready:
-        return ApiError(503, "the model is loading; retry in a moment", code="model_loading")
-    return None
-
-
-def _stopping(message: str = f"{STOPPING}; retry in a moment") -> ApiError:
-    return ApiError(503, message, code="server_shutting_down")
-
-
-def _ready(request: Request) -> Runner:
-    runner: Runner = request.app.state.runner
-    if (e := _unavailable(runner)) is not None:
-        raise e
-    return runner
-
-
 # ------------------------------------------------------------------ small routes
 
 
 async def health(request: Request) -> JSONResponse:
     runner: Runner = request.app.state.runner
-    e = _unavailable(runner)
+    e = unavailable(runner)
     if e is None:
         return JSONResponse({"status": "ok", "model": request.app.state.model_id})
     status = "stopping" if runner.draining else runner.state
@@ -133,7 +97,7 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def metrics_route(request: Request) -> PlainTextResponse:
-    _authorize(request)
+    authorize(request)
     runner: Runner = request.app.state.runner
     snap = await asyncio.wrap_future(runner.call(runner.snapshot)) if runner.ready else None
     return PlainTextResponse(metrics.render(runner.counters, snap), media_type="text/plain; version=0.0.4")
@@ -145,12 +109,12 @@ def _model_card(request: Request) -> dict:
 
 
 async def list_models(request: Request) -> JSONResponse:
-    _authorize(request)
+    authorize(request)
     return JSONResponse({"object": "list", "data": [_model_card(request)]})
 
 
 async def get_model(request: Request) -> JSONResponse:
-    _authorize(request)
+    authorize(request)
     _check_model(request, request.path_params["model"])
     return JSONResponse(_model_card(request))
 
@@ -176,124 +140,26 @@ def _check_model(request: Request, name: str | None):
 
 
 async def chat_completions(request: Request) -> Response:
-    _authorize(request)
-    return await _answer(request, parse_chat(await _body(request)))
+    authorize(request)
+    return await _answer(request, parse_chat(await read_json(request)))
 
 
 async def completions(request: Request) -> Response:
-    _authorize(request)
-    return await _answer(request, parse_completion(await _body(request)))
-
-
-async def _body(request: Request):
-    size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) > MAX_BODY:
-        raise ApiError(413, f"the request body is {int(size)} bytes, more than {MAX_BODY}", code="request_too_large")
-    chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > MAX_BODY:
-            raise ApiError(413, f"the request body is more than {MAX_BODY} bytes", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise bad("the request body is empty: send a JSON object")
-    try:
-        return json.loads(raw)
-    except UnicodeDecodeError:
-        raise bad("the request body is not UTF-8 text") from None
-    except ValueError as e:
-        raise bad(f"the request body is not valid JSON: {e}") from None
+    authorize(request)
+    return await _answer(request, parse_completion(await read_json(request)))
 
 
 async def _answer(request: Request, ask: Ask) -> Response:
-    runner = _ready(request)
+    runner = ready(request)
     _check_model(request, ask.model)
-    gens = await run_in_threadpool(build, runner.engine, ask)
-    try:
-        job = runner.submit(gens, asyncio.get_running_loop())
-    except QueueFull as e:
-        raise ApiError(429, str(e), code="server_busy") from None
-    except ShuttingDown as e:  # the signal came while the prompt was being tokenized
-        raise _stopping(str(e)) from None
+    job = await submit(runner, ask)
     reply = Reply(ask.kind, request.app.state.model_id, runner.engine.tokenizer, ask.logprobs is not None)
     if ask.stream:
         return EventStream(_events(job, reply, ask), runner, job)
-    try:
-        await _until_done(request, job)
-    except ClientGone:
-        return Response(status_code=499)  # nobody reads it; the job is cancelled below
-    finally:
-        if not job.done:
-            runner.cancel(job)
-    events, failed = _failure(job.take(), job)
-    if failed is not None:
-        raise failed
+    events = await whole(request, runner, job)
+    if events is None:
+        return Response(status_code=499)  # nobody reads it; the job is cancelled
     return JSONResponse(reply.body(events))
-
-
-def build(engine, ask: Ask) -> list[Generation]:
-    """The request's prompts as token ids and its Generations (checked against the context and
-    the whole pool). Runs in a worker thread: nothing here changes the engine."""
-    tok = engine.tokenizer
-    try:
-        if ask.kind == "chat":
-            prompts = [tok.encode(tok.render_chat(ask.messages, add_generation_prompt=True))]
-        else:
-            prompts = [
-                tok.encode(p) if isinstance(p, str) else _ids(p, engine.model_config.vocab_size) for p in ask.prompts
-            ]
-    except LocalkvError as e:  # the model's chat template refused the conversation (or failed on it)
-        raise bad(str(e), "messages") from None
-    try:
-        params = sampling_for(engine.path, ask.values)  # the model's catalog defaults, then the request's
-        n = ask.n
-        return [Generation(engine, ids, params, n=n, queued=True, first_choice=p * n) for p, ids in enumerate(prompts)]
-    except ContextOverflow as e:
-        raise bad(str(e), "messages" if ask.kind == "chat" else "prompt", "context_length_exceeded") from None
-    except PoolExhausted as e:
-        raise ApiError(413, str(e), "max_tokens", "request_too_large") from None
-    except LocalkvError as e:
-        raise bad(str(e)) from None
-
-
-def _ids(ids: list[int], vocab: int) -> list[int]:
-    if any(not 0 <= t < vocab for t in ids):
-        raise bad(f"invalid 'prompt': token ids must be in 0..{vocab - 1}", "prompt")
-    return ids
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-async def _until_done(request: Request, job: Job):
-    """Wait for the job; a client that disconnects first cancels it."""
-
-    async def gone():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(gone())
-    try:
-        while not job.done:
-            waiter = asyncio.ensure_future(job.wake.wait())
-            finished, _ = await asyncio.wait({watcher, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            job.wake.clear()
-            if watcher in finished:
-                waiter.cancel()
-                raise ClientGone()
-    finally:
-        watcher.cancel()
-
-
-def _failure(events: list[Event], job: Job) -> tuple[list[Event], ApiError | None]:
-    """The events before a Failed one, and the error it means: a 500 when a step broke, a 503
-    when the server stopped (None when the job did not fail)."""
-    for i, ev in enumerate(events):
-        if isinstance(ev, Failed):
-            return events[:i], _stopping(ev.message) if job.stopped else ApiError(500, ev.message, code="server_error")
-    return events, None
 
 
 async def _events(job: Job, reply: Reply, ask: Ask):
@@ -302,7 +168,7 @@ async def _events(job: Job, reply: Reply, ask: Ask):
     if ask.kind == "chat":
         yield reply.roles(len(job.gens) * ask.n)
     async for batch in job.batches():
-        events, failed = _failure(batch, job)
+        events, failed = failure(batch, job)
         text = reply.stream(events)
         if failed is not None:
             yield text + sse(failed.body()) + DONE
@@ -310,34 +176,3 @@ async def _events(job: Job, reply: Reply, ask: Ask):
         if text:
             yield text
     yield reply.end(ask.include_usage)
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events that end, and cancel their job, as soon as the client disconnects
-    (also while the request still waits for a seat and nothing is being sent)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content, runner: Runner, job: Job):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.runner, self.job = runner, job
-
-    async def __call__(self, scope, receive, send):
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream():
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the client went away mid-write
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            if not self.job.done:
-                self.runner.cancel(self.job)
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()

@@ -57,6 +57,9 @@ class Ask:
     values: dict  # SamplingParams fields given by the request
     messages: list[dict] = field(default_factory=list)  # chat
     prompts: list = field(default_factory=list)  # completion: each a str or a list of token ids
+    # the request's own context window, prompt and reply (Ollama's num_ctx; 0: the engine's
+    # whole context), a reply without max_tokens running to its end; None: no window (OpenAI's)
+    window: int | None = None
 
 
 # ------------------------------------------------------------------ field readers

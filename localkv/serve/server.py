@@ -117,7 +117,8 @@ def serve(engine: EngineConfig, opts: ServeOptions, say=print) -> None:
     runner.on_state = on_state
     if not is_loopback(opts.host) and not opts.api_key:
         say(f"localkv serve: warning: listening on {opts.host} without --api-key: anyone who reaches it can use it")
-    say(f"localkv serve: listening on {url} (OpenAI API at {url}/v1; /health, /metrics); loading the model...")
+    apis = f"OpenAI API at {url}/v1, Ollama's at {url}/api; /health, /metrics"
+    say(f"localkv serve: listening on {url} ({apis}); loading the model...")
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # a Ctrl-C before uvicorn took the signals: nothing was running yet

@@ -2,9 +2,14 @@
 processes, real streaming clients), and how decode throughput is measured."""
 
 import json
+import socket
 
-from localkv.bench.serve_load import Outcome, decode_tps
+import pytest
+
+from localkv.bench.serve_load import Outcome, decode_tps, llama_cpp_server
 from localkv.cli import main
+from localkv.config import EngineConfig
+from localkv.serve.server import BackgroundServer
 from tiny_model import write_gguf
 
 
@@ -32,3 +37,68 @@ def test_bench_serve_quick_on_the_tiny_model(tmp_path, capsys):
     assert burst["hit_rate"] > 0.9 and serial["hit_rate"] > 0.9  # requests 2..N found the system prompt
     assert [t["result"] for t in rep["targets"]] == [None] * 4  # --quick judges nothing
     assert "localkv bench serve" in rep["command"]
+
+
+def _report(capsys, *argv) -> dict:
+    assert main(["bench", "serve", "--quick", *argv, "-t", "1", "-o", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _shape(rep: dict) -> tuple:
+    return (
+        [(r["load"], sorted(r)) for r in rep["rows"]],
+        sorted(rep["summary"]),
+        [t["name"] for t in rep["targets"]],
+        sorted(rep["tables"]),
+    )
+
+
+def test_bench_serve_url_gives_the_same_report_for_another_server(tmp_path, capsys):
+    tiny = write_gguf(tmp_path / "tiny.gguf", ctx=512)
+    own = _report(capsys, "-m", str(tiny))
+    config = EngineConfig(model=str(tiny), disk_cache=False, kv_mem="16MiB")
+    with BackgroundServer(config) as s:
+        rep = _report(capsys, "-m", str(tiny), "--url", s.url + "/v1")
+    assert _shape(rep) == _shape(own)
+    burst, serial = rep["rows"]
+    assert burst["engine"] == f"tiny at {s.url}" and burst["tokens"] == serial["tokens"] == 4 * 8
+    assert burst["hit_rate"] > 0.9 and burst["peak_blocks"] is None  # usage says; /metrics is not asked
+    assert f"--url {s.url}" in rep["command"]
+
+
+@pytest.mark.peer
+def test_bench_serve_url_against_llama_cpp_pythons_server(tmp_path, capsys):
+    tiny = write_gguf(tmp_path / "tiny.gguf", ctx=512)
+    server = llama_cpp_server(tiny, 1, n_ctx=512).wait_ready()
+    try:
+        rep = _report(capsys, "-m", str(tiny), "--url", server.url)
+    finally:
+        server.stop()
+    burst, serial = rep["rows"]
+    assert [r["load"] for r in rep["rows"]] == ["4 at once", "one at a time"]
+    assert burst["tokens"] == serial["tokens"] == 4 * 8 and burst["hit_rate"] is None  # its usage has no cache
+    assert burst["engine"].endswith(f"at {server.url}") and burst["ttft_p50"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["bench", "speed", "--url", "http://127.0.0.1:1"], "serve"),
+        (["bench", "serve", "--url", "http://127.0.0.1:1", "--vs", "llama.cpp"], "--vs"),
+        (["bench", "serve", "--url", "127.0.0.1:8080"], "invalid --url"),
+    ],
+)
+def test_bench_serve_url_refuses_bad_arguments_in_one_line(argv, says, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert says in err and len(err.splitlines()) == 1
+
+
+def test_bench_serve_url_with_nothing_listening_is_one_line(tmp_path, capsys):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tiny = write_gguf(tmp_path / "tiny.gguf", ctx=512)
+    assert main(["bench", "serve", "--quick", "-m", str(tiny), "--url", f"http://127.0.0.1:{port}"]) == 1
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}/v1/models" in err and len(err.splitlines()) == 1
