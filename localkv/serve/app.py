@@ -27,6 +27,7 @@ from localkv.serve import metrics
 from localkv.serve.openai import ApiError, Ask, bad, parse_chat, parse_completion
 from localkv.serve.replies import DONE, Reply, sse
 from localkv.serve.runner import STOPPING, Job, QueueFull, Runner, ShuttingDown
+from localkv.toolcalls import Plan, ToolError, prepare
 
 MAX_BODY = 16 << 20  # bytes of one request body
 
@@ -209,14 +210,15 @@ async def _body(request: Request):
 async def _answer(request: Request, ask: Ask) -> Response:
     runner = _ready(request)
     _check_model(request, ask.model)
-    gens = await run_in_threadpool(build, runner.engine, ask)
+    plan = prepare(ask.tools, ask.tool_choice, runner.engine.tokenizer) if ask.kind == "chat" else None
+    gens = await run_in_threadpool(build, runner.engine, ask, plan)
     try:
         job = runner.submit(gens, asyncio.get_running_loop())
     except QueueFull as e:
         raise ApiError(429, str(e), code="server_busy") from None
     except ShuttingDown as e:  # the signal came while the prompt was being tokenized
         raise _stopping(str(e)) from None
-    reply = Reply(ask.kind, request.app.state.model_id, runner.engine.tokenizer, ask.logprobs is not None)
+    reply = Reply(ask.kind, request.app.state.model_id, runner.engine.tokenizer, ask.logprobs is not None, tools=plan)
     if ask.stream:
         return EventStream(_events(job, reply, ask), runner, job)
     try:
@@ -232,21 +234,26 @@ async def _answer(request: Request, ask: Ask) -> Response:
     return JSONResponse(reply.body(events))
 
 
-def build(engine, ask: Ask) -> list[Generation]:
+def build(engine, ask: Ask, plan: Plan | None = None) -> list[Generation]:
     """The request's prompts as token ids and its Generations (checked against the context and
-    the whole pool). Runs in a worker thread: nothing here changes the engine."""
+    the whole pool); `plan`: a chat's tools (toolcalls.prepare). Runs in a worker thread:
+    nothing here changes the engine."""
     tok = engine.tokenizer
+    values = ask.values | ({"constraint": plan.constraint} if plan and plan.constraint else {})
     try:
         if ask.kind == "chat":
-            prompts = [tok.encode(tok.render_chat(ask.messages, add_generation_prompt=True))]
+            text = plan.prompt(tok, ask.messages) if plan else tok.render_chat(ask.messages)
+            prompts = [tok.encode(text)]
         else:
             prompts = [
                 tok.encode(p) if isinstance(p, str) else _ids(p, engine.model_config.vocab_size) for p in ask.prompts
             ]
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
     except LocalkvError as e:  # the model's chat template refused the conversation (or failed on it)
         raise bad(str(e), "messages") from None
     try:
-        params = sampling_for(engine.path, ask.values)  # the model's catalog defaults, then the request's
+        params = sampling_for(engine.path, values)  # the model's catalog defaults, then the request's
         n = ask.n
         return [Generation(engine, ids, params, n=n, queued=True, first_choice=p * n) for p, ids in enumerate(prompts)]
     except ContextOverflow as e:
