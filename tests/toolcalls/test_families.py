@@ -119,3 +119,38 @@ def test_a_history_with_calls_and_results_renders_in_the_family_form(family_tok)
     ]
     text = plan.prompt(tok, messages)
     assert "Paris is in France." in text and '"query": "paris"' in text
+
+
+# Llama 3.1's own template (the tiny model's GGUF has 3.2's without tools), cut to what matters
+LLAMA31 = (
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>\n\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    "{% endfor %}<|eom_id|>{% else %}{{ m.content }}<|eot_id|>{% endif %}{% endfor %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
+
+
+def test_llama3_json_calls_on_the_llama3_vocabulary(vocabularies, tmp_path):
+    path = tmp_path / "vocab.gguf"
+    script("make_model").write_gguf(script("make_model").RECIPES["tiny-llama3"], path, vocab_only=True)
+    tok = Tokenizer.from_gguf(path)
+    tok.chat_template = LLAMA31
+    tok.__dict__.pop("_template", None)  # compiled on first use
+    plan = prepare(TOOLS, Choice("required"), tok)
+    assert plan.family.name == "llama3" and plan.native
+    call = {"id": "c1", "name": "search", "arguments": {"query": "x"}}
+    history = [
+        {"role": "user", "content": "Find x."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x is y"},
+    ]
+    text = plan.prompt(tok, history)
+    assert '"get_weather"' in text and '{"name": "search", "parameters": {"query": "x"}}' in text
+    g = Grammar.compile(plan.constraint, tok)
+    for seed in range(3):
+        _, calls = plan.parse(draw(tok, g, seed))
+        assert len(calls) == 1
+        jsonschema.validate(calls[0].arguments, SCHEMAS[calls[0].name])
