@@ -98,6 +98,11 @@ class GrammarMatcher:
             self._raise_on_error()
             raise RuntimeError(f"token {token} was drawn outside the grammar's mask (a bug in the sampler)")
 
+    def feed(self, token: int) -> bool:
+        """Take a token that was not drawn under this mask (a lazy grammar's start); whether
+        the grammar could."""
+        return bool(self._m.consume_token(token))
+
     @property
     def accepting(self) -> bool:
         """Whether the text so far is a complete match."""
@@ -149,11 +154,10 @@ class LazyMatcher:
             ids = self._tokens[self._starts.index(at) :]
         else:  # the token before it carries text of its own: the trigger's bytes on, re-tokenized
             ids = self._g.tokenizer.tokenize_bytes(bytes(self._text[at:]))
-        for t in ids:
-            if not m._m.consume_token(t):
-                self._dead = True
-                return
-        self._m = m
+        if all(m.feed(t) for t in ids):
+            self._m = m
+        else:
+            self._dead = True
 
     @property
     def triggered(self) -> bool:
