@@ -66,6 +66,23 @@ def question(i: int) -> list[dict]:
     return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)].format(c=CITIES[i // len(PROMPTS) % len(CITIES)])}]
 
 
+def after_a_call(i: int) -> list[dict]:
+    """A second question in a conversation that already made a call and got its result (where a
+    model left to choose calls most often)."""
+    city = CITIES[(i + 1) % len(CITIES)]
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": json.dumps({"zone": city})},
+    }
+    return [
+        {"role": "user", "content": f"What time is it in {city}?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "10:42"},
+        *question(i),
+    ]
+
+
 def valid(call) -> bool:
     try:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
@@ -74,10 +91,10 @@ def valid(call) -> bool:
         return False
 
 
-def measure(client, model: str, choice: str, n: int, temperature: float, max_tokens: int) -> dict:
+def measure(client, model: str, choice: str, n: int, temperature: float, max_tokens: int, history=False) -> dict:
     def one(i: int):
         return client.chat.completions.create(
-            model=model, messages=question(i), tools=TOOLS, tool_choice=choice,
+            model=model, messages=after_a_call(i) if history else question(i), tools=TOOLS, tool_choice=choice,
             temperature=temperature, seed=i, max_tokens=max_tokens,
         ).choices[0]  # fmt: skip
 
@@ -89,7 +106,7 @@ def measure(client, model: str, choice: str, n: int, temperature: float, max_tok
     # with auto, a reply cut inside a call still emitted it (its text holds the trigger)
     broken = sum(r.finish_reason == "length" and '{"tool_calls"' in (r.message.content or "") for r in replies)
     return {
-        "choice": choice,
+        "choice": choice + (" after a call" if history else ""),
         "requests": n,
         "calling": sum(bool(r.message.tool_calls) for r in replies),
         "calls": len(calls) + broken,
@@ -111,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with BackgroundServer(EngineConfig(model=str(path), disk_cache=False, kv_mem="512MiB")) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=600)
-        for choice, n in (("required", a.n), ("auto", a.auto)):
+        for choice, n, history in (("required", a.n, False), ("auto", a.auto, False), ("auto", a.auto, True)):
             if n:
-                rows.append(measure(client, model_id(str(path)), choice, n, a.temperature, a.max_tokens))
+                rows.append(measure(client, model_id(str(path)), choice, n, a.temperature, a.max_tokens, history))
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |\n|" + " --- |" * len(keys))
     for r in rows:

@@ -201,6 +201,19 @@ def test_sampled_required_requests_all_parse_and_validate(client):
         assert_valid(c.message.tool_calls)
 
 
+@pytest.mark.model
+def test_auto_calls_the_model_emits_all_validate(client):
+    """With `auto` the model chooses; after a first call and its result SmolLM2 calls again,
+    through the lazy grammar: every call it emits parses and matches its schema."""
+    replies = [
+        ask(client, messages=RATES.after_a_call(i), tool_choice="auto", temperature=0.8, seed=i).choices[0]
+        for i in range(6)
+    ]
+    calls = [c for r in replies for c in r.message.tool_calls or ()]
+    assert calls and all(r.finish_reason == "tool_calls" for r in replies if r.message.tool_calls)
+    assert_valid(calls)
+
+
 # ------------------------------------------------------------------ a framework's tool loop
 
 
