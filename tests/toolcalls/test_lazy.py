@@ -117,3 +117,22 @@ def test_a_stream_without_calls_gives_all_its_text():
     sent = "".join(s.feed(p) for p in parts)
     rest, calls = s.finish()
     assert sent + rest == "".join(parts) and calls == []
+
+
+def test_mistrals_control_token_trigger_starts_the_grammar(vocabularies, tmp_path):
+    """[TOOL_CALLS] is one control token: text cannot spell it, the grammar opens with its id."""
+    path = tmp_path / "mistral.gguf"
+    script("make_model").write_gguf(script("make_model").RECIPES["tiny-mistral"], path, vocab_only=True)
+    tok = Tokenizer.from_gguf(path)
+    plan = prepare(TOOLS, Choice("auto"), tok)
+    (trigger,) = tok.encode("[TOOL_CALLS]", special=True, add_bos=False)
+    assert plan.family.name == "mistral" and f"<[{trigger}]>" in plan.constraint.text
+    m = Grammar.compile(plan.constraint, tok).matcher()
+    feed(m, tok.encode("Sure.", add_bos=False))
+    assert m.allowed().all() and not m.triggered
+    feed(m, [trigger])
+    assert m.triggered
+    content, calls = plan.parse(finish(tok, m, [*tok.encode("Sure.", add_bos=False), trigger]))
+    assert calls and content.strip() == "Sure."
+    for c in calls:
+        jsonschema.validate(c.arguments, SCHEMAS[c.name])
