@@ -121,7 +121,7 @@ def test_a_history_with_calls_and_results_renders_in_the_family_form(family_tok)
     assert "Paris is in France." in text and '"query": "paris"' in text
 
 
-# Llama 3.1's own template (the tiny model's GGUF has 3.2's without tools), cut to what matters
+# Llama 3.1's tool format in a template cut to what matters (the tiny llama3 vocabulary's has no tools)
 LLAMA31 = (
     "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
     "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
