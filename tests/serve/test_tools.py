@@ -126,6 +126,24 @@ def test_tools_on_the_tiny_model_call_by_the_grammar(tiny_http):
         jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
 
 
+def test_each_choice_streams_its_own_calls(tiny_http):
+    """n=2 through the openai client's stream helper: each choice's calls, reassembled, are the
+    whole reply's (seeded sampling: the two choices differ, each is reproducible)."""
+    client = openai.OpenAI(base_url=str(tiny_http.base_url) + "/v1", api_key="none", max_retries=0)
+    args = {"model": "tiny", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "n": 2, "seed": 3}
+    args |= {"max_tokens": 1000, "temperature": 0.7}
+    whole = client.chat.completions.create(**args).choices
+    with client.chat.completions.stream(**args) as s:
+        for _ in s:
+            pass
+        streamed = s.get_final_completion().choices
+    assert len(whole) == len(streamed) == 2
+    for w, st in zip(whole, streamed):
+        assert st.finish_reason == w.finish_reason == "tool_calls"
+        got = [(c.function.name, c.function.arguments) for c in st.message.tool_calls]
+        assert got == [(c.function.name, c.function.arguments) for c in w.message.tool_calls]
+
+
 # ------------------------------------------------------------------ the real model
 
 
