@@ -58,17 +58,25 @@ def check(c: Constraint, tok: Tokenizer | None = None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Grammar:
-    """A checked grammar for one vocabulary; matcher() starts a branch at its beginning."""
+    """A checked grammar for one vocabulary; matcher() starts a branch at its beginning (a lazy
+    one's: free until its trigger)."""
 
     text: str
     tokenizer: llg.LLTokenizer
     vocab_size: int
+    model_tokenizer: Tokenizer | None = None  # a lazy grammar reads the tokens' bytes
+    trigger: bytes = b""
 
     @classmethod
     def compile(cls, c: Constraint, tok: Tokenizer) -> "Grammar":
-        return cls(check(c, tok), ll_tokenizer(tok), tok.vocab_size)
+        return cls(check(c, tok), ll_tokenizer(tok), tok.vocab_size, tok, c.trigger.encode("utf-8"))
 
-    def matcher(self) -> "GrammarMatcher":
+    def matcher(self) -> "GrammarMatcher | LazyMatcher":
+        if self.trigger:
+            return LazyMatcher(self)
+        return self.strict()
+
+    def strict(self) -> "GrammarMatcher":
         return GrammarMatcher(llg.LLMatcher(self.tokenizer, self.text, log_level=0), self.vocab_size)
 
 
@@ -90,6 +98,11 @@ class GrammarMatcher:
             self._raise_on_error()
             raise RuntimeError(f"token {token} was drawn outside the grammar's mask (a bug in the sampler)")
 
+    def feed(self, token: int) -> bool:
+        """Take a token that was not drawn under this mask (a lazy grammar's start); whether
+        the grammar could."""
+        return bool(self._m.consume_token(token))
+
     @property
     def accepting(self) -> bool:
         """Whether the text so far is a complete match."""
@@ -98,6 +111,61 @@ class GrammarMatcher:
     def _raise_on_error(self):
         if self._m.is_error():
             raise LocalkvError(f"the grammar engine stopped: {first_line(RuntimeError(self._m.get_error()))}")
+
+
+class LazyMatcher:
+    """A lazy grammar's branch: every token may come until the reply's bytes hold the trigger;
+    then the grammar (which starts with the trigger) is fed the reply from the trigger on and
+    masks the rest. A trigger that ends inside a token whose remaining bytes the grammar cannot
+    take leaves only the stop tokens: the reply ends, a text answer rather than a broken call."""
+
+    def __init__(self, g: Grammar):
+        self._g = g
+        self._free = np.ones(g.vocab_size, bool)
+        self._text = bytearray()
+        self._starts: list[int] = []  # where each token's bytes begin in _text
+        self._tokens: list[int] = []
+        self._m: GrammarMatcher | None = None
+        self._dead = False
+
+    def allowed(self) -> np.ndarray:
+        if self._dead:
+            only_stops = np.zeros(self._g.vocab_size, bool)
+            only_stops[[i for i in self._g.model_tokenizer.stop_ids if i < self._g.vocab_size]] = True
+            return only_stops
+        return self._free if self._m is None else self._m.allowed()
+
+    def accept(self, token: int) -> None:
+        if self._m is not None:
+            return self._m.accept(token)
+        if self._dead:
+            return
+        tok = self._g.model_tokenizer
+        self._starts.append(len(self._text))
+        self._tokens.append(token)
+        self._text += tok.token_bytes(token)
+        at = self._text.find(self._g.trigger, max(0, self._starts[-1] - len(self._g.trigger) + 1))
+        if at >= 0:
+            self._start(at)
+
+    def _start(self, at: int) -> None:
+        m = self._g.strict()
+        if at in self._starts:  # the trigger begins a token: feed the model's own tokens
+            ids = self._tokens[self._starts.index(at) :]
+        else:  # the token before it carries text of its own: the trigger's bytes on, re-tokenized
+            ids = self._g.tokenizer.tokenize_bytes(bytes(self._text[at:]))
+        if all(m.feed(t) for t in ids):
+            self._m = m
+        else:
+            self._dead = True
+
+    @property
+    def triggered(self) -> bool:
+        return self._m is not None
+
+    @property
+    def accepting(self) -> bool:
+        return self._m is None or self._m.accepting
 
 
 def ll_tokenizer(tok: Tokenizer) -> llg.LLTokenizer:

@@ -25,11 +25,14 @@ MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's limit
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """What the reply must match: `json` (any JSON object), `json_schema` (text: a JSON Schema),
-    `grammar` (text: Lark or GBNF) or `regex`. grammar.py compiles it against a vocabulary."""
+    `grammar` (text: Lark or GBNF) or `regex`. grammar.py compiles it against a vocabulary. With
+    a `trigger`, the reply is free until the trigger appears; the grammar, which starts with the
+    trigger, holds from there on (llama.cpp's lazy grammars)."""
 
     kind: str
     text: str = ""
     source: str = ""  # where the text came from (a file name), for error messages
+    trigger: str = ""  # a lazy grammar: free text until this text, the grammar from it on (tool calls)
 
     def validate(self) -> "Constraint":
         if self.kind not in CONSTRAINT_KINDS:

@@ -1,10 +1,13 @@
 """`localkv run` and `localkv fork`: one reply, or N replies sharing the prompt's KV blocks."""
 
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import typer
 
 import localkv.cli.render as render
+import localkv.cli.tools as cli_tools
 from localkv.cli.app import err, read_prompt, warn_disk
 from localkv.cli.options import Sampling, engine_options, sampling_options
 from localkv.cli.prefill_bar import PrefillBar
@@ -16,12 +19,16 @@ SystemOpt = typer.Option(None, "-s", "--system", help="System prompt (new conver
 SaveOpt = typer.Option(False, "--no-save", help="Do not save this exchange in the conversation log.")
 ContinueOpt = typer.Option(False, "-c", "--continue", help="Continue the latest conversation.")
 CidOpt = typer.Option(None, "--cid", help="Continue the conversation with this id (see `localkv log`).")
+ToolsOpt = typer.Option(None, "--tools", help="OpenAI-style tools (a JSON file): the calls print as JSON lines.")
+ToolChoiceOpt = typer.Option(None, "--tool-choice", help=cli_tools.CHOICE_HELP)
 
 
-def _prompt_ids(engine, turn: Turn, text: str | None, raw: bool) -> list[int]:
+def _prompt_ids(engine, turn: Turn, text: str | None, raw: bool, plan=None) -> list[int]:
     tok = engine.tokenizer
     if raw:
         return tok.encode("\n".join([m["content"] for m in turn.messages(None)] + ([text] if text else [])))
+    if plan is not None:
+        return tok.encode(plan.prompt(tok, turn.messages(text)))
     return tok.encode(tok.render_chat(turn.messages(text), add_generation_prompt=True))
 
 
@@ -43,6 +50,8 @@ def run(
     cont: bool = ContinueOpt,
     cid: str | None = CidOpt,
     no_save: bool = SaveOpt,
+    tools_file: Path | None = ToolsOpt,
+    tool_choice: str | None = ToolChoiceOpt,
     *,
     engine: EngineConfig,
     sampling: Sampling,
@@ -50,18 +59,27 @@ def run(
     """Generate a reply to PROMPT and stream it to stdout; the exchange is saved in the conversation log."""
     from localkv.generation import Generation
 
+    tools = _tools(tools_file, tool_choice, raw, sampling)
     text = read_prompt(prompt)
     turn = plan_turn(not no_save, cont, cid, None, system, text)
     eng = _start(engine)
     params = sampling.resolve(eng.path)
+    plan = None
+    if tools is not None:
+        from localkv.toolcalls import prepare
+
+        plan = prepare(*tools, eng.tokenizer)
+        params = replace(params, constraint=plan.constraint)
     bar = PrefillBar()
-    gen = Generation(eng, _prompt_ids(eng, turn, text, raw), params, on_progress=bar)
-    stream = not (no_stream or as_json)
+    gen = Generation(eng, _prompt_ids(eng, turn, text, raw, plan), params, on_progress=bar)
+    stream = not (no_stream or as_json or plan)
     r = _drain(gen, bar, stream)
     _, reply_ids = turn.save(eng.model_config.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens, params)
     saved = render.Saved.of(turn, reply_ids)
     if as_json:
         print(render.dumps(render.reply_json(eng, r, saved, logprobs=params.logprobs is not None)))
+    elif plan is not None:
+        cli_tools.print_calls(plan, r.text)
     else:
         sys.stdout.write(("" if stream else r.text) + "\n")
         sys.stdout.flush()
@@ -72,6 +90,19 @@ def run(
         err(render.reply_verbose(eng, r, saved))
     if r.finish_reason == "interrupted":
         raise typer.Exit(130)
+
+
+def _tools(path: Path | None, choice: str | None, raw: bool, sampling: Sampling):
+    """--tools and --tool-choice, checked before any model loads."""
+    if path is None:
+        if choice is not None:
+            raise LocalkvError("--tool-choice needs --tools FILE")
+        return None
+    if raw:
+        raise LocalkvError("--tools needs the chat template: it does not go with --raw")
+    if "constraint" in sampling.values:
+        raise LocalkvError("--tools and --format/--schema/--grammar do not go together: the calls have their grammar")
+    return cli_tools.load(path, choice)
 
 
 def _drain(gen, bar: PrefillBar, stream: bool):

@@ -226,14 +226,22 @@ class Tokenizer:
 
     # ---- chat ---------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's template writes it. When encode() adds BOS (or EOS)
-        itself, a BOS the template writes first (EOS last) is dropped, as llama.cpp's chat code
-        does, so encode(render_chat(...)) holds exactly one."""
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The conversation as the model's template writes it (`tools`: the template's variable of
+        that name, OpenAI's function tools). When encode() adds BOS (or EOS) itself, a BOS the
+        template writes first (EOS last) is dropped, as llama.cpp's chat code does, so
+        encode(render_chat(...)) holds exactly one."""
         bos = self.decode([self.bos_id] if self.bos_id is not None else [])
         eos = self.decode([self.eos_id] if self.eos_id is not None else [])
         text = chat_template.render(
-            self._template, messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            self._template,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
+            tools=tools,
         )
         if self.add_bos and bos and text.startswith(bos):
             text = text[len(bos) :]

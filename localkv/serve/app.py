@@ -23,6 +23,7 @@ from localkv.serve.jobs import EventStream, authorize, failure, read_json, ready
 from localkv.serve.openai import ApiError, Ask, parse_chat, parse_completion
 from localkv.serve.replies import DONE, Reply, sse
 from localkv.serve.runner import Job, Runner
+from localkv.toolcalls import Plan, prepare
 
 
 def model_id(model: str | None) -> str:
@@ -152,14 +153,20 @@ async def completions(request: Request) -> Response:
 async def _answer(request: Request, ask: Ask) -> Response:
     runner = ready(request)
     _check_model(request, ask.model)
-    job = await submit(runner, ask)
-    reply = Reply(ask.kind, request.app.state.model_id, runner.engine.tokenizer, ask.logprobs is not None)
+    plan = _plan(ask, runner.engine.tokenizer)
+    job = await submit(runner, ask, plan)
+    reply = Reply(ask.kind, request.app.state.model_id, runner.engine.tokenizer, ask.logprobs is not None, tools=plan)
     if ask.stream:
         return EventStream(_events(job, reply, ask), runner, job)
     events = await whole(request, runner, job)
     if events is None:
         return Response(status_code=499)  # nobody reads it; the job is cancelled
     return JSONResponse(reply.body(events))
+
+
+def _plan(ask: Ask, tok) -> Plan | None:
+    """A chat's tools as toolcalls prepares them (None for completions)."""
+    return prepare(ask.tools, ask.tool_choice, tok) if ask.kind == "chat" else None
 
 
 async def _events(job: Job, reply: Reply, ask: Ask):

@@ -19,6 +19,7 @@ from localkv.generation import Generation
 from localkv.hub.catalog import sampling_for
 from localkv.serve.openai import ApiError, Ask, bad
 from localkv.serve.runner import STOPPING, Job, QueueFull, Runner, ShuttingDown
+from localkv.toolcalls import Plan, ToolError
 
 MAX_BODY = 16 << 20  # bytes of one request body
 
@@ -78,9 +79,10 @@ def ready(request: Request) -> Runner:
     return runner
 
 
-async def submit(runner: Runner, ask: Ask) -> Job:
-    """The Ask's Generations, queued on the runner (429 when it is full, 503 when it stops)."""
-    gens = await run_in_threadpool(build, runner.engine, ask)
+async def submit(runner: Runner, ask: Ask, plan: Plan | None = None) -> Job:
+    """The Ask's Generations, queued on the runner (429 when it is full, 503 when it stops);
+    `plan`: a chat's tools (toolcalls.prepare)."""
+    gens = await run_in_threadpool(build, runner.engine, ask, plan)
     try:
         return runner.submit(gens, asyncio.get_running_loop())
     except QueueFull as e:
@@ -89,21 +91,26 @@ async def submit(runner: Runner, ask: Ask) -> Job:
         raise stopping(str(e)) from None
 
 
-def build(engine, ask: Ask) -> list[Generation]:
+def build(engine, ask: Ask, plan: Plan | None = None) -> list[Generation]:
     """The request's prompts as token ids and its Generations (checked against the context and
-    the whole pool). Runs in a worker thread: nothing here changes the engine."""
+    the whole pool); `plan`: a chat's tools. Runs in a worker thread: nothing here changes the
+    engine."""
     tok = engine.tokenizer
+    values = ask.values | ({"constraint": plan.constraint} if plan and plan.constraint else {})
     try:
         if ask.kind == "chat":
-            prompts = [tok.encode(tok.render_chat(ask.messages, add_generation_prompt=True))]
+            text = plan.prompt(tok, ask.messages) if plan else tok.render_chat(ask.messages, add_generation_prompt=True)
+            prompts = [tok.encode(text)]
         else:
             prompts = [
                 tok.encode(p) if isinstance(p, str) else _ids(p, engine.model_config.vocab_size) for p in ask.prompts
             ]
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
     except LocalkvError as e:  # the model's chat template refused the conversation (or failed on it)
         raise bad(str(e), "messages") from None
     try:
-        params = sampling_for(engine.path, ask.values)  # the model's catalog defaults, then the request's
+        params = sampling_for(engine.path, values)  # the model's catalog defaults, then the request's
         n = ask.n
         return [
             Generation(engine, ids, _within(params, ask, len(ids), engine.ctx), n=n, queued=True, first_choice=p * n)

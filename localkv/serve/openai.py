@@ -1,9 +1,9 @@
 """OpenAI's HTTP API as localkv reads it: request bodies checked field by field and turned into
 an Ask (sampling values for SamplingParams, the prompt or the chat), and the error shape.
 
-A field localkv cannot honour yet (tools, logit_bias, echo, ...) is refused with a 400 that
-names it, never ignored. Extensions of llama-server's and vLLM's: top_k, min_p,
-repeat_penalty, ignore_eos.
+A field localkv cannot honour yet (logit_bias, echo, the old `functions`, ...) is refused with
+a 400 that names it, never ignored; tools are read by localkv/toolcalls/spec.py. Extensions of
+llama-server's and vLLM's: top_k, min_p, repeat_penalty, ignore_eos.
 """
 
 import json
@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from localkv.sampling import MAX_LOGPROBS, Constraint
+from localkv.toolcalls.spec import Choice, Tool, ToolError, read_choice, read_tools
 
 MAX_N = 128  # choices per request (OpenAI's limit)
 MAX_STOP = 16  # stop strings per request
@@ -60,6 +61,8 @@ class Ask:
     # the request's own context window, prompt and reply (Ollama's num_ctx; 0: the engine's
     # whole context), a reply without max_tokens running to its end; None: no window (OpenAI's)
     window: int | None = None
+    tools: list[Tool] | None = None  # chat: the functions the reply may call
+    tool_choice: Choice | None = None
 
 
 # ------------------------------------------------------------------ field readers
@@ -192,8 +195,6 @@ def parse_chat(body) -> Ask:
     _refuse(
         body,
         (
-            "tools",
-            "tool_choice",
             "functions",
             "function_call",
             "logit_bias",
@@ -214,10 +215,24 @@ def parse_chat(body) -> Ask:
     if (c := response_format(body.get("response_format"))) is not None:
         values["constraint"] = c
     stream, usage = _stream(body)
-    return Ask("chat", _model(body), _n(body), stream, usage, logprobs, values, messages=messages)
+    tools, choice = _tools(body)
+    if "constraint" in values and choice.mode != "none":
+        raise bad("'response_format' and 'tools' cannot both constrain the reply", "response_format")
+    ask = Ask("chat", _model(body), _n(body), stream, usage, logprobs, values, messages=messages)
+    ask.tools, ask.tool_choice = tools, choice
+    return ask
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+def _tools(body: dict) -> tuple[list[Tool] | None, Choice]:
+    try:
+        v = body.get("tools")
+        tools = read_tools(v) if v not in (None, []) else None
+        return tools, read_choice(body.get("tool_choice"), tools, body.get("parallel_tool_calls"))
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _messages(v) -> list[dict]:
@@ -231,14 +246,40 @@ def _messages(v) -> list[dict]:
         if not isinstance(m, dict):
             raise bad(f"invalid '{where}': expected an object, got {_type_name(m)}", where)
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise unsupported(f"{where}.role", f" ({role} messages: localkv has no tool calling)")
+        if role == "function":
+            raise unsupported(f"{where}.role", " (function messages: use 'tool' messages)")
         if role not in ROLES:
             raise bad(f"invalid '{where}.role': {role!r}, expected one of {', '.join(ROLES)}", f"{where}.role")
-        if m.get("tool_calls"):
-            raise unsupported(f"{where}.tool_calls")
-        out.append({"role": ROLES[role], "content": _content(m.get("content"), role, f"{where}.content")})
+        msg = {"role": ROLES[role], "content": _content(m.get("content"), role, f"{where}.content")}
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad(f"invalid '{where}.tool_call_id': expected a string", f"{where}.tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
+        elif m.get("tool_calls") and role == "assistant":
+            msg["tool_calls"] = _calls(m["tool_calls"], f"{where}.tool_calls")
+        elif m.get("tool_calls"):
+            raise bad(f"invalid '{where}.tool_calls': only assistant messages make tool calls", f"{where}.tool_calls")
+        out.append(msg)
     return out
+
+
+def _calls(v, where: str) -> list[dict]:
+    """An assistant turn's tool_calls: id, name and arguments (a JSON object's text)."""
+    if not isinstance(v, list):
+        raise bad(f"invalid '{where}': expected an array of tool calls", where)
+    calls = []
+    for j, c in enumerate(v):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id"), str):
+            raise bad(f"invalid '{where}[{j}]': expected an id and a function with a name", f"{where}[{j}]")
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            args = None
+        if not isinstance(args, dict):
+            raise bad(f"invalid '{where}[{j}].function.arguments': expected a JSON object's text", f"{where}[{j}]")
+        calls.append({"id": c["id"], "name": fn["name"], "arguments": args})
+    return calls
 
 
 def _content(v, role: str, where: str) -> str:

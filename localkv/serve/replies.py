@@ -1,5 +1,6 @@
 """The answers' shapes: chat.completion and text_completion bodies, their streamed chunks (SSE
-`data:` lines), usage with the prefix cache's share, and log-probabilities in both APIs' forms.
+`data:` lines), usage with the prefix cache's share, log-probabilities in both APIs' forms, and
+tool calls (whole, or streamed as `tool_calls` deltas keyed by index once the reply has ended).
 Everything is rendered from a request's events (localkv/events.py), nothing else."""
 
 import json
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 
 from localkv.events import Delta, Event, Finished, Usage
 from localkv.sampling import TokenLogprob
+from localkv.toolcalls import Call, Plan, ToolStream
 
 # localkv's finish reasons -> OpenAI's (the context, the KV budget and max_tokens all cut the reply short)
 FINISH = {"stop": "stop", "length": "length", "context": "length", "kv_budget": "length"}
@@ -56,6 +58,8 @@ class Reply:
     created: int = 0
     used: Usage = Usage()  # the Finished events' usage, summed
     offsets: dict[int, int] = field(default_factory=dict)  # choice -> characters sent (completions)
+    tools: Plan | None = None  # chat with tools: the reply's calls are parsed out of its text
+    held: dict[int, ToolStream] = field(default_factory=dict)  # choice -> its text held back for calls
 
     def __post_init__(self):
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -83,10 +87,23 @@ class Reply:
         choices = []
         for i in sorted(ends):
             text = "".join(texts.get(i, ()))
-            said = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
+            said, calls = self._said(text)
             lps = self.logprobs(i, records.get(i, [])) if self.want_logprobs else None
-            choices.append({"index": i, **said, "logprobs": lps, "finish_reason": finish_reason(ends[i].reason)})
+            finish = "tool_calls" if calls else finish_reason(ends[i].reason)
+            choices.append({"index": i, **said, "logprobs": lps, "finish_reason": finish})
         return self._head() | {"choices": choices, "usage": usage(self.used)}
+
+    def _said(self, text: str) -> tuple[dict, list[Call]]:
+        if self.kind != "chat":
+            return {"text": text}, []
+        content, calls = self.tools.parse(text) if self.tools is not None else (text, [])
+        message = {"role": "assistant", "content": content or None if calls else content}
+        if calls:
+            message["tool_calls"] = [
+                {"id": self.tools.new_id(), "type": "function", "function": {"name": c.name, "arguments": a}}
+                for c, a in ((c, c.arguments_json()) for c in calls)
+            ]
+        return {"message": message}, calls
 
     # ------------------------------------------------------------ streamed chunks
 
@@ -101,12 +118,36 @@ class Reply:
         for ev in events:
             if isinstance(ev, Delta):
                 lps = self.logprobs(ev.choice, ev.logprobs) if self.want_logprobs and ev.logprobs else None
-                if ev.text or lps is not None:  # tokens whose text never came still show their logprobs
-                    out.append(self.chunk(ev.choice, ev.text, logprobs=lps))
+                text = self._held(ev.choice).feed(ev.text) if self._held(ev.choice) else ev.text
+                if text or lps is not None:  # tokens whose text never came still show their logprobs
+                    out.append(self.chunk(ev.choice, text, logprobs=lps))
             elif isinstance(ev, Finished):
                 self.used += ev.usage
-                out.append(self.chunk(ev.choice, finish=finish_reason(ev.reason)))
+                calls = self._release(ev.choice, out)
+                out.append(self.chunk(ev.choice, finish="tool_calls" if calls else finish_reason(ev.reason)))
         return "".join(out)
+
+    def _held(self, index: int) -> ToolStream | None:
+        if self.tools is None or self.kind != "chat":
+            return None
+        if index not in self.held:
+            self.held[index] = self.tools.stream()
+        return self.held[index]
+
+    def _release(self, index: int, out: list[str]) -> list[Call]:
+        """A finished choice's held-back text: content, then each call as OpenAI streams one (a
+        delta with its id and name, then one with its arguments)."""
+        held = self._held(index)
+        if held is None:
+            return []
+        rest, calls = held.finish()
+        if rest:
+            out.append(self.chunk(index, rest))
+        for k, c in enumerate(calls):
+            head = {"index": k, "id": self.tools.new_id(), "type": "function"}
+            out.append(self.chunk(index, calls=[head | {"function": {"name": c.name, "arguments": ""}}]))
+            out.append(self.chunk(index, calls=[{"index": k, "function": {"arguments": c.arguments_json()}}]))
+        return calls
 
     def end(self, include_usage: bool) -> str:
         """The stream's last chunks: the usage if asked, then [DONE]."""
@@ -121,9 +162,12 @@ class Reply:
         finish: str | None = None,
         role: bool = False,
         logprobs: dict | None = None,
+        calls: list[dict] | None = None,
     ) -> str:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            if calls:
+                delta["tool_calls"] = calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
