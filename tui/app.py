@@ -24,6 +24,7 @@ from localkv.config import EngineConfig
 from localkv.conversations.store import ConversationStore, Message, preview
 from localkv.conversations.turn import Turn
 from localkv.engine import Engine
+from localkv.hub.catalog import display_name
 from localkv.sampling import SamplingParams
 from localkv.tui import commands as cmd
 from localkv.tui.widgets.branch_tree import BranchTree
@@ -115,6 +116,10 @@ class ChatApp(App):
         yield Footer()
 
     @property
+    def model_name(self) -> str:
+        return display_name(self.engine.path, self.engine.model_config.name)
+
+    @property
     def panel(self) -> KVPanel:
         return self.query_one(KVPanel)
 
@@ -183,7 +188,7 @@ class ChatApp(App):
 
     def _update_header(self) -> None:
         system = preview(self.system, 48) if self.system else "none"
-        self.title, self.sub_title = self.engine.model_config.name, f"{self.engine.backend.name} · system: {system}"
+        self.title, self.sub_title = self.model_name, f"{self.engine.backend.name} · system: {system}"
 
     def _tick(self) -> None:
         """Panel refresh: the worker's copy while it runs, else a fresh one (the engine is idle)."""
@@ -340,7 +345,7 @@ class ChatApp(App):
             self._update_header()
             ev = self.engine.config.evict
             budget = f", budget {ev.budget} tokens" if ev.budget is not None else ""
-            await self.transcript.say(f"ready: {self.engine.model_config.name}, KV policy {ev.policy}{budget}")
+            await self.transcript.say(f"ready: {self.model_name}, KV policy {ev.policy}{budget}")
         self.busy = self.engine is None
         self._tick()
 

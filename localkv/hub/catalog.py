@@ -151,6 +151,13 @@ def entry_for(model: str | Path | None) -> CatalogEntry | None:
     return None
 
 
+def display_name(model: str | Path | None, fallback: str) -> str:
+    """The name front ends show for a model: the catalog's name where it knows the model (a
+    GGUF's own general.name is often a training-run label), else fallback."""
+    e = entry_for(model)
+    return e.name if e is not None else fallback
+
+
 def sampling_for(model: str | Path | None, values: dict | None = None) -> SamplingParams:
     """How a reply from this model is sampled: SamplingParams' defaults, then the model's catalog
     defaults, then `values` (flags, /set, a request's fields; None means not given). The one

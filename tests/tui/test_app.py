@@ -406,3 +406,16 @@ async def test_panel_shows_drafted_and_accepted_tokens(config):
         assert s.drafted > 0 and shown["spec"] == "ngram" and shown["drafted"] == str(s.drafted)
         assert shown["accepted"].startswith(f"{s.accepted} (")
         assert shown["tok/verify"] == f"{(s.accepted + s.verify_passes) / s.verify_passes:.2f}"
+
+
+@pytest.mark.model
+@pytest.mark.asyncio
+async def test_title_and_ready_line_name_the_model_as_the_catalog_does(real_model_path):
+    # the GGUF's own general.name is "Smollm2 135M 8k Lc100K Mix1 Ep2", a training-run label
+    config = EngineConfig(model=str(real_model_path), kv_mem="4MiB", device="cpu")
+    app = ChatApp(config, ConversationStore(), sampling=replace(GREEDY, max_tokens=2))
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, timeout=300)  # the real model's kernels may compile first
+        assert app.engine.model_config.name != "smollm2-135m"
+        assert app.title == "smollm2-135m"
+        assert notices(app)[-1] == ("ready: smollm2-135m, KV policy none", False)
