@@ -101,11 +101,11 @@ def main(argv=None) -> int:
     ap.add_argument("--setting", action="append", help="NAME=VALUE,... over the catalog defaults (repeatable)")
     ap.add_argument("--show", action="store_true", help="print each looping reply's start")
     a = ap.parse_args(argv)
-    settings = a.setting or ["", "repeat_penalty=1.1", "repeat_penalty=1.15"]
+    settings = a.setting or ["", "repeat_penalty=1", "repeat_penalty=1.1"]
     engine = Engine(EngineConfig(model=a.model, threads=a.threads, kv_mem=a.kv_mem, disk_cache=False))
     print(f"model: {engine.path.name}; {len(PROMPTS)} chat prompts, max_tokens {a.max_tokens}")
     for text in settings:
-        params = sampling_for(engine.path, setting(text) | {"max_tokens": a.max_tokens})
+        params = sampling_for(engine.path, setting(text) | {"max_tokens": a.max_tokens}, chat=True)
         t0 = time.perf_counter()
         results = answer_all(engine, params)
         loops = [i for i, r in enumerate(results) if looped(r.tokens, r.finish_reason)]
