@@ -8,7 +8,7 @@ a short warm-up that is not counted (the first grammar, the first fork), it meas
 - p99 time to first token (streamed requests, the client's clock) of the last window against
   the first; target <= 1.2x.
 
-    python scripts/serve_soak.py [-m MODEL] [--requests 5000] [--window 1000] [--max-tokens 8]
+    python scripts/serve_soak.py [-m MODEL] [--requests 5000] [--window 1000] [--max-tokens 4]
 
 Exit status 0 when every request is answered or refused as expected and the targets hold, 1 when
 not. Bounded: every request has a timeout, the run a count.
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--window", type=int, default=1000, help="requests in the first and last window")
     ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--drop-share", type=float, default=0.05)
     ap.add_argument("--bad-share", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=1)
