@@ -24,6 +24,7 @@ from localkv.config import EngineConfig
 from localkv.conversations.store import ConversationStore, Message, preview
 from localkv.conversations.turn import Turn
 from localkv.engine import Engine
+from localkv.hub.catalog import display_name
 from localkv.sampling import SamplingParams
 from localkv.tui import commands as cmd
 from localkv.tui.widgets.branch_tree import BranchTree
@@ -115,6 +116,10 @@ class ChatApp(App):
         yield Footer()
 
     @property
+    def model_name(self) -> str:
+        return display_name(self.engine.path, self.engine.model_config.name)
+
+    @property
     def panel(self) -> KVPanel:
         return self.query_one(KVPanel)
 
@@ -183,7 +188,7 @@ class ChatApp(App):
 
     def _update_header(self) -> None:
         system = preview(self.system, 48) if self.system else "none"
-        self.title, self.sub_title = self.engine.model_config.name, f"{self.engine.backend.name} · system: {system}"
+        self.title, self.sub_title = self.model_name, f"{self.engine.backend.name} · system: {system}"
 
     def _tick(self) -> None:
         """Panel refresh: the worker's copy while it runs, else a fresh one (the engine is idle)."""
@@ -256,10 +261,10 @@ class ChatApp(App):
                 self.params = params
             case cmd.Rebuild(config):
                 self._build(config)
-            case cmd.Regenerate(params):
+            case cmd.Regenerate(params, n):
                 view = ChatMessage("assistant")
                 await self.transcript.add(view)
-                self._start(_Reply(view, None, None), params)
+                self._start(_Reply(view, None, None), params, n)
             case cmd.ShowTree():
                 self.show_tree = True
                 self.branch_tree.focus()
@@ -315,15 +320,17 @@ class ChatApp(App):
 
     # ------------------------------------------------------------ the engine's worker and its messages
 
-    def _start(self, reply: _Reply, params: SamplingParams) -> None:
-        """Generate a reply to the branch shown (plus reply.prompt, a new question) into reply.view."""
+    def _start(self, reply: _Reply, params: SamplingParams, n: int = 1) -> None:
+        """Generate a reply to the branch shown (plus reply.prompt, a new question) into reply.view;
+        n > 1: n sibling replies of one prompt, the first shown, all saved."""
         path = self.store.path(self.at) if self.at else []
         history = [{"role": m.role, "content": m.content} for m in path]
         turn = Turn(self.store, self.cid, self.at, history, system=None if path else self.system)
         self.busy, self._reply = True, reply
         self._stop.clear()
         reply.view.border_subtitle = "…"
-        work = partial(generate, self.engine, turn, reply.prompt, params, self.post_message, self._stop, self.clock)
+        post, stop = self.post_message, self._stop
+        work = partial(generate, self.engine, turn, reply.prompt, params, post, stop, self.clock, n)
         self.run_worker(work, name="reply", group="engine", exclusive=True, thread=True)
 
     def _build(self, config: EngineConfig) -> None:
@@ -340,7 +347,7 @@ class ChatApp(App):
             self._update_header()
             ev = self.engine.config.evict
             budget = f", budget {ev.budget} tokens" if ev.budget is not None else ""
-            await self.transcript.say(f"ready: {self.engine.model_config.name}, KV policy {ev.policy}{budget}")
+            await self.transcript.say(f"ready: {self.model_name}, KV policy {ev.policy}{budget}")
         self.busy = self.engine is None
         self._tick()
 
@@ -377,7 +384,9 @@ class ChatApp(App):
                 await reply.view.append(clean(event.tail))
             if reply.view.source != clean(r.text):  # a stop mid-character: show what was saved
                 await reply.view.update(clean(r.text))
-            done = f"{r.completion_tokens} tok · {r.cached_tokens}/{r.prompt_tokens} cached · {event.reason}"
+            done = f"{len(r.tokens)} tok · {r.cached_tokens}/{r.prompt_tokens} cached · {event.reason}"
+            if len(r.branches) > 1:  # a fork: what sharing the prompt's blocks saved
+                done += f" · {len(r.branches)} branches in {r.peak_blocks} blocks, {r.unshared_blocks} unshared"
             reply.view.border_subtitle = done
             self.panel.last_turn = (r.cached_tokens, r.prompt_tokens)
             if event.tps is not None:

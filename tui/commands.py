@@ -21,6 +21,7 @@ HELP = """\
                 presence_penalty frequency_penalty max_tokens seed stop evict budget
                 (/set stop "###" "User:" sets stop strings; /set stop none clears them)
 /fork [ID]      branch at the message picked in the tree (or ID)
+/fork N         sample N alternatives of the last reply as sibling branches (also /fork -b N)
 /branches       the tree: Enter switches branch, f forks, r regenerates
 /regen [ID]     regenerate the last reply (or ID's) as a sibling
 /clear          start a new conversation
@@ -99,9 +100,11 @@ class Rebuild:
 
 @dataclass(frozen=True, slots=True)
 class Regenerate:
-    """A new reply to the question the chat is now at, with these params."""
+    """New replies to the question the chat is now at, with these params: n of them, sampled as
+    branches of one prompt (its blocks shared), the first shown."""
 
     params: SamplingParams
+    n: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +181,8 @@ def branches(chat: Chat, arg: str) -> list[Effect]:
 
 
 def fork(chat: Chat, arg: str) -> list[Effect]:
+    if (n := _branch_count(arg)) is not None:
+        return alternatives(chat, n)
     mid = chat.store.resolve_message(arg) if arg else chat.picked
     if mid is None:
         return [ShowTree(), Say("pick the message to branch at in the tree and press f (or /fork ID)")]
@@ -192,9 +197,39 @@ def fork(chat: Chat, arg: str) -> list[Effect]:
     ]
 
 
+MAX_ALTERNATIVES = 16  # as the server's n: more would rarely fit the pool beside the prompt
+
+
+def _branch_count(arg: str) -> int | None:
+    """/fork's N (`N` or `-b N`), else None (a message id, or nothing). An id is hex of at least
+    SHORT_LEN characters, so a number of at most two digits is never one."""
+    words = arg.split()
+    if len(words) == 2 and words[0] in ("-b", "--branches"):
+        text = words[1]
+    elif len(words) == 1 and words[0].isdigit() and len(words[0]) <= 2:
+        text = words[0]
+    else:
+        return None
+    n = number("branches", text)
+    if not 1 <= n <= MAX_ALTERNATIVES:
+        raise LocalkvError(f"invalid branch count {text}: /fork N takes 1 to {MAX_ALTERNATIVES}")
+    return n
+
+
 def regen(chat: Chat, arg: str) -> list[Effect]:
+    return _resample(chat, chat.store.resolve_message(arg) if arg else chat.at, 1)
+
+
+def alternatives(chat: Chat, n: int) -> list[Effect]:
+    """/fork N: N new siblings of the last reply, one prompt forked N ways."""
+    if chat.at is None or chat.store.get_message(chat.at).role != "assistant":
+        raise LocalkvError("/fork N samples alternatives of the last reply: there is no reply here yet")
+    return [*_resample(chat, chat.at, n), Say(f"sampling {n} alternatives of the last reply (see the tree: b)")]
+
+
+def _resample(chat: Chat, mid: str | None, n: int) -> list[Effect]:
+    """Go to the question of message mid (the question itself or its reply) and answer it anew."""
     st = chat.store
-    mid = st.resolve_message(arg) if arg else chat.at
     if mid is None:
         raise LocalkvError("nothing to regenerate yet")
     msg = st.get_message(mid)
@@ -202,10 +237,10 @@ def regen(chat: Chat, arg: str) -> list[Effect]:
     if user.role != "user":
         raise LocalkvError(f"message {st.short_id(mid)} is a {msg.role} message: nothing to regenerate")
     p = chat.params
-    if p.seed is not None:  # reproducible, yet not the sibling already there (`localkv fork` does seed + i)
-        n = sum(1 for c in st.children(user.id) if c.role == "assistant")
-        p = replace(p, seed=p.seed + n)
-    return [Goto(user.conversation_id, user.id), Regenerate(p)]
+    if p.seed is not None:  # reproducible, yet not the siblings already there (branch i then takes seed + i)
+        siblings = sum(1 for c in st.children(user.id) if c.role == "assistant")
+        p = replace(p, seed=p.seed + siblings)
+    return [Goto(user.conversation_id, user.id), Regenerate(p, n)]
 
 
 def set_(chat: Chat, arg: str) -> list[Effect]:

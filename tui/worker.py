@@ -93,15 +93,16 @@ def generate(
     post: Post,
     stop: threading.Event,
     clock: Callable[[], float],
+    n: int = 1,
 ) -> None:
     """One reply to `turn` plus `prompt` (None: a new reply to the turn's last question), streamed,
     saved with Turn.save (even when stopped or failed, if any token came) and freed. `stop` ends
-    it between pieces."""
+    it between pieces. n > 1: the prompt forks into n branches that share its blocks, decoded
+    as one batch; the first streams, all are saved as siblings."""
     try:
         tok = engine.tokenizer
-        gen = Generation(
-            engine, tok.encode(tok.render_chat(turn.messages(prompt))), params, on_progress=_progress_to(post)
-        )
+        ids = tok.encode(tok.render_chat(turn.messages(prompt)))
+        gen = Generation(engine, ids, params, n=n, on_progress=_progress_to(post))
     except Exception as e:  # too long for the context, pool too small, ...: nothing ran
         post(ReplyDone(None, KVSnapshot.of(engine), error=error_line(e)))
         return
@@ -115,9 +116,8 @@ def generate(
         done.tps = (len(r.tokens) - 1) / (t_end - t_first)
     if not error or r.tokens:
         try:
-            done.user_id, ids = turn.save(
-                engine.model_config.name, prompt, [(r.text, r.completion_tokens)], r.prompt_tokens, params
-            )
+            replies = [(b.text, len(b.tokens)) for b in r.branches]
+            done.user_id, ids = turn.save(engine.model_config.name, prompt, replies, r.prompt_tokens, params)
             done.cid, done.reply_id = turn.conversation_id, ids[0]
         except LocalkvError as e:
             done.error = f"error: not saved: {e}"
@@ -148,6 +148,10 @@ def _stream(
     t_first, n_rate = None, 0
     try:
         for piece in it:
+            if piece.choice != 0:  # a fork's other branches show in the tree once saved
+                if stop.is_set():
+                    break
+                continue
             buf.append(piece.text)
             now = clock()
             if t_first is None:  # rates count decode only, not the prefill before the first piece

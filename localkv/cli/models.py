@@ -97,6 +97,10 @@ def show(
     print("\n  sampling defaults (catalog; flags override)" if defaults else "\n  sampling defaults: localkv's own")
     for k, v in defaults.items():
         print(f"    {k:<18}{v}")
+    if chat := info.get("chat_defaults"):
+        print("\n  in `localkv chat`, also")
+        for k, v in chat.items():
+            print(f"    {k:<18}{v}")
     if info.get("chat_template"):
         print("\n  chat template")
         print("\n".join("    " + line for line in info["chat_template"].splitlines()))

@@ -50,6 +50,7 @@ class CatalogEntry:
     license: str = ""
     aliases: list[str] = field(default_factory=list)
     sampling: dict = field(default_factory=dict)  # the model's own sampling defaults (MODEL_SAMPLING keys)
+    chat: dict = field(default_factory=dict)  # over those, in `localkv chat` only (MODEL_SAMPLING keys)
 
     @classmethod
     def from_toml(cls, d: dict) -> "CatalogEntry":
@@ -64,8 +65,9 @@ class CatalogEntry:
             raise ModelError(
                 f'catalog entry {name}: [source] needs hf = "hf:OWNER/REPO/FILE.gguf" or package, version and member'
             )
-        if bad := set(e.sampling) - set(MODEL_SAMPLING):
-            raise ModelError(f"catalog entry {e.name}: unknown sampling key(s) {', '.join(sorted(bad))}")
+        for table in ("sampling", "chat"):
+            if bad := set(getattr(e, table)) - set(MODEL_SAMPLING):
+                raise ModelError(f"catalog entry {e.name}: unknown {table} key(s) {', '.join(sorted(bad))}")
         return e
 
     @property
@@ -151,10 +153,19 @@ def entry_for(model: str | Path | None) -> CatalogEntry | None:
     return None
 
 
-def sampling_for(model: str | Path | None, values: dict | None = None) -> SamplingParams:
+def display_name(model: str | Path | None, fallback: str) -> str:
+    """The name front ends show for a model: the catalog's name where it knows the model (a
+    GGUF's own general.name is often a training-run label), else fallback."""
+    e = entry_for(model)
+    return e.name if e is not None else fallback
+
+
+def sampling_for(model: str | Path | None, values: dict | None = None, chat: bool = False) -> SamplingParams:
     """How a reply from this model is sampled: SamplingParams' defaults, then the model's catalog
-    defaults, then `values` (flags, /set, a request's fields; None means not given). The one
-    place CLI, TUI and server resolve sampling once the model is known."""
+    defaults (and its [chat] ones in `localkv chat`), then `values` (flags, /set, a request's
+    fields; None means not given). The one place CLI, TUI and server resolve sampling once the
+    model is known."""
     e = entry_for(model)
     given = {k: v for k, v in (values or {}).items() if v is not None}
-    return SamplingParams(**((e.sampling if e else {}) | given)).validate()
+    base = (e.sampling | (e.chat if chat else {})) if e else {}
+    return SamplingParams(**(base | given)).validate()

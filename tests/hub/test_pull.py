@@ -248,3 +248,11 @@ def test_list_models_shows_pypi_and_hub_files(home, entry):
         dict(name="tiny", size=len(PAYLOAD), params=1234, quant="Q4_1", path=str(p)),
         dict(name="hf:org/Repo-GGUF/m-IQ3_XS.gguf", size=100, params=0, quant="IQ3_XS", path=str(hub_file)),
     ]
+
+
+@pytest.mark.parametrize("table", ["sampling", "chat"])
+def test_a_catalog_entry_with_an_unknown_sampling_key_is_refused(table):
+    src = {"hf": "hf:o/r/f-Q4_K_M.gguf"}
+    with pytest.raises(ModelError, match=f"unknown {table} key\\(s\\) tempreature"):
+        CatalogEntry.from_toml({"name": "x", "source": src, table: {"tempreature": 0.5}})
+    assert CatalogEntry.from_toml({"name": "x", "source": src, table: {"repeat_penalty": 1.1}})

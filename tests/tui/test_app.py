@@ -3,6 +3,7 @@ Each command's own cases are in test_commands.py, the worker's messages in test_
 each widget in its own test module."""
 
 import asyncio
+import re
 from dataclasses import replace
 
 import pytest
@@ -120,6 +121,29 @@ async def test_quitting_mid_reply_stops_it_and_saves_it(engine):
     [conv] = app.store.list_conversations()
     reply = app.store.latest_leaf(conv["full_id"])
     assert reply.role == "assistant" and 0 < reply.completion_tokens < 3000 and app.return_code == 0
+
+
+@pytest.mark.asyncio
+async def test_fork_n_samples_sibling_replies_that_share_the_prompt_blocks(engine):
+    app = make_app(engine, sampling=SamplingParams(temperature=1.0, seed=3), max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "one " * 40)  # a prompt of several full blocks
+        first = app.at
+        user = app.store.get_message(first).parent_id
+        await send(pilot, "/fork 3")
+        kids = app.store.children(user)
+        assert [k.role for k in kids] == ["assistant"] * 4 and kids[0].id == first
+        assert len({k.content for k in kids}) > 1  # seeds 4, 5, 6 beside the first reply's 3
+        # the first alternative is shown; every sibling is in the tree
+        assert app.at == kids[1].id and messages(app)[-1] == ("assistant", clean(kids[1].content))
+        tree = app.query_one(BranchTree)
+        assert {k.id for k in kids} <= {n.data for n in _nodes(tree.root)}
+        # the three branches held the prompt's blocks once
+        view = app.transcript.query(ChatMessage).last()
+        branches, used, unshared = re.search(
+            r"(\d+) branches in (\d+) blocks, (\d+) unshared", view.border_subtitle
+        ).groups()
+        assert branches == "3" and int(used) < int(unshared), view.border_subtitle
 
 
 @pytest.mark.asyncio
@@ -406,3 +430,16 @@ async def test_panel_shows_drafted_and_accepted_tokens(config):
         assert s.drafted > 0 and shown["spec"] == "ngram" and shown["drafted"] == str(s.drafted)
         assert shown["accepted"].startswith(f"{s.accepted} (")
         assert shown["tok/verify"] == f"{(s.accepted + s.verify_passes) / s.verify_passes:.2f}"
+
+
+@pytest.mark.model
+@pytest.mark.asyncio
+async def test_title_and_ready_line_name_the_model_as_the_catalog_does(real_model_path):
+    # the GGUF's own general.name is "Smollm2 135M 8k Lc100K Mix1 Ep2", a training-run label
+    config = EngineConfig(model=str(real_model_path), kv_mem="4MiB", device="cpu")
+    app = ChatApp(config, ConversationStore(), sampling=replace(GREEDY, max_tokens=2))
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, timeout=300)  # the real model's kernels may compile first
+        assert app.engine.model_config.name != "smollm2-135m"
+        assert app.title == "smollm2-135m"
+        assert notices(app)[-1] == ("ready: smollm2-135m, KV policy none", False)

@@ -188,6 +188,32 @@ def test_fork_at_an_unknown_id(chat):
     assert "no message matches 'zzzz'" in error(run(chat.state, "/fork zzzz"))
 
 
+@pytest.mark.parametrize("line", ["/fork 3", "/fork -b 3", "/fork --branches 3"])
+def test_fork_n_samples_n_alternatives_of_the_last_reply(chat, line):
+    st = chat.state
+    st.params = SamplingParams(seed=7)
+    # two replies already: the three new ones take seeds 9, 10, 11 (branch i: seed + i)
+    assert run(st, line) == [
+        Goto(st.cid, chat.user),
+        Regenerate(SamplingParams(seed=9), 3),
+        Say("sampling 3 alternatives of the last reply (see the tree: b)"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [("/fork 0", "takes 1 to 16"), ("/fork -b 17", "takes 1 to 16"), ("/fork -b x", "expected a number")],
+)
+def test_fork_n_out_of_range(chat, line, why):
+    assert why in error(run(chat.state, line))
+
+
+def test_fork_n_needs_a_reply_to_resample(chat):
+    assert "there is no reply here yet" in error(run(State(), "/fork 2"))
+    chat.state.at = chat.follow  # a question waiting for its reply
+    assert "there is no reply here yet" in error(run(chat.state, "/fork 2"))
+
+
 # ------------------------------------------------------------ /regen
 
 
