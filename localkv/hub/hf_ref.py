@@ -1,11 +1,11 @@
-"""`hf:OWNER/REPO/FILE.gguf[@REVISION]`: a GGUF file on the Hugging Face hub, and where its pulled
-copy lives (LOCALKV_HOME/models/hf/OWNER/REPO/FILE; another revision than main: REPO@REVISION)."""
+"""`hf:OWNER/REPO/FILE.gguf[@REVISION]`: a GGUF file on the Hugging Face hub. Pulls land in the
+Hugging Face cache (hf_cache.py); copies that earlier localkv versions pulled into
+LOCALKV_HOME/models/hf/OWNER/REPO/FILE (another revision than main: REPO@REVISION) are still used."""
 
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
 
 from localkv.errors import ModelError
 from localkv.home import models_dir
@@ -20,8 +20,9 @@ _QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d(?:_[0-9A-Z]+)*|BF16|F16|F32)(?![A-Z
 
 
 def endpoint() -> str:
-    """The hub's base URL: LOCALKV_HF_ENDPOINT (as huggingface_hub's HF_ENDPOINT), else huggingface.co."""
-    return (os.environ.get("LOCALKV_HF_ENDPOINT") or ENDPOINT).rstrip("/")
+    """The hub's base URL: HF_ENDPOINT, else huggingface.co; read at each call (huggingface_hub
+    reads it once, when it is imported, so localkv passes it along)."""
+    return (os.environ.get("HF_ENDPOINT") or ENDPOINT).rstrip("/")
 
 
 def is_hf(spec: object) -> bool:
@@ -80,10 +81,6 @@ class HfRef:
         return hf_dir().joinpath(self.owner, folder, *self.file.split("/"))
 
     @property
-    def url(self) -> str:
-        return f"{endpoint()}/{self.owner}/{self.repo}/resolve/{quote(self.revision, safe='')}/{quote(self.file)}"
-
-    @property
     def page(self) -> str:
         return f"{endpoint()}/{self.owner}/{self.repo}"
 
@@ -103,7 +100,7 @@ def hf_dir() -> Path:
 
 
 def pulled() -> list[tuple[HfRef, Path]]:
-    """The hub files pulled into hf_dir(): whole files only (a download in progress is a .part)."""
+    """The hub files earlier localkv versions pulled into hf_dir(): whole files only (not a .part)."""
     root = hf_dir()
     out = []
     for p in sorted(root.rglob("*.gguf")) if root.is_dir() else ():

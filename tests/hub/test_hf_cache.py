@@ -49,7 +49,7 @@ def in_cache(tmp_path, monkeypatch, tiny_bytes):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    monkeypatch.setenv("LOCALKV_HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     return put_in_cache(tmp_path / "hf-home" / "hub", HfRef.parse(SPEC), tiny_bytes)
@@ -96,3 +96,29 @@ def test_hf_hub_offline_refuses_to_download(in_cache, monkeypatch, capsys):
     assert main(["pull", SPEC.replace("tiny-", "other-")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "HF_HUB_OFFLINE" in err[0]
+
+
+def test_models_lists_it_and_rm_removes_it(in_cache, tiny_bytes, capsys):
+    assert main(["models", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {"name": SPEC, "size": len(tiny_bytes), "params": 0, "quant": "Q8_0", "path": str(in_cache)} in rows
+    blob = in_cache.resolve()
+    assert main(["rm", SPEC, "-y"]) == 0
+    assert f"removed {in_cache}" in capsys.readouterr().out
+    assert not in_cache.exists() and not in_cache.is_symlink() and not blob.exists()
+    assert cached(HfRef.parse(SPEC)) is None
+    assert main(["models", "--json"]) == 0
+    assert SPEC not in [r["name"] for r in json.loads(capsys.readouterr().out)]
+
+
+def test_rm_keeps_a_blob_another_revision_links_to(in_cache, capsys):
+    other = "fedcba9876543210fedcba9876543210fedcba98"
+    repo = in_cache.parents[2]
+    link = repo / "snapshots" / other / in_cache.name
+    link.parent.mkdir()
+    link.symlink_to(Path("../..") / "blobs" / in_cache.resolve().name)
+    (repo / "refs" / "v1").write_text(other)
+    assert main(["rm", SPEC, "-y"]) == 0
+    capsys.readouterr()
+    assert not in_cache.is_symlink() and not in_cache.parent.exists()  # its emptied snapshot folder too
+    assert cached(HfRef.parse(SPEC + "@v1")) == link and link.read_bytes().startswith(b"GGUF")

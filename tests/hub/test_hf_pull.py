@@ -1,30 +1,37 @@
-"""Pulling GGUFs from the Hugging Face hub, against a stand-in hub on 127.0.0.1 (no network):
-an HTTP server that answers resolve URLs as the hub does (a redirect to a CDN on another host
-name, the sha256 in X-Linked-Etag), serves byte ranges, and fails to order."""
+"""Pulling GGUFs from the Hugging Face hub through huggingface_hub, against a stand-in hub on
+127.0.0.1 (no network; HF_ENDPOINT points at it): an HTTP server that answers resolve URLs as
+the hub does (X-Repo-Commit, a redirect to a CDN on another host name, the sha256 in
+X-Linked-Etag and the size in X-Linked-Size), serves byte ranges, and fails to order. Pulls land
+in the Hugging Face cache under HF_HOME."""
 
 import errno
 import hashlib
 import http.server
 import io
 import json
+import pathlib
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from huggingface_hub import constants
 
 from localkv.cli import main
 from localkv.errors import ModelError
 from localkv.hub import catalog as registry
 from localkv.hub import hf
 from localkv.hub.catalog import CatalogEntry, list_models
-from localkv.hub.hf_ref import HfRef, pulled
+from localkv.hub.hf_cache import listed
+from localkv.hub.hf_ref import HfRef
 from localkv.hub.pull import ensure_model, pull
 from localkv.hub.resolve import resolve_model
 from tiny_model import write_gguf
 
 SPEC = "hf:test-org/Tiny-GGUF/tiny-Q8_0.gguf"
 KEY = "test-org/Tiny-GGUF/tiny-Q8_0.gguf"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+CHUNK = 1024
 
 
 class Hub:
@@ -33,6 +40,7 @@ class Hub:
     def __init__(self):
         self.files: dict[str, bytes] = {}  # "OWNER/REPO/FILE" -> content
         self.sha: dict[str, str] = {}  # the sha256 announced, when not the content's own
+        self.size: dict[str, int] = {}  # the size announced, when not the content's own
         self.requests: list[tuple[str, str, dict]] = []
         self.redirect = True  # resolve -> 302 to the CDN (as the hub does for LFS files)
         self.token: str | None = None  # the bearer token the resolve URL requires
@@ -79,14 +87,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
         data = hub.files[key]
         self.send_response(302)
         self.send_header("Location", f"http://localhost:{hub.port}/cdn/{key}")
-        self.send_header("X-Linked-Etag", f'"{hub.sha.get(key) or hashlib.sha256(data).hexdigest()}"')
-        self.send_header("X-Linked-Size", str(len(data)))
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("X-Linked-Etag", f'"{self.sha256(key)}"')
+        self.send_header("X-Linked-Size", str(hub.size.get(key, len(data))))
         self.send_header("ETag", '"0123456789abcdef0123456789abcdef01234567"')  # a git blob id, not the sha256
         self.send_header("Content-Length", "0")
         self.end_headers()
 
+    def sha256(self, key: str) -> str:
+        return self.hub.sha.get(key) or hashlib.sha256(self.hub.files[key]).hexdigest()
+
     def fail(self, code: int, kind: str, message: str):
         self.send_response(code)
+        self.send_header("X-Repo-Commit", COMMIT)
         self.send_header("X-Error-Code", kind)
         self.send_header("X-Error-Message", message.replace("\n", " "))
         self.send_header("Content-Length", "0")
@@ -105,8 +118,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         else:
             self.send_response(200)
-            if not hub.redirect:
-                self.send_header("ETag", f'"{hub.sha.get(key) or hashlib.sha256(data).hexdigest()}"')
+        if not hub.redirect:  # the hub answering itself: its ETag is the sha256
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("ETag", f'"{self.sha256(key)}"')
         self.send_header("Content-Length", str(len(data) - start))
         self.end_headers()
         if not body:
@@ -135,7 +149,7 @@ def tiny_bytes(tmp_path_factory):
 
 
 @pytest.fixture
-def hub(monkeypatch, tiny_bytes):
+def hub(monkeypatch, tiny_bytes, tmp_path):
     h = Hub()
     h.files[KEY] = tiny_bytes
     handler = type("BoundHandler", (Handler,), {"hub": h})
@@ -143,8 +157,15 @@ def hub(monkeypatch, tiny_bytes):
     h.port = server.server_address[1]
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
-    monkeypatch.setenv("LOCALKV_HF_ENDPOINT", f"http://127.0.0.1:{h.port}")
-    monkeypatch.setenv("LOCALKV_HF_TIMEOUT", "5")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{h.port}")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    # huggingface_hub reads these when it is imported; a test sets its own
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 5)
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 5)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", CHUNK)  # a resume starts after the last whole chunk
     monkeypatch.delenv("HF_TOKEN", raising=False)
     for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(var, raising=False)
@@ -153,9 +174,14 @@ def hub(monkeypatch, tiny_bytes):
     server.server_close()
 
 
-def leftovers(ref: HfRef) -> list[str]:
-    folder = ref.path.parent
-    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+def repo_dir(tmp_path: Path) -> Path:
+    return tmp_path / "hf-home" / "hub" / "models--test-org--Tiny-GGUF"
+
+
+def leftovers(tmp_path: Path) -> list[str]:
+    """Every file in the cache's copy of the repository but its refs: blobs, links, temporaries."""
+    repo = repo_dir(tmp_path)
+    return sorted(str(p.relative_to(repo)) for p in repo.rglob("*") if not p.is_dir() and p.parts[-2] != "refs")
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:
@@ -201,11 +227,10 @@ def test_bad_names_are_one_line(spec, needle):
     assert needle in one_line(e) and "hf:OWNER/REPO/FILE.gguf" in str(e.value)
 
 
-def test_where_files_go(private_home, hub):
+def test_names_and_quants(private_home):
     r = HfRef.parse("hf:o/r/sub/f-Q4_K_M.gguf")
-    assert r.path == private_home / "models" / "hf" / "o" / "r" / "sub" / "f-Q4_K_M.gguf"
+    assert r.path == private_home / "models" / "hf" / "o" / "r" / "sub" / "f-Q4_K_M.gguf"  # an older pull's place
     assert HfRef.parse("hf:o/r/f.gguf@v2").path == private_home / "models" / "hf" / "o" / "r@v2" / "f.gguf"
-    assert r.url == f"http://127.0.0.1:{hub.port}/o/r/resolve/main/sub/f-Q4_K_M.gguf"
     assert (r.quant, HfRef.parse("hf:o/r/model.BF16.gguf").quant, HfRef.parse("hf:o/r/m.gguf").quant) == (
         "Q4_K_M",
         "BF16",
@@ -216,15 +241,15 @@ def test_where_files_go(private_home, hub):
 # ------------------------------------------------------------------ downloads
 
 
-def test_pull_verifies_and_stores(hub, tiny_bytes):
-    ref = HfRef.parse(SPEC)
+def test_pull_lands_in_the_hf_cache_verified(hub, tiny_bytes, tmp_path):
     p = pull(SPEC, progress=False)
-    assert p == ref.path and p.read_bytes() == tiny_bytes
     sha = hashlib.sha256(tiny_bytes).hexdigest()
-    assert leftovers(ref) == ["tiny-Q8_0.gguf", "tiny-Q8_0.gguf.sha256"]  # no .part left
-    assert (p.parent / "tiny-Q8_0.gguf.sha256").read_text() == f"{sha}  tiny-Q8_0.gguf\n"
+    assert p == repo_dir(tmp_path) / "snapshots" / COMMIT / "tiny-Q8_0.gguf" and p.read_bytes() == tiny_bytes
+    assert leftovers(tmp_path) == [f"blobs/{sha}", f"snapshots/{COMMIT}/tiny-Q8_0.gguf"]  # no temporary left
+    assert (repo_dir(tmp_path) / "refs" / "main").read_text() == COMMIT
+    assert not HfRef.parse(SPEC).path.exists()  # nothing in LOCALKV_HOME
     methods = [(m, path.split("/")[1]) for m, path, _ in hub.requests]
-    assert methods == [("HEAD", "test-org"), ("GET", "test-org"), ("GET", "cdn")]
+    assert methods == [("HEAD", "test-org"), ("HEAD", "test-org"), ("GET", "cdn")]  # localkv's, the library's
     assert all("Range" not in h for _, _, h in hub.requests)
 
 
@@ -238,7 +263,7 @@ def test_second_pull_and_resolve_are_offline(hub):
 
 
 def test_dropped_connection_resumes_with_a_range(hub, tiny_bytes):
-    cut = len(tiny_bytes) // 3
+    cut = len(tiny_bytes) // 3 // CHUNK * CHUNK
     hub.drops = [cut]
     p = pull(SPEC, progress=False)
     assert p.read_bytes() == tiny_bytes
@@ -246,58 +271,51 @@ def test_dropped_connection_resumes_with_a_range(hub, tiny_bytes):
     assert "Range" not in first[2] and second[2]["Range"] == f"bytes={cut}-"
 
 
-def test_partial_kept_across_pulls_and_resumed(hub, tiny_bytes, monkeypatch):
-    monkeypatch.setattr(hf, "RETRIES", 1)
-    step = len(tiny_bytes) // 5
-    hub.drops = [step, step]  # the first try and its one retry both break off
+def test_a_transfer_that_stops_moving_fails_and_leaves_nothing(hub, tiny_bytes, tmp_path, monkeypatch):
+    from huggingface_hub import file_download
+
+    monkeypatch.setattr(file_download.time, "sleep", lambda s: None)  # its pause between resumes
+    hub.drops = [len(tiny_bytes) // 5] + [0] * 10  # some bytes, then every resume gets none
     with pytest.raises(ModelError) as e:
         pull(SPEC, progress=False)
-    assert "broke off at" in one_line(e) and "pull again to resume" in str(e.value)
-    ref = HfRef.parse(SPEC)
-    part = ref.path.with_name(ref.path.name + ".part")
-    assert part.read_bytes() == tiny_bytes[: 2 * step] and not ref.path.exists()
-    assert ref.spec not in [r["name"] for r in list_models()]  # a partial is not a model
+    assert one_line(e).startswith(f"the download of {SPEC} broke off (") and "pull again" in str(e.value)
+    assert leftovers(tmp_path) == []  # no blob, no link, no temporary under the model's name
+    assert SPEC not in [r["name"] for r in list_models()]
     assert pull(SPEC, progress=False).read_bytes() == tiny_bytes
-    assert hub.gets()[-1][2]["Range"] == f"bytes={2 * step}-"
-    assert leftovers(ref) == ["tiny-Q8_0.gguf", "tiny-Q8_0.gguf.sha256"]
-
-
-def test_partial_of_another_version_is_not_resumed(hub, tiny_bytes):
-    ref = HfRef.parse(SPEC)
-    ref.path.parent.mkdir(parents=True)
-    ref.path.with_name(ref.path.name + ".part").write_bytes(b"old bytes of another file")
-    ref.path.with_name(ref.path.name + ".part.json").write_text(json.dumps({"tag": "0" * 64}))
-    assert pull(SPEC, progress=False).read_bytes() == tiny_bytes
-    assert "Range" not in hub.gets()[-1][2]
 
 
 def test_server_without_ranges_restarts_from_zero(hub, tiny_bytes):
-    ref = HfRef.parse(SPEC)
-    ref.path.parent.mkdir(parents=True)
-    ref.path.with_name(ref.path.name + ".part").write_bytes(tiny_bytes[:100])
-    sha = hashlib.sha256(tiny_bytes).hexdigest()
-    ref.path.with_name(ref.path.name + ".part.json").write_text(json.dumps({"tag": sha}))
+    hub.drops = [2 * CHUNK]
     hub.ranges = False
     assert pull(SPEC, progress=False).read_bytes() == tiny_bytes
-    assert hub.gets()[-1][2]["Range"] == "bytes=100-"  # asked for a range, got the whole file
+    assert hub.gets()[-1][2]["Range"] == f"bytes={2 * CHUNK}-"  # asked for a range, got the whole file
 
 
-def test_404_is_one_line_and_leaves_nothing(hub):
+def test_404_is_one_line_and_leaves_nothing(hub, tmp_path):
     with pytest.raises(ModelError) as e:
         pull("hf:test-org/Tiny-GGUF/missing.gguf", progress=False)
     msg = one_line(e)
     assert "hf:test-org/Tiny-GGUF/missing.gguf was not found on the hub (HTTP 404: Entry not found)" in msg
-    assert leftovers(HfRef.parse(SPEC)) == []
+    assert leftovers(tmp_path) == []
 
 
-def test_wrong_checksum_deletes_the_download(hub, tiny_bytes):
+def test_wrong_checksum_deletes_the_download(hub, tiny_bytes, tmp_path):
     hub.sha[KEY] = "ab" * 32
     with pytest.raises(ModelError) as e:
         pull(SPEC, progress=False)
     msg = one_line(e)
     assert msg.startswith(f"checksum mismatch for {SPEC}: the hub says sha256 {'ab' * 32}")
     assert hashlib.sha256(tiny_bytes).hexdigest() in msg and "deleted" in msg
-    assert leftovers(HfRef.parse(SPEC)) == []
+    assert leftovers(tmp_path) == []
+    assert SPEC not in [r["name"] for r in list_models()]
+
+
+def test_a_download_shorter_than_announced_is_refused(hub, tiny_bytes, tmp_path):
+    hub.size[KEY] = len(tiny_bytes) + 10
+    with pytest.raises(ModelError) as e:
+        pull(SPEC, progress=False)
+    assert one_line(e).startswith(f"the download of {SPEC} is not the size the hub announced (")
+    assert leftovers(tmp_path) == []
 
 
 def test_etag_of_a_direct_answer_is_the_checksum(hub):
@@ -319,20 +337,20 @@ def test_catalog_pin_must_match_the_hub(hub, tiny_bytes, monkeypatch):
 
 
 def test_slow_server_times_out(hub, monkeypatch):
-    monkeypatch.setenv("LOCALKV_HF_TIMEOUT", "0.3")
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 0.3)
     hub.head_delay = 2
     t = time.monotonic()
     with pytest.raises(ModelError) as e:
         pull(SPEC, progress=False)
-    assert "no answer from 127.0.0.1" in one_line(e) and "within 0.3 s" in str(e.value)
+    assert f"no answer from 127.0.0.1:{hub.port}" in one_line(e) and "within 0.3 s" in str(e.value)
     assert time.monotonic() - t < 2  # gave up at the timeout, not when the server answered
 
 
 def test_stalled_transfer_times_out_and_resumes(hub, tiny_bytes, monkeypatch):
-    monkeypatch.setenv("LOCALKV_HF_TIMEOUT", "0.3")
-    hub.stalls = [1000]
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 0.3)
+    hub.stalls = [2 * CHUNK]
     assert pull(SPEC, progress=False).read_bytes() == tiny_bytes
-    assert hub.gets()[-1][2]["Range"] == "bytes=1000-"
+    assert hub.gets()[-1][2]["Range"] == f"bytes={2 * CHUNK}-"
 
 
 def test_gated_model_needs_hf_token(hub, tiny_bytes, monkeypatch):
@@ -364,8 +382,8 @@ def test_progress_on_a_terminal(hub, tiny_bytes, capsys, monkeypatch):
     import sys
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    bars, real = [], hf.progress_bar
-    monkeypatch.setattr(hf, "progress_bar", lambda on: bars.append(on) or real(on))
+    bars, real = [], hf.download_bar
+    monkeypatch.setattr(hf, "download_bar", lambda on: bars.append(on) or real(on))
     hub.drops = [len(tiny_bytes) // 2]
     assert pull(SPEC, progress=True).read_bytes() == tiny_bytes
     assert bars == [True]  # a rich bar drew the transfer, across the resume
@@ -379,16 +397,10 @@ def test_unreachable_hub(hub, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
-    monkeypatch.setenv("LOCALKV_HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     with pytest.raises(ModelError) as e:
         pull(SPEC, progress=False)
     assert one_line(e).startswith(f"cannot reach the Hugging Face hub at 127.0.0.1:{port}")
-
-
-def test_bad_timeout_setting(hub, monkeypatch):
-    monkeypatch.setenv("LOCALKV_HF_TIMEOUT", "soon")
-    with pytest.raises(Exception, match="invalid LOCALKV_HF_TIMEOUT 'soon'"):
-        pull(SPEC, progress=False)
 
 
 def test_not_enough_disk_space_is_refused_before_downloading(hub, monkeypatch):
@@ -400,7 +412,7 @@ def test_not_enough_disk_space_is_refused_before_downloading(hub, monkeypatch):
 
 
 class FullDisk:
-    """A partial file on a disk with room for `room` bytes while full[0] holds."""
+    """A download's temporary file on a disk with room for `room` bytes while full[0] holds."""
 
     def __init__(self, f, room: int, full: list):
         self.f, self.room, self.full = f, room, full
@@ -410,38 +422,30 @@ class FullDisk:
             raise OSError(errno.ENOSPC, "No space left on device")
         return self.f.write(b)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
     def __getattr__(self, name):
         return getattr(self.f, name)
 
 
-def test_disk_full_while_writing_keeps_the_partial(hub, monkeypatch, tiny_bytes):
-    real_init, full = hf._Partial.__init__, [True]
+def test_disk_full_while_writing_is_one_line_and_leaves_nothing(hub, monkeypatch, tiny_bytes, tmp_path):
+    real_open, full = pathlib.Path.open, [True]
 
-    def init(self, target):
-        real_init(self, target)
-        self.f = FullDisk(self.f, 4096, full)
+    def open_(self, mode="r", *args, **kwargs):
+        f = real_open(self, mode, *args, **kwargs)
+        return FullDisk(f, 4 * CHUNK, full) if self.name.endswith(".incomplete") and "w" in mode else f
 
-    monkeypatch.setattr(hf, "CHUNK", 1024)
-    monkeypatch.setattr(hf._Partial, "__init__", init)
+    monkeypatch.setattr(pathlib.Path, "open", open_)
     with pytest.raises(ModelError) as e:
         pull(SPEC, progress=False)
-    assert one_line(e).startswith("the disk is full writing") and "partial download is kept" in str(e.value)
-    ref = HfRef.parse(SPEC)
-    assert ref.path.with_name(ref.path.name + ".part").stat().st_size == 4096
+    assert one_line(e).startswith("the disk is full writing") and "nothing was kept" in str(e.value)
+    assert leftovers(tmp_path) == []
     full[0] = False  # space was freed
     assert pull(SPEC, progress=False).read_bytes() == tiny_bytes
-    assert hub.gets()[-1][2]["Range"] == "bytes=4096-"
-
-
-def test_two_pulls_of_one_file_do_not_mix(hub):
-    ref = HfRef.parse(SPEC)
-    ref.path.parent.mkdir(parents=True)
-    first = hf._Partial(ref.path)  # another process's pull in progress
-    try:
-        with pytest.raises(ModelError, match="another localkv process is pulling tiny-Q8_0.gguf now"):
-            pull(SPEC, progress=False)
-    finally:
-        first.close()
 
 
 # ------------------------------------------------------------------ catalog and command line
@@ -450,9 +454,10 @@ def test_two_pulls_of_one_file_do_not_mix(hub):
 def test_catalog_entry_with_hub_source(hub, tiny_bytes, monkeypatch):
     e = CatalogEntry(name="tiny-hf", hf=HfRef.parse(SPEC), quant="Q8_0", params=42, aliases=["tiny-alias"])
     monkeypatch.setattr(registry, "catalog", lambda: {e.name: e})
-    assert resolve_model("tiny-alias", progress=False).read_bytes() == tiny_bytes
-    assert list_models() == [dict(name="tiny-hf", size=len(tiny_bytes), params=42, quant="Q8_0", path=str(e.path))]
-    assert registry.entry_for(e.path) is e and registry.entry_for(SPEC) is e
+    p = resolve_model("tiny-alias", progress=False)
+    assert p.read_bytes() == tiny_bytes and p == e.local
+    assert list_models() == [dict(name="tiny-hf", size=len(tiny_bytes), params=42, quant="Q8_0", path=str(p))]
+    assert registry.entry_for(p) is e and registry.entry_for(SPEC) is e
 
 
 @pytest.fixture
@@ -460,10 +465,10 @@ def no_stdin(monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
 
 
-def test_cli_pull_models_run(hub, tiny_bytes, capsys, no_stdin):
+def test_cli_pull_models_show_rm_run(hub, tiny_bytes, capsys, no_stdin, tmp_path):
     assert main(["pull", SPEC]) == 0
     out = capsys.readouterr()
-    path = HfRef.parse(SPEC).path
+    path = repo_dir(tmp_path) / "snapshots" / COMMIT / "tiny-Q8_0.gguf"
     assert out.out.strip() == str(path)
     assert f"pulled {SPEC}" in out.err
     assert main(["models", "--json"]) == 0
@@ -471,19 +476,24 @@ def test_cli_pull_models_run(hub, tiny_bytes, capsys, no_stdin):
     assert {"name": SPEC, "size": len(tiny_bytes), "params": 0, "quant": "Q8_0", "path": str(path)} in rows
     assert main(["models"]) == 0
     assert SPEC in capsys.readouterr().out
-    assert [ref.spec for ref, _ in pulled()] == [SPEC]
+    assert [(ref.spec, p) for ref, p in listed()] == [(SPEC, path)]
+    assert main(["show", SPEC, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(path)
     hub.files.clear()  # run uses the pulled copy: no hub needed
     code = main(["run", "-m", SPEC, "hello", "-n", "4", "--ignore-eos", "-t", "0", "--json", "--no-save"])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert json.loads(out.out)["completion_tokens"] == 4
+    assert main(["rm", SPEC, "-y"]) == 0
+    assert f"removed {path}" in capsys.readouterr().out
+    assert leftovers(tmp_path) == [] and listed() == []
 
 
 def test_cli_run_pulls_on_first_use(hub, capsys, no_stdin):
     code = main(["run", "-m", SPEC, "hi", "-n", "2", "--ignore-eos", "--json", "--no-save"])
     out = capsys.readouterr()
     assert code == 0, out.err
-    assert json.loads(out.out)["completion_tokens"] == 2 and HfRef.parse(SPEC).path.is_file()
+    assert json.loads(out.out)["completion_tokens"] == 2 and [ref.spec for ref, _ in listed()] == [SPEC]
 
 
 def test_cli_errors_are_one_line(hub, capsys, no_stdin):
