@@ -10,14 +10,15 @@ max_tokens (-1, -2: to the context's end, Ollama's default) and `num_ctx` the re
 window (the server's own at most: Ollama would reload the model, localkv serves one context).
 Ollama's load-time options (threads, GPU layers, mmap) are localkv's flags, ignored here, and
 an option Ollama does not know is ignored with a warning on the server's stderr, as Ollama does.
-`tools` are refused for now."""
+`tools` go through localkv.toolcalls as OpenAI's do (tool_choice "auto"); a reply that may call
+a tool is sent whole at its end, calls parsed out."""
 
 import json
 import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from localkv.events import Delta, Event, Finished
@@ -25,6 +26,7 @@ from localkv.sampling import Constraint
 from localkv.serve.openai import Ask, bad, flag, number
 from localkv.serve.openai import _type_name as type_name
 from localkv.serve.replies import finish_reason
+from localkv.toolcalls import Choice, Plan, Tool, ToolError, read_choice, read_tools
 
 NDJSON = "application/x-ndjson"
 # Ollama's options that set up its runner (threads, GPU layers, memory mapping): localkv's flags
@@ -65,16 +67,51 @@ class Call:
 
 def parse_chat(body, warn: Callable[[str], None]) -> Call:
     body, model = _head(body)
-    if body.get("tools"):
-        raise bad(f"{model} does not support tools on localkv's /api/chat yet (send them to /v1/chat/completions)")
+    tools = _tools(body.get("tools"))
     messages = body.get("messages")
     if messages is not None and not isinstance(messages, list):
         raise bad(f"invalid 'messages': expected an array of messages, got {type_name(messages)}")
     keep = keep_alive(body.get("keep_alive"))
     if not messages:
         return Call(model, None, keep)
-    msgs = [_message(i, m) for i, m in enumerate(messages)]
-    return Call(model, _ask("chat", body, model, warn, messages=msgs), keep)
+    msgs = _answered([_message(i, m) for i, m in enumerate(messages)])
+    ask = _ask("chat", body, model, warn, messages=msgs)
+    if tools is not None and ask.values.get("constraint") is not None:
+        raise bad("'format' and 'tools' cannot both constrain the reply")
+    ask.tools, ask.tool_choice = tools, _choice(tools)
+    return Call(model, ask, keep)
+
+
+def _tools(v) -> list[Tool] | None:
+    """Ollama's `tools`: OpenAI's function tools."""
+    if v in (None, []):
+        return None
+    try:
+        return read_tools(v)
+    except ToolError as e:
+        raise bad(str(e)) from None
+
+
+def _choice(tools: list[Tool] | None) -> Choice:
+    return read_choice(None, tools)  # Ollama has no tool_choice: auto with tools
+
+
+def _answered(msgs: list[dict]) -> list[dict]:
+    """The history with ids: each assistant call gets one, and each tool result the id of the
+    earliest unanswered call of its `tool_name` (else of the earliest unanswered call)."""
+    open_calls: list[dict] = []
+    for i, m in enumerate(msgs):
+        for j, c in enumerate(m.get("tool_calls", ())):
+            c["id"] = f"call_{i}_{j}"
+            open_calls.append(c)
+        if m["role"] == "tool":
+            name = m.pop("tool_name", None)
+            match = next((c for c in open_calls if name is None or c["name"] == name), None)
+            if match is None:
+                raise bad(f"invalid 'messages[{i}]': a tool result with no tool call before it to answer")
+            open_calls.remove(match)
+            m["tool_call_id"] = match["id"]
+    return msgs
 
 
 def parse_generate(body, warn: Callable[[str], None]) -> Call:
@@ -125,17 +162,45 @@ def _message(i: int, m) -> dict:
     if not isinstance(m, dict):
         raise bad(f"invalid '{where}': expected an object, got {type_name(m)}")
     role, content = m.get("role"), m.get("content")
-    if role == "tool" or m.get("tool_calls"):
-        raise bad(f"invalid '{where}': tool calls and results need tools, which localkv's /api/chat does not take yet")
-    if role not in ("system", "user", "assistant"):
-        raise bad(f"invalid '{where}.role': {role!r}, expected system, user or assistant")
+    if role not in ("system", "user", "assistant", "tool"):
+        raise bad(f"invalid '{where}.role': {role!r}, expected system, user, assistant or tool")
     if m.get("images"):
         raise bad(f"invalid '{where}.images': localkv's models read text only")
     if content is None:
         content = ""
     if not isinstance(content, str):
         raise bad(f"invalid '{where}.content': expected a string, got {type_name(content)}")
-    return {"role": role, "content": content}  # an earlier turn's `thinking` is not shown to the model again
+    msg = {"role": role, "content": content}  # an earlier turn's `thinking` is not shown to the model again
+    if role == "tool" and m.get("tool_name") is not None:
+        if not isinstance(m["tool_name"], str):
+            raise bad(f"invalid '{where}.tool_name': expected a string, got {type_name(m['tool_name'])}")
+        msg["tool_name"] = m["tool_name"]
+    if m.get("tool_calls"):
+        if role != "assistant":
+            raise bad(f"invalid '{where}.tool_calls': only assistant messages make tool calls")
+        msg["tool_calls"] = _calls(m["tool_calls"], f"{where}.tool_calls")
+    return msg
+
+
+def _calls(v, where: str) -> list[dict]:
+    """An assistant turn's tool_calls, Ollama's way: {"function": {"name", "arguments": {...}}}."""
+    if not isinstance(v, list):
+        raise bad(f"invalid '{where}': expected an array of tool calls, got {type_name(v)}")
+    calls = []
+    for j, c in enumerate(v):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"invalid '{where}[{j}]': expected a function with a name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):  # some clients send OpenAI's JSON text
+            try:
+                args = json.loads(args or "{}")
+            except ValueError:
+                args = None
+        if not isinstance(args, dict):
+            raise bad(f"invalid '{where}[{j}].function.arguments': expected an object")
+        calls.append({"name": fn["name"], "arguments": args})
+    return calls
 
 
 def _options(opts, warn) -> tuple[dict, int]:
@@ -211,6 +276,8 @@ class Answer:
     api: str  # chat | generate: whose shape
     model: str
     t0: float  # perf_counter() when the request came
+    tools: Plan | None = None  # a chat that may call tools: its reply is sent whole, calls parsed
+    held: list[str] = field(default_factory=list)  # that reply's text so far
 
     def _said(self, text: str) -> dict:
         if self.api == "chat":
@@ -241,15 +308,31 @@ class Answer:
     def body(self, events: list[Event]) -> dict:
         text = "".join(ev.text for ev in events if isinstance(ev, Delta))
         fin = next(ev for ev in events if isinstance(ev, Finished))
-        return self.last(fin, text)
+        return self._called(self.last(fin, text))
+
+    def _called(self, obj: dict) -> dict:
+        """obj with its text's tool calls parsed out into message.tool_calls (a tools chat)."""
+        if self.tools is None or self.tools.constraint is None:
+            return obj
+        content, calls = self.tools.parse(obj["message"]["content"])
+        obj["message"]["content"] = content
+        if calls:
+            obj["message"]["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return obj
 
     def lines(self, events: list[Event]) -> str:
+        """The NDJSON lines of a batch of events; a reply that may call tools is held (self.held)
+        and sent in its last line, with the calls parsed."""
         out = []
+        holding = self.tools is not None and self.tools.constraint is not None
         for ev in events:
             if isinstance(ev, Delta) and ev.text:
-                out.append(self.piece(ev.text))
+                if holding:
+                    self.held.append(ev.text)
+                else:
+                    out.append(self.piece(ev.text))
             elif isinstance(ev, Finished):
-                out.append(self.last(ev))
+                out.append(self._called(self.last(ev, "".join(self.held))) if holding else self.last(ev))
         return "".join(line(o) for o in out)
 
 

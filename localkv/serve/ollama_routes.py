@@ -19,6 +19,7 @@ from localkv.serve.jobs import EventStream, authorize, failure, read_json, ready
 from localkv.serve.ollama import NDJSON, Answer, line, now, parse_chat, parse_generate
 from localkv.serve.openai import ApiError, bad
 from localkv.serve.runner import Job
+from localkv.toolcalls import prepare
 
 NEVER = "9999-12-31T23:59:59Z"  # /api/ps: this server's model does not expire
 
@@ -71,9 +72,11 @@ async def _run(request: Request, api: str, parse) -> Response:
         done = "unload" if call.keep_alive == 0 else "load"
         said = Answer(api, name, t0)._said("")
         return JSONResponse({"model": name, "created_at": now(), **said, "done_reason": done, "done": True})
-    job = await submit(runner, call.ask)
-    answer = Answer(api, name, t0)
-    if call.ask.stream:
+    ask = call.ask
+    plan = prepare(ask.tools, ask.tool_choice, runner.engine.tokenizer) if ask.tools else None
+    job = await submit(runner, ask, plan)
+    answer = Answer(api, name, t0, plan)
+    if ask.stream:
         return EventStream(_lines(job, answer), runner, job, NDJSON)
     events = await whole(request, runner, job)
     if events is None:

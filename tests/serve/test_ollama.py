@@ -201,3 +201,66 @@ def test_the_ollama_client_on_the_real_model(real_model_path):
         assert "Paris" in json.loads(j.message.content)["city"]
         shown = c.show(name)
         assert shown.details.family == "llama" and "im_start" in shown.template
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "message, says",
+    [
+        ({"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}, "name"),
+        ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}, "only assistant"),
+        (
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]},
+            "arguments",
+        ),
+        ({"role": "tool", "content": "1", "tool_name": 7}, "tool_name"),
+    ],
+)
+def test_bad_tool_history_gets_ollamas_error_shape(http, message, says):
+    r = http.post("/api/chat", json={"model": "tiny", "messages": [*HELLO, message], "tools": [WEATHER]})
+    assert r.status_code == 400 and says in r.json()["error"], r.text
+    assert set(r.json()) == {"error"}
+
+
+@pytest.mark.model
+def test_the_ollama_client_gets_tool_calls_that_validate(real_model_path):
+    """A tools chat through /api/chat: after a call and its result in the history (the turn where
+    SmolLM2 calls again), the reply's calls come parsed as Ollama sends them, each valid
+    against its schema, the same streamed as whole."""
+    import jsonschema
+
+    config = EngineConfig(model=str(real_model_path), disk_cache=False, kv_mem="256MiB")
+    history = [
+        {"role": "user", "content": "What is the weather in Paris and then in Rome, in celsius?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+        {"role": "tool", "content": '{"temperature": 21}', "tool_name": "get_weather"},
+    ]  # fmt: skip
+    with BackgroundServer(config) as s:
+        c = ollama.Client(host=s.url, timeout=300)
+        name = c.list().models[0].model
+        opts = {"temperature": 0, "num_predict": 64}
+        r = c.chat(model=name, messages=history, tools=[WEATHER], options=opts)
+        assert r.message.tool_calls, r.message.content
+        for call in r.message.tool_calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(dict(call.function.arguments), WEATHER["function"]["parameters"])
+        parts = list(c.chat(model=name, messages=history, tools=[WEATHER], options=opts, stream=True))
+        calls = [call for p in parts for call in (p.message.tool_calls or [])]
+        assert [(k.function.name, dict(k.function.arguments)) for k in calls] == [
+            (k.function.name, dict(k.function.arguments)) for k in r.message.tool_calls
+        ]
+        assert "".join(p.message.content for p in parts) == r.message.content
