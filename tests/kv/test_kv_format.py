@@ -2,6 +2,7 @@
 them as they are, and the paths that refuse them in one line. That every path reads them to
 the same bits is tests/test_one_answer.py's (its @q8_0 / @q4_0 models)."""
 
+import json
 import subprocess
 import sys
 
@@ -148,6 +149,23 @@ def test_offload_refuses_k_and_v_in_different_formats(model):
         engine(model, kv_dtype="q8_0:q4_0", block_size=8, evict=cfg)
 
 
+def test_run_json_verbose_and_metrics_report_the_format_and_bytes_per_token(model):
+    from localkv.cli.render import Saved, reply_json, reply_verbose
+    from localkv.generation import Generation
+    from localkv.sampling import SamplingParams
+    from localkv.serve.metrics import Counters, Snapshot, parse, render
+    from localkv.units import format_size
+
+    eng = engine(model, kv_dtype="q8_0:q4_0")
+    r = Generation(eng, PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)).run()
+    kv = reply_json(eng, r, Saved(), False)["kv"]
+    assert kv["dtype"] == "q8_0:q4_0" and kv["bytes_per_token"] == eng.kv_bytes_per_token
+    assert f"q8_0:q4_0, {format_size(eng.kv_bytes_per_token)} per token" in reply_verbose(eng, r, Saved())
+    snap = Snapshot(eng.pool.usage(), eng.stats, 0, 0, 0)
+    got = parse(render(Counters(), snap))
+    assert got['localkv_kv_bytes_per_token{dtype="q8_0:q4_0"}'] == eng.kv_bytes_per_token
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "localkv", *args], capture_output=True, text=True, timeout=300)
 
@@ -160,3 +178,4 @@ def test_the_cli_takes_a_kv_dtype_and_refuses_a_bad_one_in_one_line(model):
     ]
     p = _cli("run", "hi", "-m", str(model), "-n", "2", "-t", "0", "--json", "--kv-dtype", "q4_0")
     assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["kv"]["dtype"] == "q4_0"
