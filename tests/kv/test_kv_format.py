@@ -179,3 +179,23 @@ def test_the_cli_takes_a_kv_dtype_and_refuses_a_bad_one_in_one_line(model):
     p = _cli("run", "hi", "-m", str(model), "-n", "2", "-t", "0", "--json", "--kv-dtype", "q4_0")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["kv"]["dtype"] == "q4_0"
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q8_0:q4_0"])
+def test_h2o_attends_to_its_compacted_quantized_rows(model, dtype):
+    """h2o's compacted heavy hitters are the pool's bytes, read as the pool's rows are: under
+    h2o, quantized K/V move the logits from f32's about as much as they do in a full cache (rows
+    misread or requantized would move them far more)."""
+    from localkv.kv.evict import EvictConfig
+
+    tokens = RNG.integers(3, 200, 90).tolist()
+    cfg = EvictConfig(policy="h2o", budget=96, sinks=8, recent=16)
+
+    def score(kv_dtype: str, evict=None):
+        eng = engine(model, kv_dtype=kv_dtype, prefix_cache=False, block_size=8, evict=evict)
+        return eng.score(tokens), eng.stats.evictions
+
+    (full32, _), (full, _) = score("f32"), score(dtype)
+    (h2o32, _), (h2o, evictions) = score("f32", cfg), score(dtype, cfg)
+    assert evictions >= 7
+    assert np.abs(h2o - h2o32).max() <= 2 * np.abs(full - full32).max()
