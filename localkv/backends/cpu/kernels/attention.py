@@ -87,6 +87,42 @@ def _rload_impl(a, row, d):
     return lambda a, row, d: vload(a, row * a.shape[last] + d)
 
 
+def row_into(dst, off, a, row, hd):
+    """dst[off : off + hd] = row `row` of a pool array as float32 (rload's values; a quantized
+    format's scale read once per block, not once per 8 values)."""
+
+
+@overload(row_into, jit_options={"fastmath": True})
+def _row_into_impl(dst, off, a, row, hd):
+    last = a.ndim - 1
+    if a.dtype == types.int8:
+
+        def q8(dst, off, a, row, hd):
+            for b in range(hd // QK):
+                at = row * a.shape[last] + b * Q8_0_BYTES
+                s = half(a, at)
+                for j in range(0, QK, 8):
+                    fstore(dst, off + b * QK + j, q8load(a, at + 2 + j, s))
+
+        return q8
+    if a.dtype == types.uint8:
+
+        def q4(dst, off, a, row, hd):
+            for b in range(hd // QK):
+                at = row * a.shape[last] + b * Q4_0_BYTES
+                s = half(a, at)
+                for j in range(0, QK, 8):
+                    fstore(dst, off + b * QK + j, q4load(a, at + 2 + j % (QK // 2), j // (QK // 2) * 4, s))
+
+        return q4
+
+    def floats(dst, off, a, row, hd):
+        for d in range(0, hd, 8):
+            fstore(dst, off + d, vload(a, row * a.shape[last] + d))
+
+    return floats
+
+
 @register_jitable
 def _rows(pool, table, h, t0, n, dst, hd):
     """dst [KEYS, hd] = kv head h's rows of tokens t0 .. t0 + n - 1 (n <= KEYS) read through
@@ -95,9 +131,7 @@ def _rows(pool, table, h, t0, n, dst, hd):
     bs, kvh = pool.shape[1], pool.shape[2]
     for t in range(KEYS):
         if t < n:
-            row = (table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h
-            for d in range(0, hd, 8):
-                fstore(dst, t * hd + d, rload(pool, row, d))
+            row_into(dst, t * hd, pool, (table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h, hd)
         else:
             for d in range(hd):
                 dst[t, d] = 0
@@ -244,14 +278,10 @@ def _sourced_rows(pool, extra, tables, h, t0, n, dst, hd, seen):
         if t < n:
             e, o = tables[h, (t0 + t) // bs], (t0 + t) % bs
             if e >= 0:
-                row = (e * bs + o) * kvh + h
-                for d in range(0, hd, 8):
-                    fstore(dst, t * hd + d, rload(pool, row, d))
+                row_into(dst, t * hd, pool, (e * bs + o) * kvh + h, hd)
                 seen[t] = True
             elif e < HOLE:
-                row = (h * extra.shape[1] + (-2 - e)) * bs + o
-                for d in range(0, hd, 8):
-                    fstore(dst, t * hd + d, rload(extra, row, d))
+                row_into(dst, t * hd, extra, (h * extra.shape[1] + (-2 - e)) * bs + o, hd)
                 seen[t] = True
         if not seen[t]:
             for d in range(hd):
