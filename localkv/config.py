@@ -8,14 +8,12 @@ fails in a fraction of a second.
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from localkv import kv_format
 from localkv.backends import DEVICES
 from localkv.errors import LocalkvError
 from localkv.kv.evict import EvictConfig
 from localkv.spec import control as speculation
 from localkv.units import parse_size
-
-KV_DTYPES = {"f32": "float32", "f16": "float16"}  # --kv-dtype values (besides auto) -> numpy dtype names
-
 
 PREFILL_CHUNK = 512  # most tokens of one prompt in a forward pass
 
@@ -33,7 +31,7 @@ class EngineConfig:
     disk_cache_size: int | str = "2GiB"  # LRU cap of the disk cache
     evict: EvictConfig = field(default_factory=EvictConfig)  # KV budget per sequence and what happens past it
     offload_dir: str | None = None  # offload policy: spill blocks to a file here instead of RAM
-    kv_dtype: str = "auto"  # K/V pool: auto (the backend's default), f32 or f16 (KV_DTYPES)
+    kv_dtype: str = "auto"  # K/V pool: auto (the backend's default), f32, f16, q8_0, q4_0 or K:V (kv_format.parse)
     ctx: int | None = None  # most tokens one sequence may hold (prompt + reply); None: the model's context
     spec: str = "off"  # speculative decoding: off | ngram (spec/control.py says why the defaults)
     spec_max: int = speculation.K_MAX  # most tokens a sequence drafts per verify pass
@@ -66,8 +64,8 @@ class EngineConfig:
             raise LocalkvError("invalid --kv-mem 0: the KV pool needs memory")
         if self.ctx is not None and self.ctx < 2:
             raise LocalkvError(f"invalid --ctx {self.ctx}: a sequence needs at least 2 tokens (a prompt and a reply)")
-        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
-            raise LocalkvError(f"unknown --kv-dtype {self.kv_dtype!r}: use auto, {', '.join(KV_DTYPES)}")
+        if self.kv_dtype != "auto":
+            kv_format.parse(self.kv_dtype)
         self.evict.validate(bs)
         speculation.check(self.spec, self.spec_max, self.spec_ngram_max, self.spec_ngram_min)
         return self

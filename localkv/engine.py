@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from localkv import backends
+from localkv import backends, kv_format
 from localkv.backends import Backend, vm
-from localkv.config import KV_DTYPES, EngineConfig
+from localkv.config import EngineConfig
 from localkv.errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
 from localkv.hub.fit import check_fits
 from localkv.hub.resolve import resolve_model
@@ -42,7 +42,7 @@ class Engine:
         self.loaded = loaded = load_model(self.path, progress=progress)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         check_backend(self.model_config, self.backend)  # an architecture it cannot run: one line, before the device
-        self.kv_dtype = _kv_dtype(cfg.kv_dtype, self.backend)
+        self.kv_formats = _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)  # (K, V)
         self.backend.start(progress)  # kernels, after the model: a bad model fails first
         weights, run_cfg = loaded.weights, self.model_config  # run_cfg: as the model computes (dense: NEOX RoPE)
         if not self.backend.caps.quant_weights:  # a backend without kernels on quantized weights
@@ -54,14 +54,15 @@ class Engine:
         self.policy = make_policy(cfg.evict, self.pool, self.stats, cfg.offload_dir)
         self.ctx = self._context()  # tokens one sequence may hold: --ctx, checked against the model and the pool
         # K/V of another dtype, RoPE order or format must never be read as these: all in the key
-        dtype = self.kv_dtype.name
+        k_fmt, v_fmt = self.kv_formats
+        dtype = k_fmt.stored if k_fmt == v_fmt else f"{k_fmt.stored}:{v_fmt.stored}"
         rope = f"rope-{run_cfg.rope_style}{self.model.rope_variant}"
         salt = f"{self.model_config.fingerprint}:{cfg.block_size}:{dtype}:{rope}:{KV_FORMAT}"
         self.kv = KVManager(self.pool, salt=salt.encode())
         self.prefix_caching = cfg.prefix_cache
         # entries in the pool's own dtype: loading is a checked copy, no conversion
         self.disk = None
-        if cfg.prefix_cache and cfg.disk_cache:
+        if cfg.prefix_cache and cfg.disk_cache and k_fmt == v_fmt:  # an entry holds K and V in one format
             self.disk = DiskStore(max_bytes=cfg.disk_cache_size, dtype=dtype)
 
     def _new_pool(self) -> BlockPool:
@@ -75,7 +76,7 @@ class Engine:
             self.config.block_size,
             m.n_kv_heads,
             m.head_dim,
-            dtype=self.kv_dtype,
+            dtype=self.kv_formats,
             xp=self.backend.xp,
             stats=self.stats,
         )
@@ -85,8 +86,14 @@ class Engine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers, in the pool's dtype."""
-        return 2 * self.model_config.n_layers * self.model_config.kv_dim * self.kv_dtype.itemsize
+        """K and V of one token over all layers, in the pool's formats."""
+        m = self.model_config
+        return m.n_layers * m.n_kv_heads * sum(f.row_bytes(m.head_dim) for f in self.kv_formats)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The pool's K/V formats as --kv-dtype says them (f16, q8_0, q8_0:q4_0...)."""
+        return kv_format.pair_name(*self.kv_formats)
 
     @property
     def cpu_kernels(self) -> bool:
@@ -338,16 +345,19 @@ def _blas_threads() -> int:
         return os.cpu_count() or 1
 
 
-def _kv_dtype(choice: str, backend: Backend) -> np.dtype:
-    """The KV pool's dtype for EngineConfig.kv_dtype on this backend ("auto": the backend's own)."""
+def _kv_formats(choice: str, backend: Backend, head_dim: int) -> tuple[kv_format.KvFormat, kv_format.KvFormat]:
+    """The pool's (K, V) formats for EngineConfig.kv_dtype on this backend ("auto": its own)."""
     if choice == "auto":
-        return np.dtype(backend.kv_dtype)
-    dtype = np.dtype(KV_DTYPES[choice])
-    if dtype.name not in backend.caps.kv_dtypes:
-        raise LocalkvError(
-            f"--kv-dtype {choice}: the {backend.name} backend keeps K/V in {np.dtype(backend.kv_dtype).name}"
-        )
-    return dtype
+        fmt = kv_format.of(np.dtype(backend.kv_dtype))
+        return fmt, fmt
+    pair = kv_format.parse(choice)
+    for fmt in pair:
+        if fmt.name not in backend.caps.kv_dtypes:
+            raise LocalkvError(
+                f"--kv-dtype {choice}: the {backend.name} backend keeps K/V in {', '.join(backend.caps.kv_dtypes)} here"
+            )
+        fmt.row_len(head_dim)  # a head size the format cannot split into blocks: one line, now
+    return pair
 
 
 def _small_pages(*arrays: np.ndarray):

@@ -36,7 +36,10 @@ from tiny_model import MERGES, SPECIALS, byte_vocab, write_gguf
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS_OFF = os.environ.get("LOCALKV_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
 RECIPES = ("llama3", "llama2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3-128k")
-MODELS = [*(f"{r}-Q8_0" for r in RECIPES), "llama-Q4_1", "llama-Q4_K"]
+# name[@kv-dtype]: the pool's K/V format (default f16); quantized K/V through the plain Llama (every
+# kernel path) and Gemma 2 (soft-capping, the sliding window)
+KV_QUANT = ["llama-Q4_1@q8_0", "gemma2-Q8_0@q8_0", "llama-Q4_1@q4_0", "llama-Q4_1@q8_0:q4_0"]
+MODELS = [*(f"{r}-Q8_0" for r in RECIPES), "llama-Q4_1", "llama-Q4_K", *KV_QUANT]
 CHUNKS = (1, 3, 16, 31, 32, 33, 512)
 
 
@@ -82,12 +85,19 @@ def _recipe_gguf(path: Path, recipe: str, quant: str) -> Path:
     return path
 
 
+@dataclasses.dataclass(frozen=True)
+class Model:
+    path: Path
+    kv_dtype: str  # the pool's K/V format, as --kv-dtype says it
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("one-answer")
     made = {}
 
-    def get(name: str) -> Path:
+    def get(ref: str) -> Model:
+        name, _, kv = ref.partition("@")
         if name not in made:
             arch, quant = name.rsplit("-", 1)
             if arch == "llama":  # tiny_model's Llama, at real head size (64) so the kernels attend
@@ -95,20 +105,21 @@ def models(tmp_path_factory):
                 made[name] = write_gguf(root / f"{name}.gguf", quant=quant, ctx=1024, **kw)
             else:
                 made[name] = _recipe_gguf(root / f"{name}.gguf", arch, quant)
-        return made[name]
+        return Model(made[name], kv or "f16")
 
     return get
 
 
-def engine(path, **kw) -> Engine:
+def engine(model: Model, **kw) -> Engine:
+    kw.setdefault("kv_dtype", model.kv_dtype)
     kw.setdefault("disk_cache", False)
     kw.setdefault("ctx", 1024)
     kw.setdefault("block_size", 16)
-    return Engine(EngineConfig(model=path, threads=2, **kw))
+    return Engine(EngineConfig(model=model.path, threads=2, **kw))
 
 
 def kv_rows(eng: Engine, seq: Sequence, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """K and V of the sequence's first n tokens, every layer: [layers, n, kv heads, head dim]."""
+    """K and V of the sequence's first n tokens, every layer, as the pool stores them: [layers, n, kv heads, row]."""
     table = np.asarray(seq.block_table)
     pool = eng.pool
     k = pool.k[:, table].reshape(pool.k.shape[0], -1, *pool.k.shape[3:])[:, :n]
@@ -178,7 +189,7 @@ def assert_same_run(got: Generation, want: Generation, what: str):
         assert_same(np.stack(got.rows[i]), np.stack(rows), f"{what}: logits of branch {i}")
 
 
-WARM_MODELS = ["llama3-Q8_0", "qwen2-Q8_0", "gemma2-Q8_0", "llama-Q4_1"]
+WARM_MODELS = ["llama3-Q8_0", "qwen2-Q8_0", "gemma2-Q8_0", "llama-Q4_1", "llama-Q4_1@q8_0", "gemma2-Q8_0@q8_0"]
 
 
 @pytest.mark.parametrize("name", WARM_MODELS)

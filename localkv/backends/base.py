@@ -22,7 +22,7 @@ class Capabilities:
     shared_prefix: bool  # shared_prefix_decode, frozen_tails: single-token sequences score a common prefix once
     batched_decode: bool  # decode, decode_batch: one call per layer for many single-token sequences
     quant_weights: bool  # computes on QTensor/QStack weights (others get model.weights.dense_weights)
-    kv_dtypes: tuple[str, ...]  # the KV pool dtypes (numpy names) EngineConfig.kv_dtype may choose
+    kv_dtypes: tuple[str, ...]  # the K/V row formats (kv_format names) EngineConfig.kv_dtype may choose
     attention_options: frozenset[str]  # what paged_attention takes beyond Llama's: "softcap", "window", "head_tables"
 
 

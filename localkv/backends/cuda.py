@@ -209,7 +209,7 @@ class CudaBackend:
         shared_prefix=False,
         batched_decode=True,
         quant_weights=True,  # cuda_quant
-        kv_dtypes=("float16",),
+        kv_dtypes=("f16",),  # the CUDA kernels read f16 rows only: quantized K/V is refused
         attention_options=frozenset(),  # no soft-cap, no sliding window: Gemma is refused (model.llama.check_backend)
     )
     prefill_amx = False

@@ -8,7 +8,8 @@ child_ttft_peer), and whatever this file imported would load before their clocks
 import importlib
 from collections.abc import Callable
 
-SUITES = ("speed", "memory", "fork", "cache", "evict", "grammar", "serve", "spec")  # what `all` runs, in this order
+# what `all` runs, in this order
+SUITES = ("speed", "memory", "fork", "cache", "evict", "kv", "grammar", "serve", "spec")
 
 RUNNERS = {  # suite -> the module whose run(options) measures it
     "speed": "localkv.bench.speed",
@@ -16,6 +17,7 @@ RUNNERS = {  # suite -> the module whose run(options) measures it
     "fork": "localkv.bench.fork",
     "cache": "localkv.bench.cache",
     "evict": "localkv.bench.evict",
+    "kv": "localkv.bench.kv",
     "grammar": "localkv.bench.grammar_cost",
     "serve": "localkv.bench.serve",
     "spec": "localkv.bench.spec",

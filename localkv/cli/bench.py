@@ -35,7 +35,8 @@ LONG = typer.Option(
 SUITE = typer.Argument(
     "speed",
     help="speed (pp/tg t/s), memory (paged vs contiguous KV use), fork (best-of-8 sharing), cache (TTFT cold/warm, "
-    "chat hit rate), evict (perplexity under KV budgets), grammar (decode t/s under a JSON schema's mask), "
+    "chat hit rate), evict (perplexity under KV budgets), kv (perplexity, KLD and top-1 of q8_0/q4_0 K/V vs f16), "
+    "grammar (decode t/s under a JSON schema's mask), "
     "serve (the OpenAI server under 8 concurrent clients), spec (speculative decoding by prompt lookup), or all.",
 )
 

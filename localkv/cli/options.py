@@ -69,7 +69,8 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         str,
         _ENGINE.kv_dtype,
         ("--kv-dtype",),
-        "K/V pool dtype: f32, f16, or auto (the backend's default: f16 on the CPU and on CUDA).",
+        "How K/V rows are stored: f32, f16, q8_0, q4_0 (GGUF's blocks), K:V apart (q8_0:q4_0), or auto "
+        "(the backend's default: f16 on the CPU and on CUDA; CUDA takes f16 only).",
     ),
     "spec": (
         str,

@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass
 
 from localkv.conversations.turn import Turn
+from localkv.units import format_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,8 @@ def reply_json(engine, r, saved: Saved, logprobs: bool) -> dict:
         "speculation": r.speculation(),
         "ctx": engine.ctx,
         "kv": {
+            "dtype": engine.kv_dtype,
+            "bytes_per_token": engine.kv_bytes_per_token,
             "block_size": bs,
             "blocks_used": r.peak_blocks,
             "token_slots": r.peak_blocks * bs,
@@ -77,7 +80,7 @@ def reply_verbose(engine, r, saved: Saved) -> str:
         f"time to first token:  {r.ttft_s:.3f}s",
         f"kv cache:             {r.peak_blocks} blocks x {bs} tokens "
         f"({r.peak_blocks * bs} slots for {r.prompt_tokens + r.completion_tokens} tokens) "
-        f"of {engine.pool.num_blocks} blocks",
+        f"of {engine.pool.num_blocks} blocks; {engine.kv_dtype}, {format_size(engine.kv_bytes_per_token)} per token",
         f"context:              {engine.ctx} tokens per sequence (--ctx)",
         f"finish reason:        {r.finish_reason}",
     ]

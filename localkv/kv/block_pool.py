@@ -1,10 +1,13 @@
 """The physical KV pool: fixed-size blocks, reference counts, a free queue that keeps
 freed blocks' prefix hashes so a later request can revive them.
 
-K/V live in two arrays [layers, blocks, block_size, kv_heads, head_dim]; a block id
-indexes the second axis in every layer at once. Blocks never handed out have no bookkeeping
-yet: ids from len(blocks) up are free and untouched (a small model's 1 GiB pool holds a
-million blocks; objects for all of them would delay the first token and take memory).
+K/V live in two arrays [layers, blocks, block_size, kv_heads, row]; a block id indexes the
+second axis in every layer at once. A row is one kv head's head_dim values in the array's K/V
+format (kv_format: float values, or GGUF's q8_0 / q4_0 blocks as bytes), so every copy of a
+block (copy-on-write, the disk tier, offload) copies the pool's own bytes and never requantizes.
+Blocks never handed out have no bookkeeping yet: ids from len(blocks) up are free and untouched
+(a small model's 1 GiB pool holds a million blocks; objects for all of them would delay the first
+token and take memory).
 Invariants (checked by check()), over the blocks handed out so far:
 - a block is in the free queue iff its ref_count is 0;
 - ref_count equals the number of block tables holding the block;
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from localkv import kv_format
 from localkv.errors import PoolExhausted
 from localkv.stats import Stats
 
@@ -40,14 +44,16 @@ class BlockPool:
         xp=np,
         stats: Stats | None = None,
     ):
+        """dtype: a float dtype for K and V, or their (K, V) kv_format.KvFormat pair."""
         if num_blocks < 1:
             raise PoolExhausted("the KV memory budget is too small for even one block")
-        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        k_fmt, v_fmt = dtype if isinstance(dtype, tuple) else (kv_format.of(np.dtype(dtype)),) * 2
+        shape = (n_layers, num_blocks, block_size, n_kv_heads)
         # zeros are mapped lazily: a large pool costs memory only as it fills (numpy advises
         # huge pages for large arrays on Linux; an aligned mapping of our own measured no better)
         self.xp = xp
-        self.k = xp.zeros(shape, dtype)
-        self.v = xp.zeros(shape, dtype)
+        self.k = xp.zeros((*shape, k_fmt.row_len(head_dim)), k_fmt.dtype)
+        self.v = xp.zeros((*shape, v_fmt.row_len(head_dim)), v_fmt.dtype)
         self.block_size = block_size
         self._num_blocks = num_blocks
         self.blocks: list[Block] = []  # of the blocks handed out so far: ids 0 .. len - 1
@@ -66,7 +72,7 @@ class BlockPool:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.k[:, 0].nbytes
+        return self.k[:, 0].nbytes + self.v[:, 0].nbytes
 
     def allocate(self) -> int:
         """A block for new data. First the most recently freed block that caches nothing: its
@@ -150,6 +156,7 @@ class BlockPool:
             "free": self.num_free - cached_free,
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block,
+            "kv_dtype": kv_format.pair_name(kv_format.of(self.k), kv_format.of(self.v)),
         }
 
     def check(self, tables: list[list[int]] = ()):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from localkv import kv_format
 from localkv.home import NotRegularFile, open_regular
 
 MAGIC = b"LKVB"
@@ -72,9 +73,10 @@ def header_ok(m) -> bool:
         and _hex(m["hash"], 32)
         and _hex(m["checksum"], 128)  # any version's: read_header shows older entries too
         and type(m["dtype"]) is str
-        and m["dtype"] in _NONFINITE
+        and kv_format.by_stored(m["dtype"]) is not None
         and _ints(m["shape"], 1, MAX_DIM + 1)
         and len(m["shape"]) == 4
+        and m["shape"][3] % _row_unit(m["dtype"]) == 0
         and _ints(m["tokens"], 0, MAX_TOKEN)
         and m["shape"][1] == len(m["tokens"])
     )
@@ -116,8 +118,14 @@ def encode(meta: dict, payload) -> list:
     return [FIXED.pack(MAGIC, VERSION, len(head)), head, payload]
 
 
+def _row_unit(stored: str) -> int:
+    """What a row's length (the shape's last axis) is a multiple of: a quantized format's block."""
+    fmt = kv_format.by_stored(stored)
+    return fmt.block_bytes if fmt.quantized else 1
+
+
 def payload_size(meta: dict) -> int:
-    return 2 * math.prod(meta["shape"]) * np.dtype(meta["dtype"]).itemsize
+    return 2 * math.prod(meta["shape"]) * kv_format.by_stored(meta["dtype"]).dtype.itemsize
 
 
 def decode(data: bytes) -> tuple[dict, memoryview] | None:
@@ -203,6 +211,10 @@ def all_finite(payload, dtype: str) -> bool:
     slower). Read as signed integers, a positive NaN/Inf is at least the all-ones
     exponent, and no finite value is; read as unsigned, every negative NaN/Inf is at least the
     sign bit plus that exponent, and no finite value is."""
+    fmt = kv_format.by_stored(dtype)
+    if fmt.quantized:  # the integers are finite; the blocks' f16 scales may not be
+        scales = kv_format.scales(np.frombuffer(payload, np.uint8), fmt)
+        return all_finite(memoryview(scales).cast("B"), "float16")
     signed, unsigned, exp, neg = _NONFINITE[dtype]
     if len(payload) == 0:
         return True

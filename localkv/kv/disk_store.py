@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from localkv import kv_format
 from localkv.home import STALE_AGE, NotRegularFile, home, open_regular, private_dir
 from localkv.kv.disk_entry import MAX_HEAD, Damaged, all_finite, decode, encode, holds_entry, read_file, read_header
 from localkv.kv.disk_files import TMP, make_dirs, orphan, real_dirs, unlink, write_atomic
@@ -59,9 +60,11 @@ class DiskStore:
     def __init__(self, root: Path | None = None, max_bytes: int = 2 << 30, dtype="float16"):
         self.root = Path(root) if root is not None else home() / "kvcache"
         self.max_bytes = int(max_bytes)
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float16, np.float32):
-            raise ValueError(f"disk cache dtype must be float16 or float32, not {dtype}")
+        # entries are written in it (a pool's own: no conversion): float16, float32, q8_0 or q4_0
+        self.format = kv_format.by_stored(dtype if isinstance(dtype, str) else np.dtype(dtype).name)
+        if self.format is None:
+            raise ValueError(f"disk cache dtype must be float16, float32, q8_0 or q4_0, not {dtype}")
+        self.dtype = self.format.dtype
         self.disabled = False
         self.warning: str | None = None  # set once when writes fail; the CLI prints it
         self.cleared_bytes = 0  # bytes freed by the last clear()
@@ -85,7 +88,7 @@ class DiskStore:
         got = self.read(fingerprint, h, tokens)
         if got is None:
             return None
-        kv = got.astype(np.float32)
+        kv = kv_format.decode(got)
         return kv[0], kv[1]
 
     def load_into(self, fingerprint: str, h: int, tokens, k_out: np.ndarray, v_out: np.ndarray) -> bool:
@@ -123,7 +126,7 @@ class DiskStore:
             return None
         except OSError:  # unreadable, or removed by another process mid-read
             return None
-        kv = np.frombuffer(payload, meta["dtype"]).reshape(2, *meta["shape"])
+        kv = np.frombuffer(payload, kv_format.by_stored(meta["dtype"]).dtype).reshape(2, *meta["shape"])
         with contextlib.suppress(OSError):
             os.utime(path)  # mtime is the LRU clock
         return kv
@@ -148,9 +151,16 @@ class DiskStore:
         path = self.path(fingerprint, h)
         if self.disabled or (real_dirs(path) and self._holds(path)):  # never look through a symlink
             return False
-        with np.errstate(over="ignore"):
-            kv = np.ascontiguousarray(np.stack([k, v]).astype(self.dtype))
-        if not all_finite(memoryview(kv).cast("B"), kv.dtype.name):
+        if self.format.quantized:  # the pool's bytes as they are: never requantized
+            if k.dtype != self.dtype or v.dtype != self.dtype:
+                raise ValueError(f"a {self.format.name} disk cache stores {self.format.name} blocks, not {k.dtype}")
+            kv = np.ascontiguousarray(np.stack([k, v]))
+            if not all_finite(memoryview(kv).cast("B"), self.format.stored):
+                return False
+        else:
+            with np.errstate(over="ignore"):
+                kv = np.ascontiguousarray(np.stack([k, v]).astype(self.dtype))
+        if not self.format.quantized and not all_finite(memoryview(kv).cast("B"), kv.dtype.name):
             if self.dtype == np.float32:
                 return False
             kv = np.ascontiguousarray(np.stack([k, v]).astype(np.float32))  # fp16 overflowed: keep it exact
@@ -161,7 +171,7 @@ class DiskStore:
             "model": model_name,
             "hash": f"{h:032x}",
             "tokens": [int(t) for t in tokens],
-            "dtype": kv.dtype.name,
+            "dtype": kv_format.of(kv).stored,
             "shape": list(k.shape),
         }
         chunks = encode(meta, memoryview(kv).cast("B"))

@@ -220,7 +220,7 @@ class Llama:
             elif ex is not None and ex.kv is not None:
                 extra = ex.kv(i, q[rows])
             if extra is not None:
-                extra = tuple(xp.asarray(a, dtype=kl.dtype) for a in extra)
+                extra = tuple(xp.asarray(a, dtype=layer.dtype) for a, layer in zip(extra, (kl, vl)))
             mass = None if ex is None or ex.mass is None else ex.mass[i]
             attn[rows] = self.backend.paged_attention(
                 q[rows], kl, vl, table, n_ctx, self.scale, mass, extra, **opts, **by_position

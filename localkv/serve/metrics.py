@@ -82,6 +82,7 @@ _HELP = {
     ),
     "localkv_kv_blocks_total": ("gauge", "Blocks in the KV pool"),
     "localkv_kv_block_size_tokens": ("gauge", "Tokens per KV block"),
+    "localkv_kv_bytes_per_token": ("gauge", "K/V bytes of one token over all layers, in the pool's format (dtype)"),
     "localkv_prefix_query_tokens_total": ("counter", "Prompt tokens looked up in the prefix cache"),
     "localkv_prefix_hit_tokens_total": ("counter", "Prompt tokens found in the prefix cache (memory or disk)"),
     "localkv_disk_hit_tokens_total": ("counter", "Prompt tokens loaded from the disk cache"),
@@ -130,6 +131,7 @@ def render(counters: Counters, snap: Snapshot | None) -> str:
             put("localkv_kv_blocks", p[key], f'{{state="{state}"}}')
         put("localkv_kv_blocks_total", p["blocks"])
         put("localkv_kv_block_size_tokens", p["block_size"])
+        put("localkv_kv_bytes_per_token", p["bytes_per_block"] // p["block_size"], f'{{dtype="{p["kv_dtype"]}"}}')
         s = snap.stats
         put("localkv_prefix_query_tokens_total", s.prefix_queries)
         put("localkv_prefix_hit_tokens_total", s.prefix_hits)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from cupy_standin import swap
 
+from localkv import kv_format
 from localkv.backends.base import Backend, Capabilities
 from localkv.backends.cpu import CpuBackend
 
@@ -102,8 +103,8 @@ def test_capabilities_are_complete(backend):
     flags = {f.name for f in dataclasses.fields(Capabilities) if f.type in (bool, "bool")}
     assert flags == set(ABILITIES), "every boolean ability names its methods in ABILITIES"
     assert all(isinstance(getattr(caps, f), bool) for f in flags)
-    assert np.dtype(backend.kv_dtype).name in caps.kv_dtypes  # "auto" must be a dtype it takes
-    assert all(np.dtype(d).name == d for d in caps.kv_dtypes)
+    assert kv_format.of(np.dtype(backend.kv_dtype)).name in caps.kv_dtypes  # "auto" must be a format it takes
+    assert all(d in kv_format.FORMATS for d in caps.kv_dtypes)
     assert isinstance(caps.attention_options, frozenset) and caps.attention_options <= ATTENTION_OPTIONS
 
 

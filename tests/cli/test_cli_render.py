@@ -18,6 +18,8 @@ def _engine(policy="none", prefix_caching=True):
         policy=NS(config=NS(policy=policy, budget=32)),
         prefix_caching=prefix_caching,
         loaded=NS(cache_hit=True),
+        kv_dtype="q8_0",
+        kv_bytes_per_token=11968,
     )
 
 

@@ -185,7 +185,7 @@ class _Backend:
         shared_prefix=False,
         batched_decode=True,
         quant_weights=True,
-        kv_dtypes=("float16",),
+        kv_dtypes=("f16",),
         attention_options=frozenset(),
     )
 

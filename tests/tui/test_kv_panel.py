@@ -12,7 +12,16 @@ from localkv.kv.evict import EvictConfig
 from localkv.stats import Event, Stats
 from localkv.tui.widgets.kv_panel import KVPanel, KVSnapshot, PoolBar, bar_widths
 
-USAGE = {"blocks": 64, "block_size": 16, "used": 10, "shared": 3, "cached_free": 5, "free": 49, "bytes_per_block": 4096}
+USAGE = {
+    "blocks": 64,
+    "block_size": 16,
+    "used": 10,
+    "shared": 3,
+    "cached_free": 5,
+    "free": 49,
+    "bytes_per_block": 4096,
+    "kv_dtype": "q8_0",
+}
 
 
 def snapshot(**kw) -> KVSnapshot:
@@ -54,7 +63,7 @@ async def test_panel_shows_every_number_of_the_snapshot():
             "cached": "5",
             "free": "49",
             "kv bytes": "40.0 KiB",
-            "kv/token": "256 B",
+            "kv/token": "256 B q8_0",
             "cow copies": "2",
             "reuse last": "32/40 tok",
             "reuse total": "50/200 (25%)",

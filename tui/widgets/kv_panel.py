@@ -164,7 +164,7 @@ class KVPanel(VerticalScroll):
             "cached": str(u["cached_free"]),
             "free": str(u["free"]),
             "kv bytes": format_size(u["used"] * u["bytes_per_block"]),
-            "kv/token": format_size(u["bytes_per_block"] // u["block_size"]),
+            "kv/token": f"{format_size(u['bytes_per_block'] // u['block_size'])} {u['kv_dtype']}",
             "cow copies": str(s.cow_copies),
             "reuse last": f"{last[0]}/{last[1]} tok" if last else "-",
             "reuse total": f"{s.prefix_hits}/{s.prefix_queries}{hit_pct}",

@@ -8,6 +8,7 @@ import numpy as np
 
 import localkv.backends.cpu.build as build
 import localkv.backends.cpu.compiled as cpu_kernels
+from localkv import kv_format
 
 Q_BLOCK = 64  # causal prefill runs in query blocks: each block scores only the keys it can see
 # (the scores of a block stay nearer the cache)
@@ -27,9 +28,9 @@ def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndar
 
 
 def f32(a: np.ndarray) -> np.ndarray:
-    """K/V as float32: an f16 pool's are converted once per call (numpy has no f16 matmul that
-    is not a slow loop), an f32 pool's are read in place."""
-    return a if a.dtype == np.float32 else a.astype(np.float32)
+    """K/V rows as float32 [..., hd]: an f16 or quantized pool's are decoded once per call
+    (numpy has no f16 matmul that is not a slow loop), an f32 pool's are read in place."""
+    return kv_format.decode(a)
 
 
 def table_run(block_table) -> int:
@@ -130,7 +131,7 @@ def _keys(layer: np.ndarray, block_table, n_ctx: int, extra, which: int) -> np.n
     [kv_heads, n, hd]: the same layout whether the table is one run of blocks or not."""
     kv = gather_kv(layer, block_table, n_ctx)
     if extra is not None:
-        return np.concatenate((extra[which].astype(np.float32, copy=False), kv), axis=1)
+        return np.concatenate((f32(extra[which]), kv), axis=1)
     return np.ascontiguousarray(kv)
 
 
@@ -242,14 +243,15 @@ def gather_positioned(k_layer: np.ndarray, v_layer: np.ndarray, tables, n_ctx: i
     """The first n_ctx positions of K and V through per-kv-head tables (paged_attention), as
     [kv_heads, n_ctx, hd] float32 each, zeros at the holes; and the holes as a score bias
     [kv_heads, n_ctx] (-inf there, else 0), None when there are none."""
-    nb, bs, kvh, hd = k_layer.shape
+    nb, bs, kvh, _ = k_layer.shape
+    hd = kv_format.of(k_layer).head_dim(k_layer.shape[3])
     tables = np.asarray(tables)
     k, v = np.zeros((2, kvh, tables.shape[1], bs, hd), np.float32)
     for h, t in enumerate(tables):
         pool, far = t >= 0, t <= -2
-        k[h, pool], v[h, pool] = k_layer[t[pool], :, h], v_layer[t[pool], :, h]
+        k[h, pool], v[h, pool] = f32(k_layer[t[pool], :, h]), f32(v_layer[t[pool], :, h])
         if far.any():
-            k[h, far], v[h, far] = extra[0][h, -2 - t[far]], extra[1][h, -2 - t[far]]
+            k[h, far], v[h, far] = f32(extra[0][h, -2 - t[far]]), f32(extra[1][h, -2 - t[far]])
     hole = np.repeat(tables == -1, bs, axis=1)[:, :n_ctx]
     holes = np.where(hole, np.float32(-np.inf), np.float32(0)) if hole.any() else None
     return k.reshape(kvh, -1, hd)[:, :n_ctx], v.reshape(kvh, -1, hd)[:, :n_ctx], holes

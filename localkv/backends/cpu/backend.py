@@ -12,6 +12,7 @@ import numpy as np
 import localkv.backends.cpu.build as build
 import localkv.backends.cpu.compiled as cpu_kernels
 import localkv.backends.cpu.quant as quant
+from localkv import kv_format
 from localkv.backends.base import Capabilities, missing_ability
 from localkv.backends.cpu.attention import f32, frozen_table, gather_kv, merge, paged_attention, partial
 from localkv.backends.cpu.threads import CoreShare
@@ -161,10 +162,11 @@ def head_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarray):
-    """Store K/V [T, kvh, hd] at flat slots (block * block_size + offset) of one layer's pool."""
+    """Store K/V [T, kvh, hd] at flat slots (block * block_size + offset) of one layer's pool,
+    each in its layer's format: the one place rows are quantized (once, as they are written)."""
     nb, bs = k_layer.shape[:2]
-    k_layer.reshape(nb * bs, *k_layer.shape[2:])[slots] = k
-    v_layer.reshape(nb * bs, *v_layer.shape[2:])[slots] = v
+    k_layer.reshape(nb * bs, *k_layer.shape[2:])[slots] = kv_format.encode(k, kv_format.of(k_layer))
+    v_layer.reshape(nb * bs, *v_layer.shape[2:])[slots] = kv_format.encode(v, kv_format.of(v_layer))
 
 
 def shared_prefix_decode(
@@ -320,7 +322,8 @@ class CpuBackend:
             shared_prefix=build.FAST_PATHS,
             batched_decode=True,  # decode(): one kernel call per layer for all single-token sequences
             quant_weights=True,
-            kv_dtypes=("float32", "float16"),
+            # the fast paths' decode kernels read float rows only
+            kv_dtypes=("f32", "f16") if build.FAST_PATHS else tuple(kv_format.FORMATS),
             attention_options=frozenset({"softcap", "window", "head_tables"}),
         )
         self.threads = threads

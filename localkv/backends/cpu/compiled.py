@@ -153,9 +153,9 @@ def causal_attention(
     extra: tuple[np.ndarray, np.ndarray] | None = None,
 ):
     """Causal attention of q [T, H, hd] (the last T of n_ctx positions) over the pool layers k/v
-    [blocks, bs, kvh, hd], normalised: [T, H, hd]. tables: a block table (every kv head) or
+    [blocks, bs, kvh, row] (rows in their kv_format), normalised: [T, H, hd]. tables: a block table (every kv head) or
     int64 [kvh, n_blocks] per kv head, whose entries may also be sequence.HOLE (keys absent) or
-    -2 - i for block i of extra = (K, V) [kvh, nx, bs, hd] in the pool's dtype (blocks
+    -2 - i for block i of extra = (K, V) [kvh, nx, bs, row] in the pool's formats (blocks
     recalled from an offload tier). softcap > 0: Gemma 2's soft-capped scores; window > 0: a
     query sees its `window` newest keys. Call only when attends(hd)."""
     T, H, hd = q.shape
@@ -177,7 +177,13 @@ def causal_attention(
         np.multiply(last.transpose(1, 3, 0, 2), scale, out=rows[:, full])
     if tables.ndim == 1:
         tables = np.broadcast_to(tables, (kvh, len(tables)))
-    xk, xv = _no_extra(k_layer.dtype, kvh, bs, hd) if extra is None else (np.ascontiguousarray(a) for a in extra)
+    if extra is None:
+        xk, xv = (
+            _no_extra(k_layer.dtype, kvh, bs, k_layer.shape[3]),
+            _no_extra(v_layer.dtype, kvh, bs, v_layer.shape[3]),
+        )
+    else:
+        xk, xv = (np.ascontiguousarray(a) for a in extra)
     out = np.empty((kvh, tiles, RT, hd), np.float32)
     args = (qt, _bits(k_layer), _bits(v_layer), _table(tables), _bits(xk), _bits(xv), n_ctx - T, T, QT, g)
     work = T * (n_ctx - T // 2) * H * hd  # the scores' multiply-adds, causal
@@ -191,11 +197,10 @@ def causal_attention(
 
 
 @functools.lru_cache(maxsize=16)
-def _no_extra(dtype, kvh: int, bs: int, hd: int) -> tuple[np.ndarray, np.ndarray]:
-    """causal_attention's extra blocks when there are none: empty, in the pool's dtype (and
-    writable, as recalled blocks are: one build of the kernel for both)."""
-    none = np.empty((kvh, 0, bs, hd), dtype)
-    return none, none
+def _no_extra(dtype, kvh: int, bs: int, row: int) -> np.ndarray:
+    """causal_attention's extra blocks of K or V when there are none: empty, in the pool's
+    dtype (and writable, as recalled blocks are: one build of the kernel for both)."""
+    return np.empty((kvh, 0, bs, row), dtype)
 
 
 def paged_tails(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables: np.ndarray, lens: np.ndarray):

@@ -23,11 +23,12 @@ class HeavyHitters:
     heavy now."""
 
     def __init__(self, pool: BlockPool, cap: int):
-        layers, _, bs, kvh, hd = pool.k.shape
+        layers, _, bs, kvh, _ = pool.k.shape
         self.cap, self.block_size = cap, bs
         self.xp = pool.xp
-        self.k = self.xp.empty((layers, kvh, cap, hd), pool.k.dtype)
-        self.v = self.xp.empty_like(self.k)
+        # the pool's rows as stored (quantized ones too): compaction moves bytes, never requantizes
+        self.k = self.xp.empty((layers, kvh, cap, pool.k.shape[4]), pool.k.dtype)
+        self.v = self.xp.empty((layers, kvh, cap, pool.v.shape[4]), pool.v.dtype)
         self.score = np.zeros((layers, kvh, cap))
         self.pos = np.zeros((layers, kvh, cap), np.int64)
         self.n = 0  # heavy hitters held by every layer-head
@@ -61,12 +62,12 @@ class HeavyHitters:
         over layer-heads and how many (token, layer-head) rows of it stay; and how many older
         heavy-hitter rows were pushed out."""
         xp, bs, n, cap = self.xp, self.block_size, self.n, self.cap
-        layers, kvh, _, hd = self.k.shape
+        layers, kvh = self.k.shape[:2]
         cols = np.concatenate([np.arange(i * bs, (i + 1) * bs) for i in victims])
         bids = xp.asarray(np.asarray([seq.block_table[i] for i in victims]))
-        # [layers, nv, bs, kvh, hd] -> [layers, kvh, nv * bs, hd]
-        new_k = pool.k[:, bids].transpose(0, 3, 1, 2, 4).reshape(layers, kvh, -1, hd)
-        new_v = pool.v[:, bids].transpose(0, 3, 1, 2, 4).reshape(new_k.shape)
+        # [layers, nv, bs, kvh, row] -> [layers, kvh, nv * bs, row]
+        new_k = pool.k[:, bids].transpose(0, 3, 1, 2, 4).reshape(layers, kvh, -1, self.k.shape[3])
+        new_v = pool.v[:, bids].transpose(0, 3, 1, 2, 4).reshape(layers, kvh, -1, self.v.shape[3])
         new_s = self.live[:, :, cols]
         new_p = np.broadcast_to(np.concatenate([starts[i] + np.arange(bs) for i in victims]), new_s.shape)
         block_scores = new_s.reshape(layers, kvh, len(victims), bs).sum(axis=3).mean(axis=(0, 1))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from localkv import kv_format
 from localkv.errors import LocalkvError
 from localkv.kv.block_pool import BlockPool
 from localkv.kv.evict.budget import EvictConfig
@@ -38,17 +39,20 @@ class OffloadTier:
         self.entries: dict[tuple[int, int], int] = {}  # (seq id, start) -> slot
         self.free_slots: list[int] = []
         self.version = 0  # bumped whenever entries change: cached indexes are rebuilt
-        layers, bs, kvh, hd = self.block_shape
-        self.slot_shape = (2, layers, kvh, bs, hd)
+        layers, bs, kvh, row = self.block_shape
+        self.slot_shape = (2, layers, kvh, bs, row)
         self.kv = np.empty((0, *self.slot_shape), self.dtype)
-        self.kmin = np.empty((layers, kvh, hd, 0), np.float32)
+        self.kmin = np.empty((layers, kvh, kv_format.of(self.dtype).head_dim(row), 0), np.float32)
         self.kmax = np.empty_like(self.kmin)
         self._grow(max(1, capacity))
 
     @classmethod
     def for_pool(cls, pool: BlockPool, path: Path | str | None = None) -> "OffloadTier":
-        layers, _, bs, kvh, hd = pool.k.shape
-        return cls((layers, bs, kvh, hd), pool.k.dtype, path)
+        """A tier of the pool's own rows (block_shape's last axis: a row in its kv_format)."""
+        if pool.k.dtype != pool.v.dtype:
+            raise LocalkvError("--evict offload keeps K and V in one format: use one --kv-dtype for both")
+        layers, _, bs, kvh, row = pool.k.shape
+        return cls((layers, bs, kvh, row), pool.k.dtype, path)
 
     @property
     def capacity(self) -> int:
@@ -94,9 +98,10 @@ class OffloadTier:
             raise RuntimeError(f"block {bid} is shared and cannot be offloaded: a bug in the caller's logic")
         self.reserve(1)
         slot = self.free_slots.pop()
-        k = to_host(pool.k[:, bid])  # [L, bs, kvh, hd]
+        k = to_host(pool.k[:, bid])  # [L, bs, kvh, row]: the pool's bytes, moved as they are
         self.kv[slot, 0], self.kv[slot, 1] = k.transpose(0, 2, 1, 3), to_host(pool.v[:, bid]).transpose(0, 2, 1, 3)
-        self.kmin[..., slot], self.kmax[..., slot] = k.min(axis=1), k.max(axis=1)
+        keys = kv_format.decode(k)  # the bounds of the keys attention reads
+        self.kmin[..., slot], self.kmax[..., slot] = keys.min(axis=1), keys.max(axis=1)
         pos = table.positions(i)
         self.entries[(seq.id, pos[0])] = slot
         self.version += 1
@@ -227,10 +232,10 @@ class Retriever:
         else:
             cand = np.broadcast_to(np.arange(n), (kvh, n))
         chosen = np.empty((kvh, r), np.int64)
-        k = np.empty((kvh, r, bs, hd), self.tier.dtype)
+        k = np.empty((kvh, r, bs, self.tier.block_shape[3]), self.tier.dtype)  # rows as stored
         for h in range(kvh):
-            keys = self.tier.block_kv(self.slots[cand[h]], 0, layer, h)  # [c, bs, hd]
-            best = (keys.reshape(c * bs, hd) @ qh[h].T).reshape(c, -1).max(axis=1)
+            keys = self.tier.block_kv(self.slots[cand[h]], 0, layer, h)  # [c, bs, row]
+            best = (kv_format.decode(keys).reshape(c * bs, hd) @ qh[h].T).reshape(c, -1).max(axis=1)
             pick = np.argpartition(best, c - r)[c - r :] if r < c else np.arange(c)
             chosen[h], k[h] = cand[h][pick], keys[pick]
             self._picks.append((self.starts[chosen[h]], best[pick]))

@@ -4,10 +4,11 @@ attention (tiles of query tokens; in the key chunks that cross a tile's position
 past a row's own are masked).
 
 The keys are taken KEYS at a time (a chunk). A chunk's K and V rows are converted once (f16
-pool: F16C) into float32 rows for every query row that reads them, and the two products are
-register tiles of 8 x 8: the scores of 8 query rows (one vector, queries transposed) for 8 keys,
-and the weighted values of 8 query rows for 8 of the head dimension, each a vector load, 8
-broadcasts and 8 FMAs a step with the accumulators in registers. A row of scores per query, as
+pool: F16C; q8_0 / q4_0: integers times their block's scale, exact: kv_format) into float32
+rows for every query row that reads them, and the two products are register tiles of 8 x 8:
+the scores of 8 query rows (one vector, queries transposed) for 8 keys, and the weighted values
+of 8 query rows for 8 of the head dimension, each a vector load, 8 broadcasts and 8 FMAs a step
+with the accumulators in registers. A row of scores per query, as
 the earlier kernels kept, is stored and reloaded at every step and a horizontal sum ends every
 dot product: several times slower. The softmax runs online (flash attention): each job keeps
 its chunks' running row maximum, rescaling what it summed only when the maximum grows; the jobs
@@ -22,7 +23,9 @@ from numba import njit, prange, types
 from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR, PAR, self_check
-from localkv.backends.cpu.simd.f32x8 import fload, float_of_bits, fma, fsplat, fsplat_at, fstore, hload
+from localkv.backends.cpu.simd.f32x8 import fload, float_of_bits, fma, fsplat, fsplat_at, fstore, hload, q4load, q8load
+from localkv.backends.cpu.simd.u8x32 import half
+from localkv.kv_format import Q4_0_BYTES, Q8_0_BYTES, QK
 from localkv.sequence import HOLE
 
 KEYS = 64  # keys per chunk
@@ -58,17 +61,77 @@ def _vload_impl(a, off):
     return lambda a, off: fload(a, off)
 
 
+def rload(a, row, d):
+    """Values d .. d + 7 (d a multiple of 8) of row `row` of a pool array (a row: its last
+    axis; row a flat index over the others) as float32, in the array's K/V format (kv_format:
+    its dtype names it)."""
+
+
+@overload(rload, jit_options={"fastmath": True})
+def _rload_impl(a, row, d):
+    last = a.ndim - 1
+    if a.dtype == types.int8:  # q8_0: per 32 values an f16 scale, then 32 int8
+
+        def q8(a, row, d):
+            at = row * a.shape[last] + d // QK * Q8_0_BYTES
+            return q8load(a, at + 2 + d % QK, half(a, at))
+
+        return q8
+    if a.dtype == types.uint8:  # q4_0: per 32 values an f16 scale, then 16 bytes of two nibbles
+
+        def q4(a, row, d):
+            at = row * a.shape[last] + d // QK * Q4_0_BYTES
+            return q4load(a, at + 2 + d % (QK // 2), (d % QK) // (QK // 2) * 4, half(a, at))
+
+        return q4
+    return lambda a, row, d: vload(a, row * a.shape[last] + d)
+
+
+def row_into(dst, off, a, row, hd):
+    """dst[off : off + hd] = row `row` of a pool array as float32 (rload's values; a quantized
+    format's scale read once per block, not once per 8 values)."""
+
+
+@overload(row_into, jit_options={"fastmath": True})
+def _row_into_impl(dst, off, a, row, hd):
+    last = a.ndim - 1
+    if a.dtype == types.int8:
+
+        def q8(dst, off, a, row, hd):
+            for b in range(hd // QK):
+                at = row * a.shape[last] + b * Q8_0_BYTES
+                s = half(a, at)
+                for j in range(0, QK, 8):
+                    fstore(dst, off + b * QK + j, q8load(a, at + 2 + j, s))
+
+        return q8
+    if a.dtype == types.uint8:
+
+        def q4(dst, off, a, row, hd):
+            for b in range(hd // QK):
+                at = row * a.shape[last] + b * Q4_0_BYTES
+                s = half(a, at)
+                for j in range(0, QK, 8):
+                    fstore(dst, off + b * QK + j, q4load(a, at + 2 + j % (QK // 2), j // (QK // 2) * 4, s))
+
+        return q4
+
+    def floats(dst, off, a, row, hd):
+        for d in range(0, hd, 8):
+            fstore(dst, off + d, vload(a, row * a.shape[last] + d))
+
+    return floats
+
+
 @register_jitable
 def _rows(pool, table, h, t0, n, dst, hd):
     """dst [KEYS, hd] = kv head h's rows of tokens t0 .. t0 + n - 1 (n <= KEYS) read through
-    the block table from a pool layer [blocks, block_size, kv_heads, hd], as float32; zeros
+    the block table from a pool layer [blocks, block_size, kv_heads, row], as float32; zeros
     after them."""
     bs, kvh = pool.shape[1], pool.shape[2]
     for t in range(KEYS):
         if t < n:
-            at = ((table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h) * hd
-            for d in range(0, hd, 8):
-                fstore(dst, t * hd + d, vload(pool, at + d))
+            row_into(dst, t * hd, pool, (table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h, hd)
         else:
             for d in range(hd):
                 dst[t, d] = 0
@@ -208,21 +271,17 @@ QT_SHORT = 8
 def _sourced_rows(pool, extra, tables, h, t0, n, dst, hd, seen):
     """_rows through a per-kv-head table: tables[h, j] maps positions j * bs .. j * bs + bs - 1
     to a pool block (>= 0), to nothing (HOLE: zeros, seen[t] False) or to block -2 - e of
-    extra [kvh, nx, bs, hd] (recalled from an offload tier)."""
+    extra [kvh, nx, bs, row] (recalled from an offload tier)."""
     bs, kvh = pool.shape[1], pool.shape[2]
     for t in range(KEYS):
         seen[t] = False
         if t < n:
             e, o = tables[h, (t0 + t) // bs], (t0 + t) % bs
             if e >= 0:
-                at = ((e * bs + o) * kvh + h) * hd
-                for d in range(0, hd, 8):
-                    fstore(dst, t * hd + d, vload(pool, at + d))
+                row_into(dst, t * hd, pool, (e * bs + o) * kvh + h, hd)
                 seen[t] = True
             elif e < HOLE:
-                at = ((h * extra.shape[1] + (-2 - e)) * bs + o) * hd
-                for d in range(0, hd, 8):
-                    fstore(dst, t * hd + d, vload(extra, at + d))
+                row_into(dst, t * hd, extra, (h * extra.shape[1] + (-2 - e)) * bs + o, hd)
                 seen[t] = True
         if not seen[t]:
             for d in range(hd):

@@ -16,7 +16,7 @@ from numba import njit, prange
 from numba.extending import register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR, self_check
-from localkv.backends.cpu.kernels.attention import KEYS, _accumulate, _rows, _scores, _softmax_step, vload
+from localkv.backends.cpu.kernels.attention import KEYS, _accumulate, _rows, _scores, _softmax_step, rload
 from localkv.backends.cpu.simd.f32x8 import fadd, fload, fma, fsplat_at, fstore, fzero
 
 
@@ -115,7 +115,7 @@ def _accumulate_rows(st, v, table, h, t0, n, o, rows, offs):
     the last line here, which only makes a -0 +0)."""
     bs, kvh, hd = v.shape[1], v.shape[2], o.shape[1]
     for t in range(n):
-        offs[t] = ((table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h) * hd
+        offs[t] = (table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h  # the pool rows
     zero = fzero()
     for r in range(rows):
         d0 = 0
@@ -124,11 +124,11 @@ def _accumulate_rows(st, v, table, h, t0, n, o, rows, offs):
             a0, a1, a2, a3 = fload(o, at), fload(o, at + 8), fload(o, at + 16), fload(o, at + 24)
             a4, a5, a6, a7 = fload(o, at + 32), fload(o, at + 40), fload(o, at + 48), fload(o, at + 56)
             for t in range(n):
-                w, b = fsplat_at(st, t * st.shape[1] + r), offs[t] + d0
-                a0, a1 = fma(w, vload(v, b), a0), fma(w, vload(v, b + 8), a1)
-                a2, a3 = fma(w, vload(v, b + 16), a2), fma(w, vload(v, b + 24), a3)
-                a4, a5 = fma(w, vload(v, b + 32), a4), fma(w, vload(v, b + 40), a5)
-                a6, a7 = fma(w, vload(v, b + 48), a6), fma(w, vload(v, b + 56), a7)
+                w, b = fsplat_at(st, t * st.shape[1] + r), offs[t]
+                a0, a1 = fma(w, rload(v, b, d0), a0), fma(w, rload(v, b, d0 + 8), a1)
+                a2, a3 = fma(w, rload(v, b, d0 + 16), a2), fma(w, rload(v, b, d0 + 24), a3)
+                a4, a5 = fma(w, rload(v, b, d0 + 32), a4), fma(w, rload(v, b, d0 + 40), a5)
+                a6, a7 = fma(w, rload(v, b, d0 + 48), a6), fma(w, rload(v, b, d0 + 56), a7)
             pad = n < KEYS
             fstore(o, at, fadd(a0, zero) if pad else a0)
             fstore(o, at + 8, fadd(a1, zero) if pad else a1)
@@ -141,7 +141,7 @@ def _accumulate_rows(st, v, table, h, t0, n, o, rows, offs):
         for d in range(hd // 64 * 64, hd, 8):  # a head size that is not a multiple of 64
             a = fload(o, r * hd + d)
             for t in range(n):
-                a = fma(fsplat_at(st, t * st.shape[1] + r), vload(v, offs[t] + d), a)
+                a = fma(fsplat_at(st, t * st.shape[1] + r), rload(v, offs[t], d), a)
             fstore(o, r * hd + d, fadd(a, zero) if n < KEYS else a)
 
 

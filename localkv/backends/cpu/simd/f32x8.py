@@ -7,7 +7,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from localkv.backends.cpu.simd.vec import F32, FAST, I16, V8F32, V8I32, F32x8, ptr, splat
+from localkv.backends.cpu.simd.vec import F32, FAST, I8, I16, V8F32, V8I32, F32x8, ptr, splat
 
 
 @intrinsic
@@ -153,6 +153,36 @@ def hload(typingctx, arr, off):
         return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), V8F32)
 
     return F32x8(arr, off), codegen
+
+
+@intrinsic
+def q8load(typingctx, arr, off, scale):
+    """8 int8 at arr[off:] (an int8 array) times scale, as F32x8: exact (an int8 times a half
+    float fits a float32's significand), so no path's rounding differs from another's."""
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(I8, 8)), align=1)
+        s = context.cast(builder, args[2], sig.args[2], types.float32)
+        return builder.fmul(builder.sitofp(v, V8F32), splat(builder, s, V8F32))
+
+    return F32x8(arr, off, scale), codegen
+
+
+@intrinsic
+def q4load(typingctx, arr, off, shift, scale):
+    """The 4-bit values of the 8 bytes at arr[off:] (a uint8 array; the low nibbles for shift
+    0, the high ones for 4) less 8, times scale, as F32x8 (exact, as q8load)."""
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(I8, 8)), align=1)
+        n = builder.zext(v, V8I32)
+        sh = splat(builder, context.cast(builder, args[2], sig.args[2], types.int32), V8I32)
+        n = builder.and_(builder.lshr(n, sh), ir.Constant(V8I32, [15] * 8))
+        n = builder.sub(n, ir.Constant(V8I32, [8] * 8))
+        s = context.cast(builder, args[3], sig.args[3], types.float32)
+        return builder.fmul(builder.sitofp(n, V8F32), splat(builder, s, V8F32))
+
+    return F32x8(arr, off, shift, scale), codegen
 
 
 @intrinsic

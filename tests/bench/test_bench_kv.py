@@ -1,0 +1,34 @@
+"""`bench kv` on a tiny random model: the rows, the layout's byte ratios, and sums that behave."""
+
+import numpy as np
+import pytest
+
+import localkv.bench.kv as bench_kv
+from localkv.bench.options import Options
+from localkv.config import EngineConfig
+from tiny_model import write_gguf
+
+TOKENS = np.random.default_rng(5).integers(3, 200, 80).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-kv") / "tiny64.gguf"
+    return write_gguf(path, quant="Q8_0", ctx=256, dim=256, ffn=512, n_heads=4, n_kv_heads=2)
+
+
+def test_bench_kv_measures_each_format_against_f16(tiny64, monkeypatch):
+    monkeypatch.setattr(bench_kv, "text_tokens", lambda eng, n: TOKENS[:n])
+    o = Options(engine=EngineConfig(model=str(tiny64), threads=2, kv_mem="4MiB"), quick=True)
+    rep = bench_kv.run(o)
+    by = {r["kv_dtype"]: r for r in rep.rows}
+    assert list(by) == ["f16", "q8_0", "q4_0", "q8_0:q4_0"]
+    f16 = by["f16"]
+    assert f16["kld"] == 0 and f16["top1"] == 1 and f16["ppl_vs_f16"] == 0
+    assert by["q8_0"]["bytes_vs_f16"] == 34 / 64 and by["q4_0"]["bytes_vs_f16"] == 18 / 64
+    # a random tiny model's distributions are near uniform: the KLD is rounding (the real model's: BENCHMARKS.md)
+    assert all(np.isfinite(r["ppl"]) and r["kld"] > -1e-9 and 0 <= r["top1"] <= 1 for r in rep.rows)
+    assert by["q8_0"]["pool_tokens"] >= 1.85 * f16["pool_tokens"]
+    targets = {t.name: t.ok for t in rep.targets}
+    assert targets["bytes per token, q8_0 vs f16"] and targets["tokens in the pool, q8_0 vs f16"]
+    assert targets["perplexity, q8_0 vs f16"] is None  # --quick judges no quality
