@@ -141,7 +141,7 @@ def test_bad_options_raise_before_loading(args, monkeypatch):
 def test_unknown_suite_names_the_suites():
     res = CliRunner().invoke(_app(), ["speeed"])
     assert isinstance(res.exception, LocalkvError)
-    assert "speed, memory, fork, cache, evict, grammar, serve, spec, all" in str(res.exception)
+    assert "speed, memory, fork, cache, evict, kv, grammar, serve, spec, all" in str(res.exception)
 
 
 def test_bad_output_names_the_formats():

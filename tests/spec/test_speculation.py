@@ -29,11 +29,13 @@ BASE = RNG.integers(3, 261, 48).tolist()
 PROMPT = BASE + RNG.integers(3, 261, 20).tolist() + BASE[:24]  # its end repeats its start: lookup drafts
 
 
-def engine(path, **kw) -> Engine:
+def engine(model, **kw) -> Engine:
+    """An engine of one of test_one_answer's models (a path and its K/V format)."""
+    kw.setdefault("kv_dtype", model.kv_dtype)
     kw.setdefault("disk_cache", False)
     kw.setdefault("ctx", 512)
     kw.setdefault("block_size", 8)
-    return Engine(EngineConfig(model=path, threads=2, **kw))
+    return Engine(EngineConfig(model=model.path, threads=2, **kw))
 
 
 def oracle(monkeypatch, want: dict[tuple, list[int]], seed: int = 0):
