@@ -3,6 +3,7 @@ load, then started again: every entry on disk is whole, no entry that could be c
 (answers from the disk cache are the answers computed cold), the killed writers' temp files are
 swept, and the server answers."""
 
+import os
 import random
 import signal
 import threading
@@ -20,7 +21,9 @@ from tiny_model import write_gguf
 RNG = np.random.default_rng(9)
 PREFIXES = [RNG.integers(3, 261, 48).tolist() for _ in range(4)]  # three full blocks each, shared by the load
 CHECKED = [p + RNG.integers(3, 261, 20).tolist() for p in PREFIXES]  # answered cold first, from disk at the end
-KILLS = 4
+# kills in a suite run; the reliability target (20 kills, 20 healthy restarts) runs with
+# LOCALKV_TEST_KILLS=20 python -m pytest tests/serve/test_kill9.py
+KILLS = int(os.environ.get("LOCALKV_TEST_KILLS", "4"))
 
 
 @pytest.fixture(scope="module")
