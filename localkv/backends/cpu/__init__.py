@@ -4,8 +4,8 @@ with. Read it bottom up:
   u8x32: bytes and integer dot products; f32x8: float lanes; wide: 64-byte K-quant products;
   amx: AMX tile instructions);
 - kernels/: the numba kernels (attention, decode, elementwise; matmul_few for every block type;
-  superblock, the Q4_K / Q6_K kernel of one or two rows, a 256-value super-block at a time in
-  integers; float_few; amx, prefill on AMX tiles), their one option set and self-checks;
+  superblock, the Q4_K / Q6_K kernels, a 256-value super-block at a time in integers (every row
+  count under the one-answer rule); float_few; amx, prefill on AMX tiles), their one option set and self-checks;
 - quant/: weights kept in their GGUF encoding (types, formats: the block decoders, QTensor,
   the numpy fallback, the entry points into the kernels, matmul_few / matmul_many / get_rows);
 - build: the one load() of every kernel, the LOCALKV_CPU_KERNELS switch, numba's threading

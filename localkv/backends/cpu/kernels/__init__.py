@@ -11,7 +11,8 @@ the backend runs without numba):
   integer multiply-adds), and the dequantizer;
 - matmul_out: matmul_lanes' bits for 1 activation row with 8 weight rows in the lanes (decode
   under the one-answer rule);
-- superblock: Q4_K and Q6_K with one or two rows, a 256-value super-block at a time in integers;
+- superblock: Q4_K and Q6_K, a 256-value super-block at a time in integers (matmul_rows: any
+  row count, one answer; matmul_super: one or two rows, the fast paths);
 - float_few: the decode matmuls of F32 / F16 / BF16 weights (float FMAs);
 - amx: prefill matmuls of block-type weights on Intel AMX bf16 tiles.
 

@@ -1,10 +1,14 @@
-"""The decode kernel of Q4_K and Q6_K weights: one or two activation rows, a super-block of 256
-weights at a time (`simd/wide`), as llama.cpp's K-quant dots.
+"""The kernels of Q4_K and Q6_K weights, a super-block of 256 weights at a time (`simd/wide`), as
+llama.cpp's K-quant dots: the sub-block scales multiply in integers and a super-block costs one
+float step, where the generic kernel (`matmul_few.matmul_few`) pays a float conversion and scale
+FMAs for every 32 weights. The activations are those of every K-quant kernel: int8 per 256
+values (llama.cpp's Q8_K).
 
-The generic kernel (`matmul_few.matmul_few`) pays a float conversion and scale FMAs for every 32
-weights; here the sub-block scales multiply in integers and a 256-value super-block costs one
-float FMA. The activations are those of every K-quant kernel: int8 per 256 values (llama.cpp's
-Q8_K), so this kernel and the generic one (still used for 3-8 rows) compute the same sums.
+- matmul_rows: the one-answer product (quant.matmul_rows) for any number of rows: each
+  super-block's integers reduced exactly, then float32 sums in super-block order written op by
+  op, so a row's outputs do not depend on the rows beside it or on the thread split;
+- matmul_super: one or two rows with the float work in 16 lanes under fastmath, the faster
+  decode of LOCALKV_FAST_PATHS=1 (the generic kernel takes 3-8 rows there).
 """
 
 import numpy as np
