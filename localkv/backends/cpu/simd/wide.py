@@ -139,14 +139,8 @@ def _q4k_ints(context, builder, tys, w, blk, xp, bs, sbs):
         hi = builder.lshr(v, _bytesplat(builder, _V64I8, 4))
         for k, u in enumerate((lo, hi)):
             sc = _spread(builder, sm32, (4 * h + k, 4 * h + k + 2), 16)
-            for r, xo in enumerate(xos):
-                x = _load(context, builder, xty, xp, _at(builder, xo, 128 * h + 64 * k), _V64I8)
-                isums[r] = builder.add(isums[r], _madd(context, builder, _maddubs(context, builder, u, x), sc))
-    out = []
-    for isum, sb in zip(isums, sbs):
-        sums = _load(context, builder, sty, bs, builder.mul(sb, ir.Constant(sb.type, 8)), _V8I16)
-        out.append((isum, _madd(context, builder, mins, sums)))
-    return out
+            _multiply_into(context, builder, isums, u, sc, xty, xp, xos, 128 * h + 64 * k)
+    return _with_offsets(context, builder, isums, mins, sty, bs, sbs, _V8I16)
 
 
 def _q6k_ints(context, builder, tys, w, blk, xq, bs, sbs):
@@ -168,13 +162,26 @@ def _q6k_ints(context, builder, tys, w, blk, xq, bs, sbs):
         u23 = builder.or_(builder.lshr(ql, c(4)), builder.shl(builder.and_(builder.lshr(qh, c(4)), c(3)), c(4)))
         for k, u in enumerate((u01, u23)):
             s = _spread(builder, sc32, [8 * h + 4 * k + i for i in range(4)], 8)
-            for r, xo in enumerate(xos):
-                x = _load(context, builder, xty, xq, _at(builder, xo, 128 * h + 64 * k), _V64I8)
-                isums[r] = builder.add(isums[r], _madd(context, builder, _maddubs(context, builder, u, x), s))
+            _multiply_into(context, builder, isums, u, s, xty, xq, xos, 128 * h + 64 * k)
+    return _with_offsets(context, builder, isums, sc, sty, bs, sbs, _V16I16)
+
+
+def _multiply_into(context, builder, isums, u, scales, xty, xs, xos, at):
+    """isums[r] += the scaled pair products of the weight bytes u with the 64 activations at
+    xos[r] + at (each activation super-block of a call)."""
+    for r, xo in enumerate(xos):
+        x = _load(context, builder, xty, xs, _at(builder, xo, at), _V64I8)
+        isums[r] = builder.add(isums[r], _madd(context, builder, _maddubs(context, builder, u, x), scales))
+
+
+def _with_offsets(context, builder, isums, factors, sty, bs, sbs, sums_type):
+    """(isum, factors . the activation sums of sb) per activation super-block sb: the offsets
+    term (Q4_K's mins, Q6_K's scales), bs holding sums_type.count sums per super-block."""
+    n = sums_type.count
     out = []
     for isum, sb in zip(isums, sbs):
-        sums = _load(context, builder, sty, bs, builder.mul(sb, ir.Constant(sb.type, 16)), _V16I16)
-        out.append((isum, _madd(context, builder, sc, sums)))
+        sums = _load(context, builder, sty, bs, builder.mul(sb, ir.Constant(sb.type, n)), sums_type)
+        out.append((isum, _madd(context, builder, factors, sums)))
     return out
 
 
@@ -198,19 +205,24 @@ def q4k_block(typingctx, acc, w, blk, xp, bs, sb, scale):
     return types.Tuple((F32x16, types.int64))(acc, w, blk, xp, bs, sb, scale), codegen
 
 
+def _sums_codegen(ints):
+    """The codegen of q4k_sums / q6k_sums over their integer work `ints` (_q4k_ints, _q6k_ints)."""
+
+    def codegen(context, builder, sig, args):
+        sbs = cgutils.unpack_tuple(builder, args[4])
+        pairs = ints(context, builder, (sig.args[0], sig.args[2], sig.args[3]), *args[:4], sbs)
+        flat = [_reduced(builder, v) for pair in pairs for v in pair]
+        return context.make_tuple(builder, sig.return_type, flat)
+
+    return codegen
+
+
 @intrinsic
 def q4k_sums(typingctx, w, blk, xp, bs, sbs):
     """q4k_block's two integers whole, exact, for each activation super-block in the tuple sbs
     (the weights decoded once for them all): a flat tuple (product sum, offset sum) per sb, for
     a float step written out by the caller."""
-
-    def codegen(context, builder, sig, args):
-        sbs = cgutils.unpack_tuple(builder, args[4])
-        pairs = _q4k_ints(context, builder, (sig.args[0], sig.args[2], sig.args[3]), *args[:4], sbs)
-        flat = [_reduced(builder, v) for pair in pairs for v in pair]
-        return context.make_tuple(builder, sig.return_type, flat)
-
-    return types.UniTuple(types.int64, 2 * sbs.count)(w, blk, xp, bs, sbs), codegen
+    return types.UniTuple(types.int64, 2 * sbs.count)(w, blk, xp, bs, sbs), _sums_codegen(_q4k_ints)
 
 
 @intrinsic
@@ -230,14 +242,7 @@ def q6k_block(typingctx, acc, w, blk, xq, bs, sb, scale):
 def q6k_sums(typingctx, w, blk, xq, bs, sbs):
     """q6k_block's two integers whole (exact) for each activation super-block in sbs, as
     q4k_sums."""
-
-    def codegen(context, builder, sig, args):
-        sbs = cgutils.unpack_tuple(builder, args[4])
-        pairs = _q6k_ints(context, builder, (sig.args[0], sig.args[2], sig.args[3]), *args[:4], sbs)
-        flat = [_reduced(builder, v) for pair in pairs for v in pair]
-        return context.make_tuple(builder, sig.return_type, flat)
-
-    return types.UniTuple(types.int64, 2 * sbs.count)(w, blk, xq, bs, sbs), codegen
+    return types.UniTuple(types.int64, 2 * sbs.count)(w, blk, xq, bs, sbs), _sums_codegen(_q6k_ints)
 
 
 @intrinsic
