@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 import localkv.cli.render as render
-import localkv.cli.tools as cli_tools
 from localkv.cli.app import err, read_prompt, warn_disk
 from localkv.cli.options import Sampling, engine_options, sampling_options
 from localkv.cli.prefill_bar import PrefillBar
@@ -20,7 +19,7 @@ SaveOpt = typer.Option(False, "--no-save", help="Do not save this exchange in th
 ContinueOpt = typer.Option(False, "-c", "--continue", help="Continue the latest conversation.")
 CidOpt = typer.Option(None, "--cid", help="Continue the conversation with this id (see `localkv log`).")
 ToolsOpt = typer.Option(None, "--tools", help="OpenAI-style tools (a JSON file): the calls print as JSON lines.")
-ToolChoiceOpt = typer.Option(None, "--tool-choice", help=cli_tools.CHOICE_HELP)
+ToolChoiceOpt = typer.Option(None, "--tool-choice", help="auto (default), required, none, or a function's name.")
 
 
 def _prompt_ids(engine, turn: Turn, text: str | None, raw: bool, plan=None) -> list[int]:
@@ -79,7 +78,9 @@ def run(
     if as_json:
         print(render.dumps(render.reply_json(eng, r, saved, logprobs=params.logprobs is not None)))
     elif plan is not None:
-        cli_tools.print_calls(plan, r.text)
+        from localkv.cli.tools import print_calls  # the tool-call parts load only for --tools
+
+        print_calls(plan, r.text)
     else:
         sys.stdout.write(("" if stream else r.text) + "\n")
         sys.stdout.flush()
@@ -102,7 +103,9 @@ def _tools(path: Path | None, choice: str | None, raw: bool, sampling: Sampling)
         raise LocalkvError("--tools needs the chat template: it does not go with --raw")
     if "constraint" in sampling.values:
         raise LocalkvError("--tools and --format/--schema/--grammar do not go together: the calls have their grammar")
-    return cli_tools.load(path, choice)
+    from localkv.cli.tools import load
+
+    return load(path, choice)
 
 
 def _drain(gen, bar: PrefillBar, stream: bool):

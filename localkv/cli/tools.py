@@ -9,8 +9,6 @@ from localkv.errors import LocalkvError
 from localkv.toolcalls import Choice, Plan, ToolError, read_choice, read_tools
 from localkv.toolcalls.spec import Tool
 
-CHOICE_HELP = "auto (default), required, none, or a function's name."
-
 
 def load(path: Path, choice: str | None) -> tuple[list[Tool], Choice]:
     """The tools of FILE (OpenAI's `tools` array, or an object holding one) and --tool-choice."""

@@ -19,11 +19,10 @@ from starlette.routing import Route
 from localkv.hub.catalog import DEFAULT_MODEL
 from localkv.hub.ollama_store import OllamaRef, is_ollama
 from localkv.serve import metrics, ollama_routes
-from localkv.serve.jobs import EventStream, authorize, failure, read_json, ready, submit, unavailable, whole
+from localkv.serve.jobs import EventStream, authorize, failure, read_json, ready, submit, tool_plan, unavailable, whole
 from localkv.serve.openai import ApiError, Ask, parse_chat, parse_completion
 from localkv.serve.replies import DONE, Reply, sse
 from localkv.serve.runner import Job, Runner
-from localkv.toolcalls import Plan, prepare
 
 
 def model_id(model: str | None) -> str:
@@ -153,7 +152,7 @@ async def completions(request: Request) -> Response:
 async def _answer(request: Request, ask: Ask) -> Response:
     runner = ready(request)
     _check_model(request, ask.model)
-    plan = _plan(ask, runner.engine.tokenizer)
+    plan = tool_plan(ask, runner.engine.tokenizer)
     job = await submit(runner, ask, plan)
     reply = Reply(ask.kind, request.app.state.model_id, runner.engine.tokenizer, ask.logprobs is not None, tools=plan)
     if ask.stream:
@@ -162,11 +161,6 @@ async def _answer(request: Request, ask: Ask) -> Response:
     if events is None:
         return Response(status_code=499)  # nobody reads it; the job is cancelled
     return JSONResponse(reply.body(events))
-
-
-def _plan(ask: Ask, tok) -> Plan | None:
-    """A chat's tools as toolcalls prepares them (None for completions)."""
-    return prepare(ask.tools, ask.tool_choice, tok) if ask.kind == "chat" else None
 
 
 async def _events(job: Job, reply: Reply, ask: Ask):

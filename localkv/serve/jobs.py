@@ -19,7 +19,7 @@ from localkv.generation import Generation
 from localkv.hub.catalog import sampling_for
 from localkv.serve.openai import ApiError, Ask, bad
 from localkv.serve.runner import STOPPING, Job, QueueFull, Runner, ShuttingDown
-from localkv.toolcalls import Plan, ToolError
+from localkv.toolcalls import Plan, ToolError, prepare
 
 MAX_BODY = 16 << 20  # bytes of one request body
 
@@ -77,6 +77,11 @@ def ready(request: Request) -> Runner:
     if (e := unavailable(runner)) is not None:
         raise e
     return runner
+
+
+def tool_plan(ask: Ask, tok) -> Plan | None:
+    """A chat's tools as toolcalls prepares them, whichever API asked (None for completions)."""
+    return prepare(ask.tools, ask.tool_choice, tok) if ask.kind == "chat" else None
 
 
 async def submit(runner: Runner, ask: Ask, plan: Plan | None = None) -> Job:

@@ -15,11 +15,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from localkv.hub.info import describe
-from localkv.serve.jobs import EventStream, authorize, failure, read_json, ready, submit, whole
+from localkv.serve.jobs import EventStream, authorize, failure, read_json, ready, submit, tool_plan, whole
 from localkv.serve.ollama import NDJSON, Answer, line, now, parse_chat, parse_generate
 from localkv.serve.openai import ApiError, bad
 from localkv.serve.runner import Job
-from localkv.toolcalls import prepare
 
 NEVER = "9999-12-31T23:59:59Z"  # /api/ps: this server's model does not expire
 
@@ -73,7 +72,7 @@ async def _run(request: Request, api: str, parse) -> Response:
         said = Answer(api, name, t0)._said("")
         return JSONResponse({"model": name, "created_at": now(), **said, "done_reason": done, "done": True})
     ask = call.ask
-    plan = prepare(ask.tools, ask.tool_choice, runner.engine.tokenizer) if ask.tools else None
+    plan = tool_plan(ask, runner.engine.tokenizer)
     job = await submit(runner, ask, plan)
     answer = Answer(api, name, t0, plan)
     if ask.stream:

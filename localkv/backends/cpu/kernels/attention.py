@@ -61,6 +61,24 @@ def _vload_impl(a, off):
     return lambda a, off: fload(a, off)
 
 
+def _quantized(a) -> int:
+    """The bytes of one 32-value block of a pool array in a quantized K/V format (0: floats)."""
+    return Q8_0_BYTES if a.dtype == types.int8 else Q4_0_BYTES if a.dtype == types.uint8 else 0
+
+
+def block_values(a, at, j, s):
+    """Values j .. j + 7 (j a multiple of 8) of the quantized block at byte `at` of a pool array,
+    times its scale s, as float32: q8_0, 32 int8 after the f16 scale; q4_0, 16 bytes of two
+    nibbles (values 0-15 low, 16-31 high)."""
+
+
+@overload(block_values, inline="always")
+def _block_values_impl(a, at, j, s):
+    if a.dtype == types.int8:
+        return lambda a, at, j, s: q8load(a, at + 2 + j, s)
+    return lambda a, at, j, s: q4load(a, at + 2 + j % (QK // 2), j // (QK // 2) * 4, s)
+
+
 def rload(a, row, d):
     """Values d .. d + 7 (d a multiple of 8) of row `row` of a pool array (a row: its last
     axis; row a flat index over the others) as float32, in the array's K/V format (kv_format:
@@ -69,21 +87,14 @@ def rload(a, row, d):
 
 @overload(rload, jit_options={"fastmath": True})
 def _rload_impl(a, row, d):
-    last = a.ndim - 1
-    if a.dtype == types.int8:  # q8_0: per 32 values an f16 scale, then 32 int8
+    last, nbytes = a.ndim - 1, _quantized(a)
+    if nbytes:
 
-        def q8(a, row, d):
-            at = row * a.shape[last] + d // QK * Q8_0_BYTES
-            return q8load(a, at + 2 + d % QK, half(a, at))
+        def quantized(a, row, d):
+            at = row * a.shape[last] + d // QK * nbytes
+            return block_values(a, at, d % QK, half(a, at))
 
-        return q8
-    if a.dtype == types.uint8:  # q4_0: per 32 values an f16 scale, then 16 bytes of two nibbles
-
-        def q4(a, row, d):
-            at = row * a.shape[last] + d // QK * Q4_0_BYTES
-            return q4load(a, at + 2 + d % (QK // 2), (d % QK) // (QK // 2) * 4, half(a, at))
-
-        return q4
+        return quantized
     return lambda a, row, d: vload(a, row * a.shape[last] + d)
 
 
@@ -94,27 +105,17 @@ def row_into(dst, off, a, row, hd):
 
 @overload(row_into, jit_options={"fastmath": True})
 def _row_into_impl(dst, off, a, row, hd):
-    last = a.ndim - 1
-    if a.dtype == types.int8:
+    last, nbytes = a.ndim - 1, _quantized(a)
+    if nbytes:
 
-        def q8(dst, off, a, row, hd):
+        def quantized(dst, off, a, row, hd):
             for b in range(hd // QK):
-                at = row * a.shape[last] + b * Q8_0_BYTES
+                at = row * a.shape[last] + b * nbytes
                 s = half(a, at)
                 for j in range(0, QK, 8):
-                    fstore(dst, off + b * QK + j, q8load(a, at + 2 + j, s))
+                    fstore(dst, off + b * QK + j, block_values(a, at, j, s))
 
-        return q8
-    if a.dtype == types.uint8:
-
-        def q4(dst, off, a, row, hd):
-            for b in range(hd // QK):
-                at = row * a.shape[last] + b * Q4_0_BYTES
-                s = half(a, at)
-                for j in range(0, QK, 8):
-                    fstore(dst, off + b * QK + j, q4load(a, at + 2 + j % (QK // 2), j // (QK // 2) * 4, s))
-
-        return q4
+        return quantized
 
     def floats(dst, off, a, row, hd):
         for d in range(0, hd, 8):

@@ -197,6 +197,14 @@ def _prepare(qt, x, xq, dx, xs16, xa, bs, r):
 
 
 @register_jitable(_nrt=False)
+def _step(qt, w, blk, dx, sb, i, m, acc, low):
+    """The float step of one row's super-block sb: two float32 sums, op by op (no fastmath: one
+    sequence of roundings whichever kernel runs it)."""
+    s, t = scales(qt, w, blk, at(dx, sb * 8))
+    return acc + np.float32(i) * s, low + np.float32(m) * t
+
+
+@register_jitable(_nrt=False)
 def _exact_row(qt, w, base, xa, bs, dx, r, nb):
     """One weight row . activation row r: each super-block's integers exact, then two float32
     sums in super-block order, written out op by op (no fastmath: one sequence of roundings)."""
@@ -207,17 +215,8 @@ def _exact_row(qt, w, base, xa, bs, dx, r, nb):
         for k in range(0, nbytes, 64):
             prefetch(w, blk + PREFETCH + k)
         i, m = sums(qt, w, blk, xa, bs, (r * nb + b,))
-        s, t = scales(qt, w, blk, at(dx, (r * nb + b) * 8))
-        acc = acc + np.float32(i) * s
-        low = low + np.float32(m) * t
+        acc, low = _step(qt, w, blk, dx, r * nb + b, i, m, acc, low)
     return acc - low
-
-
-@register_jitable(_nrt=False)
-def _step(qt, w, blk, dx, sb, i, m, acc, low):
-    """_exact_row's float step for one row's super-block sb."""
-    s, t = scales(qt, w, blk, at(dx, sb * 8))
-    return acc + np.float32(i) * s, low + np.float32(m) * t
 
 
 @register_jitable(_nrt=False)
