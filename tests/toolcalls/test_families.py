@@ -3,12 +3,11 @@ the prompt lists the tools, and whatever random logits favour, the constrained r
 calls whose arguments match their function's schema (enums, nested objects, arrays, required)."""
 
 import jsonschema
-import numpy as np
 import pytest
+from test_grammar import sample
 
 from localkv.grammar import Grammar
 from localkv.model.tokenizer import Tokenizer
-from localkv.sampling import Sampler, SamplingParams
 from localkv.toolcalls import Choice, prepare, read_tools
 from resources import script
 
@@ -63,16 +62,9 @@ def family_tok(request, vocabularies, tmp_path_factory):
     return request.param, Tokenizer.from_gguf(path)
 
 
-def draw(tok: Tokenizer, grammar: Grammar, seed: int, max_tokens: int = 600) -> str:
-    rng = np.random.default_rng(seed)
-    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=seed), grammar.matcher())
-    ids = []
-    for _ in range(max_tokens):
-        t = s(rng.standard_normal(tok.vocab_size).astype(np.float32) * 3)
-        if t in tok.stop_ids:
-            return tok.decode(ids)
-        ids.append(t)
-    raise AssertionError(f"no end within {max_tokens} tokens: {tok.decode(ids)!r}")
+def draw(tok: Tokenizer, grammar: Grammar, seed: int) -> str:
+    """A reply drawn from random logits under the grammar (test_grammar's sampler, longer)."""
+    return sample(tok, grammar, seed, max_tokens=600)
 
 
 def test_each_family_prompts_with_the_tools_and_its_calls_validate(family_tok):
