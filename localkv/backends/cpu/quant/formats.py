@@ -31,6 +31,7 @@ from numba import types
 from numba.extending import NativeValue, models, overload, register_jitable, register_model, typeof_impl, unbox
 
 from localkv.backends.cpu.quant.types import BLOCK_TYPES, FLOAT_TYPES, activation_group, block_size
+from localkv.backends.cpu.simd.f32x8 import fjoin, fmul, fsplat, hgather
 from localkv.backends.cpu.simd.u8x32 import (
     at,
     band,
@@ -125,6 +126,44 @@ def _lanes_product(qt, u, xi, off):
     if qt.qname == "Q8_0":
         return lambda qt, u, xi, off: lanes_dot(u, xi, off)
     return lambda qt, u, xi, off: lanes_dot7(u, xi, off)
+
+
+def scales8(qt, w, off, idx, scalars):
+    """group's (sa, sb, ma, mb) of 8 weight rows as F32x8 (lane l: the row whose block starts at
+    byte off + idx[l]). The types whose block opens with its f16 scale (and min) gather them in
+    one load; the others join the scalars `group` gave ((sa 4-tuples), (sb), (ma), (mb), each a
+    pair of 4-tuples). The same values either way."""
+
+
+@overload(scales8, inline="always")
+def _scales8(qt, w, off, idx, scalars):
+    if qt.qname not in _WITH_MIN and qt.qname not in _OFFSET:
+
+        def joined(qt, w, off, idx, scalars):
+            (sa, ta), (sb, tb), (ma, na), (mb, nb) = scalars
+            return fjoin(sa, ta), fjoin(sb, tb), fjoin(ma, na), fjoin(mb, nb)
+
+        return joined
+    if qt.qname in _WITH_MIN:
+
+        def with_min(qt, w, off, idx, scalars):
+            d, m = hgather(w, off, idx)
+            return d, d, m, m
+
+        return with_min
+    k = np.float32(_OFFSET[qt.qname])
+
+    def offset_min(qt, w, off, idx, scalars):  # m = k * d (exact: k is a power of 2)
+        d, _ = hgather(w, off, idx)
+        m = fmul(fsplat(k), d)
+        return d, d, m, m
+
+    return offset_min
+
+
+# The types whose block opens with d: then m, or (the signed ones) m = this times d
+_WITH_MIN = frozenset(("Q4_1", "Q5_1"))
+_OFFSET = {"Q4_0": -8.0, "Q5_0": -16.0, "Q8_0": -128.0}
 
 
 def group(qt, w, blk, j):

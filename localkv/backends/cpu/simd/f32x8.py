@@ -7,7 +7,21 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from localkv.backends.cpu.simd.vec import F32, FAST, I8, I16, V8F32, V8I32, F32x8, ptr, splat
+from localkv.backends.cpu.simd.vec import (
+    F32,
+    FAST,
+    I8,
+    I16,
+    I32,
+    V8F32,
+    V8I32,
+    F32x8,
+    I32x8,
+    features,
+    function,
+    ptr,
+    splat,
+)
 
 
 @intrinsic
@@ -227,3 +241,50 @@ def float_of_bits(typingctx, bits):
         return builder.bitcast(args[0], F32)
 
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def ijoin(typingctx, a, b):
+    """Two 4-tuples of integers as one I32x8 (a in lanes 0-3), each truncated to 32 bits."""
+    if not all(isinstance(t, types.UniTuple) and t.count == 4 for t in (a, b)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = ir.Constant(V8I32, ir.Undefined)
+        for t, tup in enumerate(args):
+            for i in range(4):
+                s = builder.extract_value(tup, i)
+                s = builder.trunc(s, I32) if s.type.width > 32 else s
+                v = builder.insert_element(v, s, ir.Constant(I32, 4 * t + i))
+        return v
+
+    return I32x8(a, b), codegen
+
+
+@intrinsic
+def hgather(typingctx, arr, off, idx):
+    """(lo, hi): lane l the IEEE half floats at bytes off + idx[l] and off + idx[l] + 2 of a
+    uint8 array, as float32: the scales of one block of 8 weight rows (idx their byte offsets
+    from off) in one gather where 16 scalar loads and inserts built them. The same values
+    whichever way they are loaded, so no float op downstream changes."""
+
+    def codegen(context, builder, sig, args):
+        base = builder.bitcast(ptr(context, builder, sig.args[0], args[0], args[1]), I8.as_pointer())
+        if "+avx2" in features(context):
+            fn = function(builder, "llvm.x86.avx2.gather.d.d.256", V8I32, [V8I32, base.type, V8I32, V8I32, I8])
+            ones = ir.Constant(V8I32, [-1] * 8)
+            words = builder.call(fn, [ir.Constant(V8I32, [0] * 8), base, args[2], ones, ir.Constant(I8, 1)])
+        else:  # no hardware gather: the same words, one load each
+            words = ir.Constant(V8I32, ir.Undefined)
+            for lane_ in range(8):
+                at = builder.gep(base, [builder.extract_element(args[2], ir.Constant(I32, lane_))])
+                word = builder.load(builder.bitcast(at, I32.as_pointer()), align=1)
+                words = builder.insert_element(words, word, ir.Constant(I32, lane_))
+        halves = builder.bitcast(words, ir.VectorType(I16, 16))
+        out = []
+        for first in (0, 1):
+            h = builder.shuffle_vector(halves, halves, ir.Constant(V8I32, list(range(first, 16, 2))))
+            out.append(builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), V8F32))
+        return context.make_tuple(builder, sig.return_type, out)
+
+    return types.UniTuple(F32x8, 2)(arr, off, idx), codegen
