@@ -10,7 +10,7 @@ rows' groups are decoded one by one (formats.group), each dotted with the row's 
 activations (u8x32.dot), the 8 dots summed across lanes into (pa, pb) by quad_sums and halves
 (integer sums: exact in any order), and the scales gathered into vectors (formats.scales8:
 one hardware gather where a block opens with its f16 scales, the scalars joined for the
-others; the gather halved this kernel's time on Q4_1 and Q8_0). Same values, same float ops
+others: BENCHMARKS.md has the gain). Same values, same float ops
 in the same order, so the same bits; tests/test_matmul_out.py holds them equal for every
 block type.
 
