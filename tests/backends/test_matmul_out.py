@@ -61,3 +61,16 @@ def test_each_row_gets_the_lanes_kernels_bits(kernels, qtype):
                 assert np.array_equal(quant.matmul_rows(xb, w)[batch - rows - 1 : batch - 1], want, equal_nan=True)
         if qtype not in super_types:
             assert np.array_equal(quant.matmul_rows(x, w), got, equal_nan=True)  # the row counts that take it
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_K"])
+def test_a_short_tail_past_blocks_of_8_gets_the_lanes_bits(kernels, qtype):
+    """A pass of 8k + t rows runs its last t <= OUT_ROWS rows through matmul_out (a 1 + 8
+    verify pass: one block and one row): every row keeps the bits of a pass of 8 of its own."""
+    matmul_few, matmul_out, _ = kernels
+    w = weights(qtype)
+    rng = np.random.default_rng(11)
+    for rows in (9, 10, 11, 17, 18):
+        x = rng.standard_normal((rows, w.cols), dtype=np.float32)
+        want = np.concatenate([lanes(matmul_few, w, x[r : r + 1]) for r in range(rows)])
+        assert np.array_equal(quant.matmul_rows(x, w), want), rows

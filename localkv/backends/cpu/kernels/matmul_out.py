@@ -32,7 +32,7 @@ from localkv.backends.cpu.simd.u8x32 import at, halves, izero, load32, prefetch,
 LANES = 8  # weight rows per vector
 # Up to this many activation rows matmul_out is faster than matmul_lanes (quant.compiled.every_row):
 # it decodes the weights once per row, the lanes kernel once per 8 rows (BENCHMARKS.md)
-OUT_ROWS = 1
+OUT_ROWS = 2
 
 
 @register_jitable(_nrt=False)
