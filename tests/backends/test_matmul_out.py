@@ -44,7 +44,7 @@ def test_each_row_gets_the_lanes_kernels_bits(kernels, qtype):
     w = weights(qtype)
     (run,) = w.runs
     rng = np.random.default_rng(7)
-    for rows, positive in ((r, p) for r in range(1, matmul_out.OUT_ROWS + 2) for p in (False, True)):
+    for rows, positive in ((r, p) for r in range(1, matmul_out.out_rows(qtype) + 2) for p in (False, True)):
         # positive activations: large integer dots, whose float products round (a kernel that
         # multiplied in another order would differ there)
         x = rng.uniform(0.5, 1, (rows, w.cols)) if positive else rng.standard_normal((rows, w.cols))
@@ -63,9 +63,9 @@ def test_each_row_gets_the_lanes_kernels_bits(kernels, qtype):
             assert np.array_equal(quant.matmul_rows(x, w), got, equal_nan=True)  # the row counts that take it
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_K"])  # 2-row and 1-row tails
 def test_a_short_tail_past_blocks_of_8_gets_the_lanes_bits(kernels, qtype):
-    """A pass of 8k + t rows runs its last t <= OUT_ROWS rows through matmul_out (a 1 + 8
+    """A pass of 8k + t rows runs its last t <= out_rows rows through matmul_out (a 1 + 8
     verify pass: one block and one row): every row keeps the bits of a pass of 8 of its own."""
     matmul_few, matmul_out, _ = kernels
     w = weights(qtype)

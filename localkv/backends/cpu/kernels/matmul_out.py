@@ -17,7 +17,7 @@ block type.
 A work chunk (matmul_few.CHUNK rows) is 8 rows at a time; past a matrix's last row the lanes
 repeat it and are not written. Each activation row walks the 8 weight rows again: they are
 in L1 by then, so a call of R rows reads the weights once but decodes them R times (which
-is why more rows go to the lanes kernel: OUT_ROWS).
+is why more rows go to the lanes kernel: out_rows).
 """
 
 from numba import njit, prange
@@ -25,14 +25,19 @@ from numba.extending import register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import PREFETCH, chunk, chunks, quantized, walk
-from localkv.backends.cpu.quant.formats import act_group, group, product, scales8
+from localkv.backends.cpu.quant.formats import GATHERED, act_group, group, product, scales8
 from localkv.backends.cpu.simd.f32x8 import fadd, fma, fmul, fsplat, ijoin, lane, tofloat
 from localkv.backends.cpu.simd.u8x32 import at, halves, izero, load32, prefetch, quad_sums
 
 LANES = 8  # weight rows per vector
-# Up to this many activation rows matmul_out is faster than matmul_lanes (quant.compiled.every_row):
-# it decodes the weights once per row, the lanes kernel once per 8 rows (BENCHMARKS.md)
-OUT_ROWS = 2
+
+
+def out_rows(qtype: str) -> int:
+    """Up to this many activation rows matmul_out is faster than matmul_lanes
+    (quant.compiled.every_row): it decodes the weights once per row, the lanes kernel once per
+    8 rows; a block whose scales are gathered (formats.GATHERED) is cheap enough for 2
+    (BENCHMARKS.md)."""
+    return 2 if qtype in GATHERED else 1
 
 
 @register_jitable(_nrt=False)

@@ -8,15 +8,15 @@ import localkv.backends.cpu.quant.fallback as fallback
 from localkv.backends.cpu.kernels import self_check
 from localkv.backends.cpu.kernels.float_few import matmul_few_float
 from localkv.backends.cpu.kernels.matmul_few import CHUNK
+from localkv.backends.cpu.kernels.matmul_few import LANES as OUT_LANES
 from localkv.backends.cpu.kernels.matmul_few import dequantize as _dequantize
 from localkv.backends.cpu.kernels.matmul_few import lanes_inputs as _lanes_inputs
 from localkv.backends.cpu.kernels.matmul_few import matmul_few as _matmul_few
-from localkv.backends.cpu.kernels.matmul_few import LANES as OUT_LANES
 from localkv.backends.cpu.kernels.matmul_few import matmul_lanes as _matmul_lanes
 from localkv.backends.cpu.kernels.matmul_few import quantize_cols as _quantize_cols
 from localkv.backends.cpu.kernels.matmul_few import quantize_rows as _quantize_rows
-from localkv.backends.cpu.kernels.matmul_out import OUT_ROWS
 from localkv.backends.cpu.kernels.matmul_out import matmul_out as _matmul_out
+from localkv.backends.cpu.kernels.matmul_out import out_rows
 from localkv.backends.cpu.kernels.superblock import ROWS as SUPER_ROWS
 from localkv.backends.cpu.kernels.superblock import TYPES as SUPER_TYPES
 from localkv.backends.cpu.kernels.superblock import matmul_rows as _matmul_super_rows
@@ -38,7 +38,7 @@ def few(run, x: np.ndarray, out: np.ndarray):
 def every_row(run, x: np.ndarray, out: np.ndarray):
     """few() for any number of rows in one arithmetic per row, whatever the count: Q4_K and Q6_K
     by super-blocks in integers (superblock.matmul_rows), the other block types by the 8-lane
-    kernel (a tail of up to OUT_ROWS rows past its blocks of 8, or a pass of so few, by
+    kernel (a tail of up to out_rows rows past its blocks of 8, or a pass of so few, by
     matmul_out: the same bits with outputs in the lanes, faster for so few; a 1 + 8 verify pass
     is then one block and one row, not two blocks), the float kernel (a dot per row) for the
     others."""
@@ -46,8 +46,8 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
     if run.qtype in SUPER_TYPES:
         _matmul_super_rows(qt, x, run.datas, run.offs, out)
     elif run.qtype in BLOCK_TYPES:
-        R = len(x)
-        lanes = R - R % OUT_LANES if R % OUT_LANES <= OUT_ROWS else R  # a short tail: matmul_out's
+        R, tail = len(x), len(x) % OUT_LANES
+        lanes = R - tail if tail <= out_rows(run.qtype) else R  # a short tail: matmul_out's
         if lanes:
             _matmul_lanes(qt, *_lanes_inputs(qt, x[:lanes]), run.datas, run.offs, out)
         if lanes < R:

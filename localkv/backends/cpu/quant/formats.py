@@ -137,7 +137,7 @@ def scales8(qt, w, off, idx, scalars):
 
 @overload(scales8, inline="always")
 def _scales8(qt, w, off, idx, scalars):
-    if qt.qname not in _WITH_MIN and qt.qname not in _OFFSET:
+    if qt.qname not in GATHERED:
 
         def joined(qt, w, off, idx, scalars):
             (sa, ta), (sb, tb), (ma, na), (mb, nb) = scalars
@@ -164,6 +164,7 @@ def _scales8(qt, w, off, idx, scalars):
 # The types whose block opens with d: then m, or (the signed ones) m = this times d
 _WITH_MIN = frozenset(("Q4_1", "Q5_1"))
 _OFFSET = {"Q4_0": -8.0, "Q5_0": -16.0, "Q8_0": -128.0}
+GATHERED = _WITH_MIN | frozenset(_OFFSET)  # scales8 gathers these types' scales
 
 
 def group(qt, w, blk, j):
