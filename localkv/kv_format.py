@@ -113,18 +113,19 @@ def encode(x: np.ndarray, fmt: KvFormat) -> np.ndarray:
     return out.reshape(*x.shape[:-1], -1).view(fmt.dtype)
 
 
-def decode(a: np.ndarray) -> np.ndarray:
-    """Pool rows [..., row_len] as float32 [..., head_dim] (float32 rows as they are)."""
+def decode(a, xp=np):
+    """Pool rows [..., row_len] as float32 [..., head_dim] (float32 rows as they are); xp: the
+    array module of a (numpy, or CuPy for the GPU backend's fallback paths)."""
     fmt = of(a)
     if not fmt.quantized:
         return a if fmt is F32 else a.astype(np.float32)
-    b = np.ascontiguousarray(a).view(np.uint8).reshape(*a.shape[:-1], -1, fmt.block_bytes)
+    b = xp.ascontiguousarray(a).view(np.uint8).reshape(*a.shape[:-1], -1, fmt.block_bytes)
     d = b[..., :2].copy().view(np.float16).astype(np.float32)
     if fmt is Q8_0:
         q = b[..., 2:].view(np.int8).astype(np.float32)
     else:
         nib = b[..., 2:]
-        q = np.concatenate((nib & 15, nib >> 4), axis=-1).astype(np.float32) - np.float32(8)
+        q = xp.concatenate((nib & 15, nib >> 4), axis=-1).astype(np.float32) - np.float32(8)
     return (q * d).reshape(*a.shape[:-1], -1)
 
 
