@@ -100,7 +100,7 @@ def encode(x: np.ndarray, fmt: KvFormat) -> np.ndarray:
     x = np.asarray(x, np.float32)
     blocks = x.reshape(*x.shape[:-1], -1, QK)
     if fmt is Q8_0:
-        d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+        d = _block_max(np.abs(blocks)) / np.float32(127)
         q = _round_away(blocks * _inverse(d)).astype(np.int8)
     else:  # the value of largest magnitude, sign kept, maps to -8
         at = np.abs(blocks).argmax(axis=-1)[..., None]
@@ -142,7 +142,18 @@ def _inverse(d: np.ndarray) -> np.ndarray:
         return np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
 
 
+def _block_max(a: np.ndarray) -> np.ndarray:
+    """The max over the last axis (32 values) [..., 1], as halving np.maximum steps: numpy's
+    reduction over a short last axis runs a loop per block."""
+    while a.shape[-1] > 1:
+        h = a.shape[-1] // 2
+        a = np.maximum(a[..., :h], a[..., h:])
+    return a
+
+
 def _round_away(x: np.ndarray) -> np.ndarray:
-    """C's roundf: halves away from zero (numpy's round goes to even), exact in float64."""
-    x = x.astype(np.float64)
-    return np.copysign(np.floor(np.abs(x) + 0.5), x)
+    """C's roundf: halves away from zero; numpy's rint goes to even, so exact ties (x - rint(x)
+    is exact in float32 here) move one step away from zero."""
+    r = np.rint(x)
+    tie = np.abs(x - r) == np.float32(0.5)
+    return np.where(tie, x + np.copysign(np.float32(0.5), x), r)

@@ -199,3 +199,13 @@ def test_h2o_attends_to_its_compacted_quantized_rows(model, dtype):
     (h2o32, _), (h2o, evictions) = score("f32", cfg), score(dtype, cfg)
     assert evictions >= 7
     assert np.abs(h2o - h2o32).max() <= 2 * np.abs(full - full32).max()
+
+
+def test_q8_0_rounding_is_c_roundf_at_and_beside_every_half():
+    """The float32 rounding (rint, then exact ties away from zero) against C's roundf computed in
+    float64: at each k + 0.5 and one float32 step either side of it, and on random values."""
+    halves = np.arange(-128, 128, dtype=np.float32) + np.float32(0.5)
+    near = np.concatenate([halves, np.nextafter(halves, np.float32(-200)), np.nextafter(halves, np.float32(200))])
+    x = np.concatenate([near, (RNG.standard_normal(4096) * 60).astype(np.float32), np.float32([0.49999997, -0.0])])
+    ref = np.copysign(np.floor(np.abs(x.astype(np.float64)) + 0.5), x)
+    assert np.array_equal(kv_format._round_away(x), ref)
