@@ -216,7 +216,7 @@ def test_prefix_cache_on_disk_holds_a_quantized_pools_bytes(device, real_model_p
     engine of that format loads them, with the same result, an f16 one never reads them."""
     ids = _chat_ids(real_model_path)
     first = Engine(_config(real_model_path, device="cuda", disk_cache=True, kv_dtype="q8_0"))
-    assert first.disk is not None and first.disk.dtype == "q8_0"
+    assert first.disk is not None and first.disk.format.name == "q8_0"
     r1 = _greedy(first, ids, n=3)
     second = Engine(_config(real_model_path, device="cuda", disk_cache=True, kv_dtype="q8_0"))
     r2 = _greedy(second, ids, n=3)
