@@ -293,11 +293,11 @@ def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=Non
     """The CPU backend's algorithm on CuPy arrays in fp32: any head dim, dtype or layout."""
     T, H, hd = q.shape
     bt = cp.asarray(block_table)
-    k = kv_format.decode(gather_kv(k_layer, bt, n_ctx), cp).astype(cp.float32)
-    v = kv_format.decode(gather_kv(v_layer, bt, n_ctx), cp).astype(cp.float32)
+    k = kv_format.decode(gather_kv(k_layer, bt, n_ctx), cp)  # float32, whatever the format
+    v = kv_format.decode(gather_kv(v_layer, bt, n_ctx), cp)
     ne = 0
     if extra is not None:  # [kvh, n, row] -> this function's [n, kvh, hd], placed before the table's keys
-        ke, ve = (kv_format.decode(cp.asarray(a), cp).astype(cp.float32).transpose(1, 0, 2) for a in extra)
+        ke, ve = (kv_format.decode(cp.asarray(a), cp).transpose(1, 0, 2) for a in extra)
         ne = ke.shape[0]
         k, v = cp.concatenate((ke, k)), cp.concatenate((ve, v))
         n_ctx = n_ctx + ne
