@@ -342,7 +342,7 @@ def _summary(rows: list[dict], runs: dict, reps: int) -> dict:
         "peak_shared_blocks": burst["peak_shared_blocks"],
         "preemptions": burst["preemptions"],
     }
-    if len(rows) > 2:
+    if runs["peer"]:  # rows[2]: llama-cpp-python's server
         s["all_tps_vs_llama_cpp_server"] = ratio(burst["tps"], rows[2]["tps"])
         s["decode_tps_vs_llama_cpp_server"] = ratio(burst["decode_tps"], rows[2]["decode_tps"])
     return s
@@ -351,7 +351,7 @@ def _summary(rows: list[dict], runs: dict, reps: int) -> dict:
 def _targets(rows: list[dict], runs: dict, full: bool) -> list[Target]:
     burst, serial = rows[0], rows[1]
     x = ratio(burst["decode_tps"], serial["decode_tps"])
-    peer = ratio(burst["tps"], rows[2]["tps"]) if len(rows) > 2 else None
+    peer = ratio(burst["tps"], rows[2]["tps"]) if runs["peer"] else None
     hit, ttft = burst["hit_rate"], ratio(burst["ttft_p99"], serial["ttft_first"])
 
     def judged(ok):

@@ -121,3 +121,4 @@ def test_bench_serve_with_a_quantized_pool_measures_f16_beside_it(tmp_path, caps
     names = [t["name"] for t in rep["targets"][-2:]]
     assert names == [f"{m}, q8_0 vs f16 K/V at this --kv-mem" for m in ("preemptions at once", "aggregate t/s at once")]
     assert [t["result"] for t in rep["targets"]] == [None] * 6 and "--kv-dtype q8_0" in rep["command"]
+    assert rep["targets"][1]["value"] == "n/a" and "all_tps_vs_llama_cpp_server" not in rep["summary"]  # no --vs
