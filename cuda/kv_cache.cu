@@ -6,6 +6,8 @@
 // Layouts: one layer's K or V pool is [num_blocks, block_size, kv_heads, head_dim] __half;
 // a slot is block_id * block_size + offset, so slot s's row starts at s * row
 // (row = kv_heads * head_dim). The whole pool is [layers, num_blocks, block_size, row].
+// A q8_0 / q4_0 pool holds each (token, kv head) row as head_dim / 32 GGUF blocks (kv_format.py):
+// [num_blocks, block_size, kv_heads, head_dim / 32 * block bytes] bytes, written by write_rows_*.
 
 #include <cuda_fp16.h>
 
@@ -62,3 +64,80 @@ extern "C" __global__ void copy_blocks_f16(__half* __restrict__ kc, __half* __re
     vc[dO + e] = vc[so + e];
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Quantized rows, quantized once as they are written: one thread a 32-value block, with
+// llama.cpp's reference rounding as kv_format.encode has it (the same bytes): the products and
+// the q4_0 offset are rounded one at a time (__fmul_rn, __fadd_rn), never fused into an FMA.
+
+__device__ __forceinline__ float lkv_to_float(float x) { return x; }
+__device__ __forceinline__ float lkv_to_float(__half x) { return __half2float(x); }
+
+struct LkvQuantQ8_0 {  // d = amax / 127, q = roundf(x / d): halves away from zero
+  static constexpr int bytes = 34;
+  template <typename T>
+  static __device__ __forceinline__ void block(unsigned char* __restrict__ out, const T* __restrict__ x) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(lkv_to_float(x[j])));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    *reinterpret_cast<__half*>(out) = __float2half(d);
+    signed char* q = reinterpret_cast<signed char*>(out + 2);
+    for (int j = 0; j < 32; ++j) q[j] = (signed char)roundf(__fmul_rn(lkv_to_float(x[j]), id));
+  }
+};
+
+struct LkvQuantQ4_0 {  // the value of largest magnitude (the first, sign kept) maps to -8
+  static constexpr int bytes = 18;
+  template <typename T>
+  static __device__ __forceinline__ void block(unsigned char* __restrict__ out, const T* __restrict__ x) {
+    float amax = 0.f, mx = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      const float v = lkv_to_float(x[j]);
+      if (amax < fabsf(v)) {
+        amax = fabsf(v);
+        mx = v;
+      }
+    }
+    const float d = mx / -8.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    *reinterpret_cast<__half*>(out) = __float2half(d);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = min(15, (int)__fadd_rn(__fmul_rn(lkv_to_float(x[j]), id), 8.5f));
+      const int hi = min(15, (int)__fadd_rn(__fmul_rn(lkv_to_float(x[j + 16]), id), 8.5f));
+      out[2 + j] = (unsigned char)(lo | (hi << 4));
+    }
+  }
+};
+
+// x: token t's row for kv head h starts at x + t * tok_stride + h * hd. Slots < 0 are skipped.
+// Grid-stride over n_tok * kvh * (hd / 32) blocks; any grid/block shape.
+template <typename Q, typename T>
+__device__ __forceinline__ void lkv_write_rows(void* __restrict__ pool, const long long* __restrict__ slots,
+                                               const T* __restrict__ x, int n_tok, int kvh, int hd,
+                                               long long tok_stride) {
+  const int nb = hd / 32;
+  const long long per_tok = (long long)kvh * nb;
+  const long long total = n_tok * per_tok;
+  const long long step = (long long)gridDim.x * blockDim.x;
+  unsigned char* out = static_cast<unsigned char*>(pool);
+  for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += step) {
+    const long long t = idx / per_tok;
+    const int r = (int)(idx - t * per_tok);
+    const int h = r / nb, b = r - h * nb;
+    const long long s = slots[t];
+    if (s < 0) continue;
+    Q::block(out + ((s * kvh + h) * nb + b) * Q::bytes, x + t * tok_stride + (long long)h * hd + b * 32);
+  }
+}
+
+#define LKV_WRITE_ROWS_KERNEL(NAME, Q, T)                                                                       \
+  extern "C" __global__ void NAME(void* __restrict__ pool, const long long* __restrict__ slots,                \
+                                  const T* __restrict__ x, int n_tok, int kvh, int hd, long long tok_stride) { \
+    lkv_write_rows<Q, T>(pool, slots, x, n_tok, kvh, hd, tok_stride);                                          \
+  }
+
+LKV_WRITE_ROWS_KERNEL(write_rows_q8_0_f16, LkvQuantQ8_0, __half)
+LKV_WRITE_ROWS_KERNEL(write_rows_q8_0_f32, LkvQuantQ8_0, float)
+LKV_WRITE_ROWS_KERNEL(write_rows_q4_0_f16, LkvQuantQ4_0, __half)
+LKV_WRITE_ROWS_KERNEL(write_rows_q4_0_f32, LkvQuantQ4_0, float)

@@ -1,11 +1,15 @@
-// Paged attention over localkv's block pool (fp16 K/V, fp32 accumulation).
+// Paged attention over localkv's block pool (K/V rows in f16, q8_0 or q4_0; fp32 accumulation).
 //
 // NVRTC-compatible: device code only, no system headers beyond cuda_fp16.h, every
 // kernel extern "C" so CuPy's RawModule finds it by name. Loaded by
 // localkv/backends/cuda_kernels.py, launched by cuda_attention.py.
 //
 // Layouts (element strides, all row-major):
-//   K/V pool of one layer  [num_blocks, block_size, kv_heads, HD]  (__half)
+//   K/V pool of one layer  [num_blocks, block_size, kv_heads, row]: a row is one token's HD
+//                          values of one kv head in its format (kv_format.py's bytes): f16
+//                          (2 * HD bytes), q8_0 (HD / 32 blocks of f16 d + 32 int8: 34 bytes),
+//                          q4_0 (HD / 32 blocks of f16 d + 16 bytes of nibbles: 18 bytes);
+//                          kf / vf name K's and V's formats (LKV_KV_F16, _Q8_0, _Q4_0)
 //   block table            [B, bt_stride] int32, row b = sequence b's physical block ids
 //   q                      token t, head h at q + t * q_tok_stride + h * HD (__half)
 //   out                    [T, H, HD] contiguous (__half)
@@ -29,6 +33,10 @@
 //   attention_mass_hd*     adds, for each key of an n_ctx context, the attention weight
 //                          it received summed over all T queries and H heads (H2O),
 //                          using the lse written by the attention kernels.
+//
+// Quantized rows are read as they are stored, each value q * d exactly in fp32 (what the CPU's
+// kv_format.decode gives); the format is a template parameter of the device code, chosen once per
+// thread at the kernel's entry (lkv_kv_formats), so the f16 path runs the same loop as before.
 //
 // The -inf handling: a warp that saw no key keeps m = -inf, l = 0, acc = 0 and is given
 // weight 0 when partials are merged; every (query, partition) that is written saw >= 1 key.
@@ -58,13 +66,74 @@ __device__ __forceinline__ float lkv_warp_sum(float v) {
   return v;
 }
 
-// Offset (in elements) of token t's row for kv head kh, read through a block table.
-__device__ __forceinline__ long long lkv_slot_offset(const int* __restrict__ bt, int t, int bs, int kvh, int kh,
-                                                     int hd) {
+// Byte offset of token t's row for kv head kh (rows of row_bytes), read through a block table.
+__device__ __forceinline__ long long lkv_row_offset(const int* __restrict__ bt, int t, int bs, int kvh, int kh,
+                                                    int row_bytes) {
   const int bi = t / bs;
   const long long blk = (long long)bt[bi];
   const int off = t - bi * bs;
-  return ((blk * bs + off) * kvh + kh) * (long long)hd;
+  return ((blk * bs + off) * kvh + kh) * (long long)row_bytes;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row formats. pair(row, p): values 2p and 2p + 1 of a row (lane-owned pairs, as the f16 path
+// reads half2); unit: what a tile copy moves at a time (rows of q8_0 / q4_0 are 2-byte aligned).
+
+#define LKV_KV_F16 0
+#define LKV_KV_Q8_0 1
+#define LKV_KV_Q4_0 2
+
+__device__ __forceinline__ float lkv_block_scale(const unsigned char* b) {
+  return __half2float(*reinterpret_cast<const __half*>(b));
+}
+
+struct LkvKvF16 {
+  typedef __half2 unit;
+  static constexpr __host__ __device__ int row_bytes(int hd) { return 2 * hd; }
+  static __device__ __forceinline__ float2 pair(const unsigned char* row, int p) {
+    return __half22float2(reinterpret_cast<const __half2*>(row)[p]);
+  }
+};
+
+struct LkvKvQ8_0 {  // block: d, then q[32] int8; value q * d
+  typedef unsigned short unit;
+  static constexpr __host__ __device__ int row_bytes(int hd) { return hd / 32 * 34; }
+  static __device__ __forceinline__ float2 pair(const unsigned char* row, int p) {
+    const unsigned char* b = row + (p >> 4) * 34;
+    const float d = lkv_block_scale(b);
+    const signed char* q = reinterpret_cast<const signed char*>(b + 2 + 2 * (p & 15));
+    return make_float2((float)q[0] * d, (float)q[1] * d);
+  }
+};
+
+struct LkvKvQ4_0 {  // block: d, then 16 bytes: value c < 16 the low nibble of byte c, else the high of c - 16
+  typedef unsigned short unit;
+  static constexpr __host__ __device__ int row_bytes(int hd) { return hd / 32 * 18; }
+  static __device__ __forceinline__ float2 pair(const unsigned char* row, int p) {
+    const unsigned char* b = row + (p >> 4) * 18;
+    const float d = lkv_block_scale(b);
+    const int c = 2 * (p & 15);
+    const unsigned char* n = b + 2 + (c & 15);
+    const int sh = c & 16 ? 4 : 0;
+    return make_float2((float)(((n[0] >> sh) & 15) - 8) * d, (float)(((n[1] >> sh) & 15) - 8) * d);
+  }
+};
+
+// body(K format, V format) for the formats kf, vf name; nothing for a code without a format.
+template <typename Body>
+__device__ __forceinline__ void lkv_kv_formats(int kf, int vf, const Body& body) {
+  switch (kf * 3 + vf) {
+    case 0: body(LkvKvF16(), LkvKvF16()); break;
+    case 1: body(LkvKvF16(), LkvKvQ8_0()); break;
+    case 2: body(LkvKvF16(), LkvKvQ4_0()); break;
+    case 3: body(LkvKvQ8_0(), LkvKvF16()); break;
+    case 4: body(LkvKvQ8_0(), LkvKvQ8_0()); break;
+    case 5: body(LkvKvQ8_0(), LkvKvQ4_0()); break;
+    case 6: body(LkvKvQ4_0(), LkvKvF16()); break;
+    case 7: body(LkvKvQ4_0(), LkvKvQ8_0()); break;
+    case 8: body(LkvKvQ4_0(), LkvKvQ4_0()); break;
+    default: break;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -122,19 +191,25 @@ __device__ __forceinline__ void lkv_load_q(const __half* __restrict__ qtok, int 
 // ---------------------------------------------------------------------------------------------
 // Decode: grid (kv_heads * head_chunks, B, num_parts), block LKV_DECODE_WARPS * 32 threads.
 
+// The warps' partial results, merged at the end. Declared once in the kernel, not in the
+// template: a __shared__ array in each format pair's instantiation would take room of its own.
 template <int HD, int GMAX>
+struct LkvDecodeShared {
+  float m[LKV_DECODE_WARPS][GMAX];
+  float l[LKV_DECODE_WARPS][GMAX];
+  float acc[LKV_DECODE_WARPS][GMAX][HD];
+};
+
+template <int HD, int GMAX, typename KF, typename VF>
 __device__ __forceinline__ void lkv_paged_decode(
-    __half* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    const __half* __restrict__ q, long long q_tok_stride, const __half* __restrict__ kc,
-    const __half* __restrict__ vc, const int* __restrict__ block_tables, int bt_stride,
-    const int* __restrict__ ctx_lens, int ctx_fixed, int H, int kvh, int bs, int part_size, int num_parts,
-    float scale) {
+    LkvDecodeShared<HD, GMAX>& sm, __half* __restrict__ out, float* __restrict__ lse,
+    float* __restrict__ part_acc, float* __restrict__ part_ml, const __half* __restrict__ q,
+    long long q_tok_stride, const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
+    const int* __restrict__ block_tables, int bt_stride, const int* __restrict__ ctx_lens, int ctx_fixed, int H,
+    int kvh, int bs, int part_size, int num_parts, float scale) {
   constexpr int NP = HD / 2;
   constexpr int PPL = (NP + 31) / 32;
   constexpr int NW = LKV_DECODE_WARPS;
-  __shared__ float sm_m[NW][GMAX];
-  __shared__ float sm_l[NW][GMAX];
-  __shared__ float sm_acc[NW][GMAX][HD];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = H / kvh;
@@ -163,17 +238,16 @@ __device__ __forceinline__ void lkv_paged_decode(
   }
 
   for (int t = start + warp; t < end; t += NW) {
-    const long long base = lkv_slot_offset(bt, t, bs, kvh, kh, HD);
-    const __half2* k2 = reinterpret_cast<const __half2*>(kc + base);
-    const __half2* v2 = reinterpret_cast<const __half2*>(vc + base);
+    const unsigned char* krow = kc + lkv_row_offset(bt, t, bs, kvh, kh, KF::row_bytes(HD));
+    const unsigned char* vrow = vc + lkv_row_offset(bt, t, bs, kvh, kh, VF::row_bytes(HD));
     float kf[PPL][2], vf[PPL][2];
 #pragma unroll
     for (int i = 0; i < PPL; ++i) {
       const int p = lane + 32 * i;
       float2 a = make_float2(0.f, 0.f), c = make_float2(0.f, 0.f);
       if (p < NP) {
-        a = __half22float2(k2[p]);
-        c = __half22float2(v2[p]);
+        a = KF::pair(krow, p);
+        c = VF::pair(vrow, p);
       }
       kf[i][0] = a.x; kf[i][1] = a.y;
       vf[i][0] = c.x; vf[i][1] = c.y;
@@ -186,15 +260,15 @@ __device__ __forceinline__ void lkv_paged_decode(
   for (int j = 0; j < GMAX; ++j) {
     if (j < ng) {
       if (lane == 0) {
-        sm_m[warp][j] = m[j];
-        sm_l[warp][j] = l[j];
+        sm.m[warp][j] = m[j];
+        sm.l[warp][j] = l[j];
       }
 #pragma unroll
       for (int i = 0; i < PPL; ++i) {
         const int p = lane + 32 * i;
         if (p < NP) {
-          sm_acc[warp][j][2 * p] = acc[j][i][0];
-          sm_acc[warp][j][2 * p + 1] = acc[j][i][1];
+          sm.acc[warp][j][2 * p] = acc[j][i][0];
+          sm.acc[warp][j][2 * p + 1] = acc[j][i][1];
         }
       }
     }
@@ -204,14 +278,14 @@ __device__ __forceinline__ void lkv_paged_decode(
     const int j = idx / HD, d = idx - j * HD;
     float M = lkv_neg_inf();
 #pragma unroll
-    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][j]);
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm.m[w][j]);
     float L = 0.f, A = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
-      const float mw = sm_m[w][j];
+      const float mw = sm.m[w][j];
       const float e = (mw == lkv_neg_inf()) ? 0.f : __expf(mw - M);
-      L += sm_l[w][j] * e;
-      A += sm_acc[w][j][d] * e;
+      L += sm.l[w][j] * e;
+      A += sm.acc[w][j][d] * e;
     }
     const long long bh = (long long)b * H + h0 + j;
     if (num_parts == 1) {
@@ -228,15 +302,21 @@ __device__ __forceinline__ void lkv_paged_decode(
   }
 }
 
-#define LKV_DECODE_KERNEL(HDV, GMAXV)                                                                          \
-  extern "C" __global__ void __launch_bounds__(LKV_DECODE_WARPS * 32) paged_decode_hd##HDV(                    \
-      __half* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,                        \
-      float* __restrict__ part_ml, const __half* __restrict__ q, long long q_tok_stride,                      \
-      const __half* __restrict__ kc, const __half* __restrict__ vc, const int* __restrict__ block_tables,    \
-      int bt_stride, const int* __restrict__ ctx_lens, int ctx_fixed, int H, int kvh, int bs, int part_size, \
-      int num_parts, float scale) {                                                                            \
-    lkv_paged_decode<HDV, GMAXV>(out, lse, part_acc, part_ml, q, q_tok_stride, kc, vc, block_tables,          \
-                                 bt_stride, ctx_lens, ctx_fixed, H, kvh, bs, part_size, num_parts, scale);    \
+#define LKV_DECODE_KERNEL(HDV, GMAXV)                                                                            \
+  extern "C" __global__ void __launch_bounds__(LKV_DECODE_WARPS * 32) paged_decode_hd##HDV(                      \
+      __half* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,                          \
+      float* __restrict__ part_ml, const __half* __restrict__ q, long long q_tok_stride,                        \
+      const void* __restrict__ kc, const void* __restrict__ vc, int kf, int vf,                                 \
+      const int* __restrict__ block_tables, int bt_stride, const int* __restrict__ ctx_lens, int ctx_fixed,     \
+      int H, int kvh, int bs, int part_size, int num_parts, float scale) {                                      \
+    __shared__ LkvDecodeShared<HDV, GMAXV> sm;                                                                  \
+    const unsigned char* k8 = static_cast<const unsigned char*>(kc);                                            \
+    const unsigned char* v8 = static_cast<const unsigned char*>(vc);                                            \
+    lkv_kv_formats(kf, vf, [&](auto K, auto V) {                                                                \
+      lkv_paged_decode<HDV, GMAXV, decltype(K), decltype(V)>(sm, out, lse, part_acc, part_ml, q, q_tok_stride,  \
+                                                             k8, v8, block_tables, bt_stride, ctx_lens,         \
+                                                             ctx_fixed, H, kvh, bs, part_size, num_parts, scale); \
+    });                                                                                                          \
   }
 
 LKV_DECODE_KERNEL(32, 8)
@@ -273,20 +353,41 @@ extern "C" __global__ void paged_decode_reduce(__half* __restrict__ out, float* 
 // Prefill: grid (ceil(T / LKV_PREFILL_WARPS), kv_heads * head_chunks), block LKV_PREFILL_WARPS * 32.
 // Warp w of block x owns query i = x * LKV_PREFILL_WARPS + w, which sits at context index
 // n_ctx - T + i and sees keys [0, n_ctx - T + i]. The block stages LKV_PREFILL_TILE keys at a
-// time in shared memory, up to the last visible key of its last query.
+// time in shared memory as they are stored (rows of a quantized format take fewer bytes), up to
+// the last visible key of its last query.
 
-template <int HD, int GMAX>
-__device__ __forceinline__ void lkv_paged_prefill(__half* __restrict__ out, float* __restrict__ lse,
-                                                  const __half* __restrict__ q, long long q_tok_stride,
-                                                  const __half* __restrict__ kc, const __half* __restrict__ vc,
-                                                  const int* __restrict__ bt, int n_ctx, int T, int H, int kvh,
-                                                  int bs, float scale) {
+template <int HD>
+struct LkvPrefillShared {  // a tile of K and V rows, room for f16's (the widest format)
+  __align__(16) unsigned char k[LKV_PREFILL_TILE][2 * HD];
+  __align__(16) unsigned char v[LKV_PREFILL_TILE][2 * HD];
+};
+
+// Rows t0 .. t0 + TILE - 1 (those below lim; zeros past it) of one kv head into a tile.
+template <int HD, typename F>
+__device__ __forceinline__ void lkv_stage_rows(unsigned char (&tile)[LKV_PREFILL_TILE][2 * HD],
+                                               const unsigned char* __restrict__ pool, const int* __restrict__ bt,
+                                               int t0, int lim, int bs, int kvh, int kh) {
+  typedef typename F::unit U;
+  constexpr int NU = F::row_bytes(HD) / (int)sizeof(U);
+  for (int idx = threadIdx.x; idx < LKV_PREFILL_TILE * NU; idx += blockDim.x) {
+    const int r = idx / NU, c = idx - r * NU;
+    const int t = t0 + r;
+    U u = U();
+    if (t < lim) u = reinterpret_cast<const U*>(pool + lkv_row_offset(bt, t, bs, kvh, kh, F::row_bytes(HD)))[c];
+    reinterpret_cast<U*>(tile[r])[c] = u;
+  }
+}
+
+template <int HD, int GMAX, typename KF, typename VF>
+__device__ __forceinline__ void lkv_paged_prefill(LkvPrefillShared<HD>& sm, __half* __restrict__ out,
+                                                  float* __restrict__ lse, const __half* __restrict__ q,
+                                                  long long q_tok_stride, const unsigned char* __restrict__ kc,
+                                                  const unsigned char* __restrict__ vc, const int* __restrict__ bt,
+                                                  int n_ctx, int T, int H, int kvh, int bs, float scale) {
   constexpr int NP = HD / 2;
   constexpr int PPL = (NP + 31) / 32;
-  constexpr int NW = LKV_PREFILL_WARPS;
   constexpr int TK = LKV_PREFILL_TILE;
-  __shared__ __half2 sk[TK][NP];
-  __shared__ __half2 sv[TK][NP];
+  constexpr int NW = LKV_PREFILL_WARPS;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = H / kvh;
@@ -316,18 +417,8 @@ __device__ __forceinline__ void lkv_paged_prefill(__half* __restrict__ out, floa
   }
 
   for (int t0 = 0; t0 < blk_lim; t0 += TK) {
-    for (int idx = threadIdx.x; idx < TK * NP; idx += blockDim.x) {
-      const int r = idx / NP, c = idx - r * NP;
-      const int t = t0 + r;
-      __half2 kv = __float2half2_rn(0.f), vv = __float2half2_rn(0.f);
-      if (t < blk_lim) {
-        const long long base = lkv_slot_offset(bt, t, bs, kvh, kh, HD);
-        kv = reinterpret_cast<const __half2*>(kc + base)[c];
-        vv = reinterpret_cast<const __half2*>(vc + base)[c];
-      }
-      sk[r][c] = kv;
-      sv[r][c] = vv;
-    }
+    lkv_stage_rows<HD, KF>(sm.k, kc, bt, t0, blk_lim, bs, kvh, kh);
+    lkv_stage_rows<HD, VF>(sm.v, vc, bt, t0, blk_lim, bs, kvh, kh);
     __syncthreads();
     const int rmax = min(TK, my_lim - t0);  // <= 0 for an invalid warp or a fully masked tile
     for (int r = 0; r < rmax; ++r) {
@@ -337,8 +428,8 @@ __device__ __forceinline__ void lkv_paged_prefill(__half* __restrict__ out, floa
         const int p = lane + 32 * x;
         float2 a = make_float2(0.f, 0.f), c = make_float2(0.f, 0.f);
         if (p < NP) {
-          a = __half22float2(sk[r][p]);
-          c = __half22float2(sv[r][p]);
+          a = KF::pair(sm.k[r], p);
+          c = VF::pair(sm.v[r], p);
         }
         kf[x][0] = a.x; kf[x][1] = a.y;
         vf[x][0] = c.x; vf[x][1] = c.y;
@@ -365,12 +456,18 @@ __device__ __forceinline__ void lkv_paged_prefill(__half* __restrict__ out, floa
   }
 }
 
-#define LKV_PREFILL_KERNEL(HDV, GMAXV)                                                                          \
-  extern "C" __global__ void __launch_bounds__(LKV_PREFILL_WARPS * 32) paged_prefill_hd##HDV(                   \
-      __half* __restrict__ out, float* __restrict__ lse, const __half* __restrict__ q, long long q_tok_stride, \
-      const __half* __restrict__ kc, const __half* __restrict__ vc, const int* __restrict__ bt, int n_ctx,     \
-      int T, int H, int kvh, int bs, float scale) {                                                            \
-    lkv_paged_prefill<HDV, GMAXV>(out, lse, q, q_tok_stride, kc, vc, bt, n_ctx, T, H, kvh, bs, scale);         \
+#define LKV_PREFILL_KERNEL(HDV, GMAXV)                                                                            \
+  extern "C" __global__ void __launch_bounds__(LKV_PREFILL_WARPS * 32) paged_prefill_hd##HDV(                     \
+      __half* __restrict__ out, float* __restrict__ lse, const __half* __restrict__ q, long long q_tok_stride,   \
+      const void* __restrict__ kc, const void* __restrict__ vc, int kf, int vf, const int* __restrict__ bt,     \
+      int n_ctx, int T, int H, int kvh, int bs, float scale) {                                                   \
+    __shared__ LkvPrefillShared<HDV> sm;                                                                        \
+    const unsigned char* k8 = static_cast<const unsigned char*>(kc);                                            \
+    const unsigned char* v8 = static_cast<const unsigned char*>(vc);                                            \
+    lkv_kv_formats(kf, vf, [&](auto K, auto V) {                                                                \
+      lkv_paged_prefill<HDV, GMAXV, decltype(K), decltype(V)>(sm, out, lse, q, q_tok_stride, k8, v8, bt, n_ctx, \
+                                                              T, H, kvh, bs, scale);                            \
+    });                                                                                                          \
   }
 
 LKV_PREFILL_KERNEL(32, 8)
@@ -384,10 +481,10 @@ LKV_PREFILL_KERNEL(256, 4)
 // owns key t and adds sum over visible queries i and heads h of exp(q_ih . k_t * scale - lse_ih)
 // to mass[t]. One warp per key: no atomics, deterministic.
 
-template <int HD>
+template <int HD, typename KF>
 __device__ __forceinline__ void lkv_attention_mass(float* __restrict__ mass, const float* __restrict__ lse,
                                                    const __half* __restrict__ q, long long q_tok_stride,
-                                                   const __half* __restrict__ kc, const int* __restrict__ bt,
+                                                   const unsigned char* __restrict__ kc, const int* __restrict__ bt,
                                                    int n_ctx, int T, int H, int kvh, int bs, float scale) {
   constexpr int NP = HD / 2;
   constexpr int PPL = (NP + 31) / 32;
@@ -399,13 +496,13 @@ __device__ __forceinline__ void lkv_attention_mass(float* __restrict__ mass, con
   const int i0 = max(0, t - past);  // first query that sees key t
   float total = 0.f;
   for (int kh = 0; kh < kvh; ++kh) {
-    const __half2* k2 = reinterpret_cast<const __half2*>(kc + lkv_slot_offset(bt, t, bs, kvh, kh, HD));
+    const unsigned char* krow = kc + lkv_row_offset(bt, t, bs, kvh, kh, KF::row_bytes(HD));
     float kf[PPL][2];
 #pragma unroll
     for (int x = 0; x < PPL; ++x) {
       const int p = lane + 32 * x;
       float2 a = make_float2(0.f, 0.f);
-      if (p < NP) a = __half22float2(k2[p]);
+      if (p < NP) a = KF::pair(krow, p);
       kf[x][0] = a.x * scale;
       kf[x][1] = a.y * scale;
     }
@@ -429,12 +526,15 @@ __device__ __forceinline__ void lkv_attention_mass(float* __restrict__ mass, con
   if (lane == 0) mass[t] += total;
 }
 
-#define LKV_MASS_KERNEL(HDV)                                                                                   \
-  extern "C" __global__ void __launch_bounds__(LKV_MASS_WARPS * 32) attention_mass_hd##HDV(                    \
-      float* __restrict__ mass, const float* __restrict__ lse, const __half* __restrict__ q,                  \
-      long long q_tok_stride, const __half* __restrict__ kc, const int* __restrict__ bt, int n_ctx, int T,    \
-      int H, int kvh, int bs, float scale) {                                                                   \
-    lkv_attention_mass<HDV>(mass, lse, q, q_tok_stride, kc, bt, n_ctx, T, H, kvh, bs, scale);                 \
+#define LKV_MASS_KERNEL(HDV)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(LKV_MASS_WARPS * 32) attention_mass_hd##HDV(                      \
+      float* __restrict__ mass, const float* __restrict__ lse, const __half* __restrict__ q,                    \
+      long long q_tok_stride, const void* __restrict__ kc, int kf, const int* __restrict__ bt, int n_ctx, int T, \
+      int H, int kvh, int bs, float scale) {                                                                     \
+    const unsigned char* k8 = static_cast<const unsigned char*>(kc);                                            \
+    lkv_kv_formats(kf, LKV_KV_F16, [&](auto K, auto) {                                                          \
+      lkv_attention_mass<HDV, decltype(K)>(mass, lse, q, q_tok_stride, k8, bt, n_ctx, T, H, kvh, bs, scale);    \
+    });                                                                                                          \
   }
 
 LKV_MASS_KERNEL(32)

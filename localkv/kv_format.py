@@ -100,7 +100,7 @@ def encode(x: np.ndarray, fmt: KvFormat) -> np.ndarray:
     x = np.asarray(x, np.float32)
     blocks = x.reshape(*x.shape[:-1], -1, QK)
     if fmt is Q8_0:
-        d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+        d = _block_max(np.abs(blocks)) / np.float32(127)
         q = _round_away(blocks * _inverse(d)).astype(np.int8)
     else:  # the value of largest magnitude, sign kept, maps to -8
         at = np.abs(blocks).argmax(axis=-1)[..., None]
@@ -113,18 +113,19 @@ def encode(x: np.ndarray, fmt: KvFormat) -> np.ndarray:
     return out.reshape(*x.shape[:-1], -1).view(fmt.dtype)
 
 
-def decode(a: np.ndarray) -> np.ndarray:
-    """Pool rows [..., row_len] as float32 [..., head_dim] (float32 rows as they are)."""
+def decode(a, xp=np):
+    """Pool rows [..., row_len] as float32 [..., head_dim] (float32 rows as they are); xp: the
+    array module of a (numpy, or CuPy for the GPU backend's fallback paths)."""
     fmt = of(a)
     if not fmt.quantized:
         return a if fmt is F32 else a.astype(np.float32)
-    b = np.ascontiguousarray(a).view(np.uint8).reshape(*a.shape[:-1], -1, fmt.block_bytes)
+    b = xp.ascontiguousarray(a).view(np.uint8).reshape(*a.shape[:-1], -1, fmt.block_bytes)
     d = b[..., :2].copy().view(np.float16).astype(np.float32)
     if fmt is Q8_0:
         q = b[..., 2:].view(np.int8).astype(np.float32)
     else:
         nib = b[..., 2:]
-        q = np.concatenate((nib & 15, nib >> 4), axis=-1).astype(np.float32) - np.float32(8)
+        q = xp.concatenate((nib & 15, nib >> 4), axis=-1).astype(np.float32) - np.float32(8)
     return (q * d).reshape(*a.shape[:-1], -1)
 
 
@@ -141,7 +142,18 @@ def _inverse(d: np.ndarray) -> np.ndarray:
         return np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
 
 
+def _block_max(a: np.ndarray) -> np.ndarray:
+    """The max over the last axis (32 values) [..., 1], as halving np.maximum steps: numpy's
+    reduction over a short last axis runs a loop per block."""
+    while a.shape[-1] > 1:
+        h = a.shape[-1] // 2
+        a = np.maximum(a[..., :h], a[..., h:])
+    return a
+
+
 def _round_away(x: np.ndarray) -> np.ndarray:
-    """C's roundf: halves away from zero (numpy's round goes to even), exact in float64."""
-    x = x.astype(np.float64)
-    return np.copysign(np.floor(np.abs(x) + 0.5), x)
+    """C's roundf: halves away from zero; numpy's rint goes to even, so exact ties (x - rint(x)
+    is exact in float32 here) move one step away from zero."""
+    r = np.rint(x)
+    tie = np.abs(x - r) == np.float32(0.5)
+    return np.where(tie, x + np.copysign(np.float32(0.5), x), r)

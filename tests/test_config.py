@@ -74,3 +74,31 @@ def test_fork_defaults_to_shorter_replies():
 def test_sizes_for_people():
     assert format_size(512) == "512 B" and format_size(94 << 20) == "94.0 MiB" and format_size(3 << 30) == "3.0 GiB"
     assert parse_size("512MiB") == 512 << 20 and parse_size("2G") == 2 << 30 and parse_size("100") == 100
+
+
+@pytest.mark.parametrize(
+    "given, kv_dtype",
+    [
+        ({"cache_type_k": "q8_0"}, "q8_0:f16"),  # llama.cpp's default f16 for the half not given
+        ({"cache_type_k": "q8_0", "cache_type_v": "Q8_0"}, "q8_0"),
+        ({"kv_dtype": "q8_0", "cache_type_v": "q4_0"}, "q8_0:q4_0"),
+        ({"kv_dtype": "q4_0:q8_0", "cache_type_k": "f16"}, "f16:q8_0"),
+        ({"kv_dtype": "q4_0"}, "q4_0"),
+    ],
+)
+def test_ctk_and_ctv_set_the_halves_of_kv_dtype(given, kv_dtype):
+    assert engine_config(given).kv_dtype == kv_dtype
+
+
+@pytest.mark.parametrize("command", ["run", "fork", "chat", "serve", "bench"])
+def test_ctk_and_ctv_are_options_of_every_command_with_kv_dtype(command, capsys):
+    """Parsed as options (a bad value is its own one-line error), and combined before the engine's
+    other checks (--device tpu fails after them, so -ctk was taken)."""
+    from localkv.cli import main
+
+    args = ["hi"] if command in ("run", "fork") else []
+    assert main([command, "-ctk", "q4", *args]) != 0
+    assert capsys.readouterr().err.strip() == "error: unknown -ctk 'q4': use one of f32, f16, q8_0, q4_0"
+    assert main([command, "-ctk", "q8_0", "-ctv", "q4_0", "--device", "tpu", *args]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "unknown device" in err and "\n" not in err

@@ -19,6 +19,7 @@ HELP = """\
 /system TEXT    set the system prompt (a new branch from the root)
 /set KEY VALUE  temperature top_p top_k min_p repeat_penalty repeat_last_n
                 presence_penalty frequency_penalty max_tokens seed stop evict budget
+                kv_dtype (f16 f32 q8_0 q4_0, or K:V as q8_0:q4_0: a new engine)
                 (/set stop "###" "User:" sets stop strings; /set stop none clears them)
 /fork [ID]      branch at the message picked in the tree (or ID)
 /fork N         sample N alternatives of the last reply as sibling branches (also /fork -b N)
@@ -42,7 +43,8 @@ SAMPLING_KEYS = (
     "seed",
     "stop",
 )
-SETTINGS = (*SAMPLING_KEYS, "evict", "budget")
+ENGINE_KEYS = ("evict", "budget", "kv_dtype")  # settings of the engine: a new one is built
+SETTINGS = (*SAMPLING_KEYS, *ENGINE_KEYS)
 FLOATS = ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 _DEFAULTS = SamplingParams()
 SHOWN = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # always in /set's summary
@@ -60,7 +62,7 @@ class Chat(Protocol):
     busy: bool
 
     @property
-    def config(self) -> EngineConfig: ...  # the engine's settings (/set evict|budget replace them)
+    def config(self) -> EngineConfig: ...  # the engine's settings (/set evict|budget|kv_dtype replace them)
 
     @property
     def picked(self) -> str | None: ...  # the message under the tree's cursor while the tree shows
@@ -255,16 +257,15 @@ def set_(chat: Chat, arg: str) -> list[Effect]:
             Say(
                 f"temperature {p.temperature} · top_p {p.top_p} · top_k {p.top_k} · max_tokens "
                 f"{p.max_tokens} · seed {p.seed}{more} · evict {ev.policy} · budget {ev.budget}"
+                f" · kv_dtype {chat.config.kv_dtype}"
             )
         ]
     if key not in SETTINGS:
         raise LocalkvError(f"unknown setting {key!r}: use one of {', '.join(SETTINGS)}")
     if not value:
         raise LocalkvError(f"/set {key} needs a value")
-    if key in ("evict", "budget"):
-        ev = chat.config.evict
-        ev = replace(ev, policy=value.lower()) if key == "evict" else replace(ev, budget=number(key, value))
-        config = replace(chat.config, evict=ev).validate()  # a bad policy fails here, before any rebuild
+    if key in ENGINE_KEYS:
+        config = _engine_setting(chat.config, key, value).validate()  # a bad value fails here, before any rebuild
         return [
             Say(f"{key} = {value}: building a new engine (the in-memory prefix cache starts empty)"),
             Rebuild(config),
@@ -272,6 +273,14 @@ def set_(chat: Chat, arg: str) -> list[Effect]:
     parsed = stop_strings(value) if key == "stop" else number(key, value)
     params = replace(chat.params, **{key: parsed}).validate()
     return [UseParams(params), Say(f"{key} = {_shown(getattr(params, key))}")]
+
+
+def _engine_setting(config: EngineConfig, key: str, value: str) -> EngineConfig:
+    if key == "kv_dtype":
+        return replace(config, kv_dtype=value.lower())
+    ev = config.evict
+    ev = replace(ev, policy=value.lower()) if key == "evict" else replace(ev, budget=number(key, value))
+    return replace(config, evict=ev)
 
 
 def stop_strings(value: str) -> tuple[str, ...]:

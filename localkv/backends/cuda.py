@@ -12,7 +12,9 @@ Dtypes, and why:
   weights as they are, so fp16 activations keep every matmul fp16 x fp16 (fp32 activations would
   make CuPy upcast the weight on every call). The residual stream is therefore fp16, unlike
   llama.cpp's fp32; every fused kernel (RMSNorm, RoPE, SiLU, attention) computes in fp32;
-- the KV pool is fp16 (kv_dtype); attention accumulates in fp32 (online softmax).
+- the KV pool is fp16 by default (kv_dtype), or q8_0 / q4_0 (any K:V pair of the three): quantized
+  once as rows are written, read as stored by the attention kernels (cuda_kv, cuda_attention);
+  attention accumulates in fp32 (online softmax).
 
 Decode steps of single-token sequences run one paged_decode launch per layer for all of them
 (CudaBackend.decode, through Llama.forward's decode batch).
@@ -209,7 +211,7 @@ class CudaBackend:
         shared_prefix=False,
         batched_decode=True,
         quant_weights=True,  # cuda_quant
-        kv_dtypes=("f16",),  # the CUDA kernels read f16 rows only: quantized K/V is refused
+        kv_dtypes=("f16", "q8_0", "q4_0"),  # the rows the CUDA kernels write and read (cuda_kernels.KV_FORMATS)
         attention_options=frozenset(),  # no soft-cap, no sliding window: Gemma is refused (model.llama.check_backend)
     )
     prefill_amx = False

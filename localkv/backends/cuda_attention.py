@@ -1,5 +1,6 @@
-"""Paged attention on the GPU: queries attend to K/V read through block tables from the fp16
-pool, with the kernels of cuda/paged_attention.cu:
+"""Paged attention on the GPU: queries attend to K/V read through block tables from the pool
+(rows in f16, q8_0 or q4_0, each of K and V in its own: read as stored), with the kernels of
+cuda/paged_attention.cu:
 - decode (one query token per sequence, batched over sequences): split-K "flash decoding"
   partials over partitions of the context, merged by a reduce kernel;
 - prefill (a chunk of T tokens of one sequence): causal within the chunk, attending to every
@@ -7,7 +8,7 @@ pool, with the kernels of cuda/paged_attention.cu:
 - attention mass (H2O): the weight each key received, from the lse the other two write.
 Head dims without kernels (see KERNEL_HEAD_DIMS), arrays of other dtypes or layouts, extra keys
 (h2o's heavy hitters, offload's read-back blocks) and per-kv-head mass take plain CuPy array
-code with the CPU backend's algorithm (correct, slower).
+code with the CPU backend's algorithm (correct, slower; quantized rows decoded by kv_format).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
+from localkv import kv_format
 from localkv.backends.cuda_kernels import (
     DECODE_WARPS,
     F16,
     F32,
     GMAX,
     KERNEL_HEAD_DIMS,
+    KV_FORMATS,
     MASS_WARPS,
     PREFILL_WARPS,
     THREADS,
@@ -47,6 +50,16 @@ def _q_rows(q):
 
 def _kernels_ok(hd, k_layer, v_layer) -> bool:
     return hd in KERNEL_HEAD_DIMS and pool_layer_ok(k_layer) and pool_layer_ok(v_layer)
+
+
+def _code(layer) -> np.int32:
+    """The kernels' kf / vf argument for a pool layer's format."""
+    return np.int32(KV_FORMATS[kv_format.of(layer).name])
+
+
+def head_dim(k_layer) -> int:
+    """Values per row of a pool layer [blocks, bs, kvh, row] in its format."""
+    return kv_format.of(k_layer).head_dim(k_layer.shape[3])
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +130,8 @@ def _launch_decode(out, lse, q16, q_stride: int, k_layer, v_layer, ctx: Contexts
             np.int64(q_stride),
             k_layer,
             v_layer,
+            _code(k_layer),
+            _code(v_layer),
             ctx.tables,
             np.int32(ctx.tables.shape[-1]),
             ctx.lens,
@@ -157,7 +172,18 @@ def _launch_prefill(out, lse, q16, q_stride: int, k_layer, v_layer, bt, n_ctx: i
     kernel("paged_attention.cu", f"paged_prefill_hd{hd}")(
         (-(-T // PREFILL_WARPS), kvh * hchunks),
         (PREFILL_WARPS * 32,),
-        (out, lse, q16, np.int64(q_stride), k_layer, v_layer, bt, *_shape_args(q16, k_layer, n_ctx, scale)),
+        (
+            out,
+            lse,
+            q16,
+            np.int64(q_stride),
+            k_layer,
+            v_layer,
+            _code(k_layer),
+            _code(v_layer),
+            bt,
+            *_shape_args(q16, k_layer, n_ctx, scale),
+        ),
     )
 
 
@@ -208,9 +234,9 @@ def paged_attention(q, k_layer, v_layer, block_table, n_ctx: int, scale: float, 
     prefill kernel. extra = (K, V) [kv_heads, n, hd] (h2o's heavy hitters, offload's read-back
     blocks; before the whole table) takes the CuPy fallback path."""
     T, H, hd = q.shape
-    nb, bs, kvh, hd_k = k_layer.shape
+    nb, bs, kvh = k_layer.shape[:3]
     n_ctx = int(n_ctx)
-    if hd_k != hd or H % kvh or not 1 <= T <= n_ctx:
+    if head_dim(k_layer) != hd or head_dim(v_layer) != hd or H % kvh or not 1 <= T <= n_ctx:
         raise ValueError(f"paged_attention: q {q.shape} does not fit K/V {k_layer.shape} with n_ctx {n_ctx}")
     if len(block_table) * bs < n_ctx:
         raise ValueError(f"paged_attention: {len(block_table)} blocks of {bs} cannot hold {n_ctx} tokens")
@@ -224,10 +250,10 @@ def _add_mass(mass, lse, q16, q_stride: int, k_layer, bt, n_ctx: int, scale: flo
     """attention_mass_hd*: the weight each of the n_ctx keys received from q16's rows, added to mass."""
     direct = isinstance(mass, cp.ndarray) and mass.dtype == F32 and mass.flags.c_contiguous and mass.shape == (n_ctx,)
     target = mass if direct else cp.zeros(n_ctx, cp.float32)
-    kernel("paged_attention.cu", f"attention_mass_hd{k_layer.shape[3]}")(
+    kernel("paged_attention.cu", f"attention_mass_hd{q16.shape[2]}")(
         (-(-n_ctx // MASS_WARPS),),
         (MASS_WARPS * 32,),
-        (target, lse, q16, np.int64(q_stride), k_layer, bt, *_shape_args(q16, k_layer, n_ctx, scale)),
+        (target, lse, q16, np.int64(q_stride), k_layer, _code(k_layer), bt, *_shape_args(q16, k_layer, n_ctx, scale)),
     )
     if direct:
         return
@@ -267,11 +293,11 @@ def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=Non
     """The CPU backend's algorithm on CuPy arrays in fp32: any head dim, dtype or layout."""
     T, H, hd = q.shape
     bt = cp.asarray(block_table)
-    k = gather_kv(k_layer, bt, n_ctx).astype(cp.float32)
-    v = gather_kv(v_layer, bt, n_ctx).astype(cp.float32)
+    k = kv_format.decode(gather_kv(k_layer, bt, n_ctx), cp)  # float32, whatever the format
+    v = kv_format.decode(gather_kv(v_layer, bt, n_ctx), cp)
     ne = 0
-    if extra is not None:  # [kvh, n, hd] -> this function's [n, kvh, hd], placed before the table's keys
-        ke, ve = (cp.asarray(a, cp.float32).transpose(1, 0, 2) for a in extra)
+    if extra is not None:  # [kvh, n, row] -> this function's [n, kvh, hd], placed before the table's keys
+        ke, ve = (kv_format.decode(cp.asarray(a), cp).transpose(1, 0, 2) for a in extra)
         ne = ke.shape[0]
         k, v = cp.concatenate((ke, k)), cp.concatenate((ve, v))
         n_ctx = n_ctx + ne

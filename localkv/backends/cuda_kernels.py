@@ -20,6 +20,8 @@ GMAX = {32: 8, 64: 8, 96: 8, 128: 8, 256: 4}  # query heads per thread block (pe
 DECODE_WARPS, PREFILL_WARPS, PREFILL_TILE, MASS_WARPS = 4, 8, 32, 4
 QMV_WARPS, QMV_LANES = 4, 4  # quant_matvec.cu: warps per thread block of the matvec kernels, lanes per weight row
 THREADS = 256  # threads per block of the element-wise kernels
+# K/V row formats the kernels write and read: kv_format name -> the kf / vf code (LKV_KV_* in the .cu)
+KV_FORMATS = {"f16": 0, "q8_0": 1, "q4_0": 2}
 DEFINES = (
     f"-DLKV_DECODE_WARPS={DECODE_WARPS}",
     f"-DLKV_PREFILL_WARPS={PREFILL_WARPS}",
@@ -52,7 +54,15 @@ KERNELS = {
         "attention_mass_hd128",
         "attention_mass_hd256",
     ),
-    "kv_cache.cu": ("write_kv_f16", "write_kv_f32", "copy_blocks_f16"),
+    "kv_cache.cu": (
+        "write_kv_f16",
+        "write_kv_f32",
+        "copy_blocks_f16",
+        "write_rows_q8_0_f16",
+        "write_rows_q8_0_f32",
+        "write_rows_q4_0_f16",
+        "write_rows_q4_0_f32",
+    ),
     "fused_ops.cu": (
         "rmsnorm_f16",
         "rmsnorm_f32",

@@ -1,9 +1,24 @@
 """`localkv bench memory`: the allocator simulation (memory.py) as a suite report, paged pool vs
 contiguous reservation, against the vLLM paper's figures."""
 
+from localkv import kv_format
 from localkv.bench import memory as bm
 from localkv.bench.options import Options, size_flag
 from localkv.bench.report import Column, LoadMeter, Report, Target, ratio
+
+SMOLLM2 = dict(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M's K/V geometry
+KV_DTYPES = ("f16", "q8_0", "q4_0", "q8_0:q4_0")
+DTYPE_COLUMNS = [
+    Column("kv_dtype", "K/V", left=True),
+    Column("bytes_per_token", "bytes/token", ","),
+    Column("tokens_per_gib", "tokens per GiB", ","),
+    Column("arena_slots", "tokens in --kv-mem", ","),
+    Column("mean_batch", "batch (mean)", ".1f"),
+    Column("peak_batch", "batch (peak)"),
+    Column("vs_f16", "at once vs f16", "x"),
+    Column("preemptions", "preemptions"),
+    Column("steps", "steps"),
+]
 
 COLUMNS = [
     Column("allocator", "allocator", left=True),
@@ -65,7 +80,40 @@ def run(o: Options) -> Report:
     rep.targets = _targets(paged, contig, fit, judged=not o.quick)
     rep.notes = NOTES + [QUICK_NOTE] * o.quick
     rep.series = {"allocators": {r.allocator: r.series for r in results}}
+    o.say(f"memory: the paged pool in --kv-mem's worth of SmolLM2-135M K/V per format ({', '.join(KV_DTYPES)})")
+    dtypes = by_dtype(o, cfg, reqs)
+    rep.more = [("per K/V format (paged)", list(DTYPE_COLUMNS), dtypes)]
+    rep.targets.append(_dtype_target(dtypes, judged=not o.quick))
     return meter.finish(rep, None)
+
+
+def bytes_per_token(kv_dtype: str) -> int:
+    """SmolLM2-135M's K and V of one token over all layers in a --kv-dtype's formats."""
+    k, v = kv_format.parse(kv_dtype)
+    g = SMOLLM2
+    return g["layers"] * g["kv_heads"] * (k.row_bytes(g["head_dim"]) + v.row_bytes(g["head_dim"]))
+
+
+def by_dtype(o: Options, cfg: bm.MemoryConfig, reqs: list[bm.Request]) -> list[dict]:
+    """The workload through the paged pool that --kv-mem (quick: 4,096 f16 slots' bytes) holds
+    in each K/V format: tokens per GiB and in the pool, requests at once, preemptions."""
+    memory = bytes_per_token("f16") * cfg.arena_slots if o.quick else o.engine.kv_mem
+    rows = []
+    for d in KV_DTYPES:
+        per = bytes_per_token(d)
+        slots = bm.arena_slots(memory, cfg.block_size, per)
+        r = bm.simulate(bm.PagedMemory(slots, cfg.block_size), reqs).row()
+        r |= {"kv_dtype": d, "bytes_per_token": per, "tokens_per_gib": bm.arena_slots(1 << 30, cfg.block_size, per)}
+        rows.append(r)
+    for r in rows:
+        r["vs_f16"] = ratio(r["mean_batch"], rows[0]["mean_batch"])
+    return rows
+
+
+def _dtype_target(rows: list[dict], judged: bool) -> Target:
+    q8 = next(r for r in rows if r["kv_dtype"] == "q8_0")
+    x = ratio(q8["tokens_per_gib"], rows[0]["tokens_per_gib"])
+    return Target("tokens in the same pool, q8_0 vs f16 K/V", f"{x:.2f}x", ">= 1.85x", x >= 1.85 if judged else None)
 
 
 def _summary(o: Options, cfg: bm.MemoryConfig, w: dict, fit: float | None) -> dict:

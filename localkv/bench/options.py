@@ -52,6 +52,7 @@ class Options:
         args += ["--seed", str(self.seed)] if self.seed else []
         args += ["--block-size", str(e.block_size)] if e.block_size != _DEFAULT.block_size else []
         args += ["--kv-mem", size_flag(e.kv_mem)] if e.kv_mem != _DEFAULT.kv_mem else []
+        args += ["--kv-dtype", e.kv_dtype] if e.kv_dtype != _DEFAULT.kv_dtype and suite not in ("memory", "kv") else []
         args += ["--device", e.device] if e.device != _DEFAULT.device and suite != "memory" else []
         args += ["--spec", e.spec] if e.spec != _DEFAULT.spec and suite not in ("memory", "spec") else []
         args += ["--spec-max", str(e.spec_max)] if e.spec_max != _DEFAULT.spec_max and suite != "memory" else []

@@ -14,7 +14,10 @@ tokenizer (-m), so the same text goes to every server.
 
 Reported per run: aggregate tokens/s (generated tokens over the wall time of the whole load),
 TTFT and inter-token latency p50/p99 as the clients saw them, the prefix cache's hit rate over
-requests 2..N, and the pool's peak blocks (polled from /metrics). Runs are interleaved by rep.
+requests 2..N, and from localkv's /metrics: the pool's K/V format, tokens per GiB in it, the peak
+blocks and requests running at once (polled), preemptions. With a quantized --kv-dtype, the
+clients-at-once run is also measured on an f16 pool of the same --kv-mem (a row of its own):
+where f16 preempts, the quantized pool should not, and be faster. Runs are interleaved by rep.
 """
 
 import asyncio
@@ -47,6 +50,10 @@ TARGETS = dict(batching=3.0, vs_peer=2.0, hit_rate=0.95, ttft=4.0)
 COLUMNS = [
     Column("engine", "engine", left=True),
     Column("load", "load", left=True),
+    Column("kv_dtype", "K/V", left=True),
+    Column("tokens_per_gib", "tokens/GiB", ","),
+    Column("peak_running", "at once (peak)"),
+    Column("preemptions", "preempted"),
     Column("decode_tps", "decode t/s", ".1f"),
     Column("tps", "all t/s", ".1f"),
     Column("ttft_p50", "TTFT p50 s", ".3f"),
@@ -68,22 +75,26 @@ def run(o: Options) -> Report:
     system, questions = workload(tok, size)
     n_sys = len(tok.encode(system))
     reps = o.reps or (1 if o.quick else 2)
-    runs: dict[str, list[dict]] = {"burst": [], "serial": [], "peer": []}
+    runs: dict[str, list[dict]] = {"burst": [], "serial": [], "peer": [], "f16": []}
+    f16_too = not o.url and o.engine.kv_dtype not in ("auto", "f16")  # a quantized pool: f16's beside it
     served = served_model(o.url, o.engine.model) if o.url else None
     shown = Path(served).stem if served and served.lower().endswith(".gguf") else served  # a file's path: its name
     engine = f"{shown} at {o.url}" if o.url else "localkv"
 
-    def measure(concurrent: bool) -> dict:
+    def measure(concurrent: bool, kv_dtype: str = o.engine.kv_dtype) -> dict:
         bodies = _bodies(system, questions, size, o.seed, model=served)
         if o.url:
             return _remote(o.url, bodies, concurrent) | {"system_tokens": n_sys}
-        return _localkv(o, path, threads, bodies, concurrent) | {"system_tokens": n_sys}
+        return _localkv(o, path, threads, bodies, concurrent, kv_dtype) | {"system_tokens": n_sys}
 
     for rep in range(reps):
         o.say(f"serve rep {rep + 1}/{reps}: {engine}, {size['clients']} clients at once")
         runs["burst"].append(measure(True))
         o.say(f"serve rep {rep + 1}/{reps}: {engine}, the same {size['clients']} requests one at a time")
         runs["serial"].append(measure(False))
+        if f16_too:
+            o.say(f"serve rep {rep + 1}/{reps}: {engine}, {size['clients']} clients at once, f16 K/V")
+            runs["f16"].append(measure(True, "f16"))
         if o.vs:
             o.say(f"serve rep {rep + 1}/{reps}: llama-cpp-python's server, {size['clients']} clients at once")
             runs["peer"].append(_peer(path, threads, _bodies(system, questions, size, o.seed, peer=True)))
@@ -91,6 +102,8 @@ def run(o: Options) -> Report:
     rows.append(_row(engine, "one at a time", runs["serial"]))
     if runs["peer"]:
         rows.append(_row("llama-cpp-python server", f"{size['clients']} at once", runs["peer"]))
+    if runs["f16"]:
+        rows.append(_row(engine, f"{size['clients']} at once", runs["f16"]))
     rep = Report(
         "serve",
         f"OpenAI server under load: {size['clients']} streaming clients, a shared {n_sys}-token system prompt + a "
@@ -103,6 +116,8 @@ def run(o: Options) -> Report:
     )
     rep.summary = _summary(rows, runs, reps)
     rep.targets = _targets(rows, runs, not o.quick)
+    if runs["f16"]:
+        rep.targets += _dtype_targets(rows[0], rows[-1], not o.quick)
     rep.notes = [
         "decode t/s: tokens after each request's first, over the time any request was decoding (the union of "
         "the spans first token -> end); all t/s: every generated token over the wall time of the whole load",
@@ -180,13 +195,14 @@ def _remote(url: str, bodies: list[dict], concurrent: bool) -> dict:
     return {"outs": outs, "wall": wall, "peak": None, "metrics": {}}
 
 
-def _localkv(o: Options, path: Path, threads: int, bodies: list[dict], concurrent: bool) -> dict:
+def _localkv(o: Options, path: Path, threads: int, bodies: list[dict], concurrent: bool, kv_dtype: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="localkv-bench-serve-") as home:
         e = o.engine
         spec = ("--spec", e.spec, "--spec-max", str(e.spec_max)) if e.spec != "off" else ()
-        server = localkv_server(path, threads, size_flag(e.kv_mem), home, spec).wait_ready()
+        extra = ("--kv-dtype", kv_dtype, *spec)
+        server = localkv_server(path, threads, size_flag(e.kv_mem), home, extra).wait_ready()
         try:
-            peak = {"used": 0, "shared": 0}
+            peak = {"used": 0, "shared": 0, "running": 0}
             outs, wall = asyncio.run(run_load(server.url, bodies, concurrent, watch=_watcher(server.url, peak)))
             final = _metrics(server.url)
         finally:
@@ -228,6 +244,7 @@ def _watcher(url: str, peak: dict):
             m = parse((await client.get(url + "/metrics")).text)
             peak["used"] = max(peak["used"], int(m.get('localkv_kv_blocks{state="used"}', 0)))
             peak["shared"] = max(peak["shared"], int(m.get('localkv_kv_blocks{state="shared"}', 0)))
+            peak["running"] = max(peak["running"], int(m.get("localkv_requests_running", 0)))
             await asyncio.sleep(0.1)
 
     return watch
@@ -246,9 +263,13 @@ def _row(engine: str, load: str, runs: list[dict]) -> dict:
         vals = [fn(r) for r in runs]
         return median([v for v in vals if v is not None])
 
+    kv = _kv_format(runs[-1]["metrics"])
     return {
         "engine": engine,
         "load": load,
+        "kv_dtype": kv[0] if kv else None,
+        "tokens_per_gib": (1 << 30) // kv[1] if kv else None,
+        "peak_running": per_run(lambda r: r["peak"]["running"] if r["peak"] else None),
         "decode_tps": per_run(lambda r: decode_tps(r["outs"])),
         "tps": per_run(lambda r: sum(o.tokens for o in r["outs"]) / r["wall"]),
         "ttft_p50": per_run(lambda r: percentile([o.ttft for o in r["outs"]], 50)),
@@ -263,6 +284,37 @@ def _row(engine: str, load: str, runs: list[dict]) -> dict:
         "tokens": sum(o.tokens for o in runs[-1]["outs"]),
         "preemptions": per_run(lambda r: r["metrics"].get("localkv_preemptions_total")),
     }
+
+
+def _kv_format(metrics: dict) -> tuple[str, int] | None:
+    """(--kv-dtype, bytes per token) of a localkv server's pool from its /metrics."""
+    for key, value in metrics.items():
+        if key.startswith('localkv_kv_bytes_per_token{dtype="'):
+            return key.split('"')[1], int(value)
+    return None
+
+
+def _dtype_targets(quant: dict, f16: dict, full: bool) -> list[Target]:
+    """The quantized pool against f16's at the same --kv-mem, judged where f16 preempts (else
+    the memory is not the limit and the targets are not measured)."""
+    p, p16 = quant["preemptions"], f16["preemptions"]
+    x = ratio(quant["tps"], f16["tps"])
+    judged = full and p is not None and bool(p16)
+    name = quant["kv_dtype"]
+    return [
+        Target(
+            f"preemptions at once, {name} vs f16 K/V at this --kv-mem",
+            f"{p:g} vs {p16:g}" if p is not None and p16 is not None else "n/a",
+            "fewer, where f16 preempts",
+            (p < p16) if judged else None,
+        ),
+        Target(
+            f"aggregate t/s at once, {name} vs f16 K/V at this --kv-mem",
+            _x(x),
+            ">= 1.2x, where f16 preempts",
+            (x is not None and x >= 1.2) if judged else None,
+        ),
+    ]
 
 
 def _ms(s: float | None) -> float | None:
@@ -290,7 +342,7 @@ def _summary(rows: list[dict], runs: dict, reps: int) -> dict:
         "peak_shared_blocks": burst["peak_shared_blocks"],
         "preemptions": burst["preemptions"],
     }
-    if len(rows) > 2:
+    if runs["peer"]:  # rows[2]: llama-cpp-python's server
         s["all_tps_vs_llama_cpp_server"] = ratio(burst["tps"], rows[2]["tps"])
         s["decode_tps_vs_llama_cpp_server"] = ratio(burst["decode_tps"], rows[2]["decode_tps"])
     return s
@@ -299,7 +351,7 @@ def _summary(rows: list[dict], runs: dict, reps: int) -> dict:
 def _targets(rows: list[dict], runs: dict, full: bool) -> list[Target]:
     burst, serial = rows[0], rows[1]
     x = ratio(burst["decode_tps"], serial["decode_tps"])
-    peer = ratio(burst["tps"], rows[2]["tps"]) if len(rows) > 2 else None
+    peer = ratio(burst["tps"], rows[2]["tps"]) if runs["peer"] else None
     hit, ttft = burst["hit_rate"], ratio(burst["ttft_p99"], serial["ttft_first"])
 
     def judged(ok):

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from localkv import kv_format
 from localkv.config import EngineConfig
 from localkv.errors import LocalkvError
 from localkv.hub.catalog import sampling_for
@@ -70,7 +71,19 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         _ENGINE.kv_dtype,
         ("--kv-dtype",),
         "How K/V rows are stored: f32, f16, q8_0, q4_0 (GGUF's blocks), K:V apart (q8_0:q4_0), or auto "
-        "(the backend's default: f16 on the CPU and on CUDA; CUDA takes f16 only).",
+        "(the backend's default: f16 on the CPU and on CUDA; CUDA takes f16, q8_0 and q4_0).",
+    ),
+    "cache_type_k": (
+        str | None,
+        None,
+        ("-ctk", "--cache-type-k"),
+        "K's format alone (llama.cpp's -ctk): the K half of --kv-dtype (V keeps its own).",
+    ),
+    "cache_type_v": (
+        str | None,
+        None,
+        ("-ctv", "--cache-type-v"),
+        "V's format alone (llama.cpp's -ctv): the V half of --kv-dtype (K keeps its own).",
     ),
     "spec": (
         str,
@@ -183,7 +196,24 @@ def engine_config(values: dict) -> EngineConfig:
     evict = EvictConfig(policy=v["evict"], budget=v["kv_budget"], sinks=v["sinks"])
     names = {f.name for f in fields(EngineConfig)} - {"evict", "prefix_cache"}
     kept = {k: v[k] for k in names if k in v}
+    if "kv_dtype" in kept:
+        kept["kv_dtype"] = kv_dtype(kept["kv_dtype"], v["cache_type_k"], v["cache_type_v"])
     return EngineConfig(**kept, evict=evict, prefix_cache=not v["no_cache"]).validate()
+
+
+def kv_dtype(choice: str, k: str | None, v: str | None) -> str:
+    """--kv-dtype with -ctk / -ctv setting its K and V halves; a half neither names stays
+    --kv-dtype's (auto's: llama.cpp's default, f16, when the other half is given)."""
+    if k is None and v is None:
+        return choice
+    pair = ["f16", "f16"] if choice.strip().lower() == "auto" else [f.name for f in kv_format.parse(choice)]
+    for i, (flag, given) in enumerate((("-ctk", k), ("-ctv", v))):
+        if given is None:
+            continue
+        if given.strip().lower() not in kv_format.FORMATS:
+            raise LocalkvError(f"unknown {flag} {given!r}: use one of {', '.join(kv_format.FORMATS)}")
+        pair[i] = given.strip().lower()
+    return kv_format.pair_name(*(kv_format.FORMATS[n] for n in pair))
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +297,10 @@ def _with_options(specs: dict, names, flags: dict, defaults: dict, target: str, 
 
 
 def engine_options(*names: str, flags: dict | None = None, defaults: dict | None = None):
-    """Add the engine options (all, or `names`) to a command, passed to it as `engine`."""
+    """Add the engine options (all, or `names`; kv_dtype brings its -ctk / -ctv) to a command,
+    passed to it as `engine`."""
+    if "kv_dtype" in names:
+        names = (*names, "cache_type_k", "cache_type_v")
     return _with_options(ENGINE_OPTIONS, names, flags or {}, defaults or {}, "engine", engine_config)
 
 

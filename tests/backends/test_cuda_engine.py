@@ -166,6 +166,26 @@ def test_teacher_forced_decode_logits_match_the_cpu(device, gpu, cpu):
     _agree(got, ref)
 
 
+@pytest.mark.parametrize("kv_dtype", ["q8_0", "q8_0:q4_0"])
+def test_quantized_kv_on_the_cuda_backend(device, real_model_path, kv_dtype):
+    """A q8_0 (or q8_0:q4_0) pool on the GPU: rows quantized as they are written (write_rows_*),
+    prefill and decode reading them as stored, the teacher-forced logits in agreement with the
+    CPU engine's on the same formats (as f16's are: test_teacher_forced_decode_logits_match_the_cpu)."""
+    gpu, cpu = (
+        Engine(_config(real_model_path, device=d, prefix_cache=False, kv_dtype=kv_dtype)) for d in ("cuda", "cpu")
+    )
+    assert gpu.kv_dtype == kv_dtype and (gpu.pool.k.dtype, gpu.pool.v.dtype) == (cpu.pool.k.dtype, cpu.pool.v.dtype)
+    assert gpu.kv_bytes_per_token == cpu.kv_bytes_per_token
+    ids = gpu.tokenizer.encode(TEXT)[:24]
+    before = LAUNCHED.copy()
+    got, seq = _forced(gpu, ids[:16], ids[16:])
+    gpu.free(seq)
+    if device[1]:
+        kinds = {f"write_rows_{f.name}_f16" for f in gpu.kv_formats} | {"paged_prefill_hd64", "paged_decode_hd64"}
+        assert all(LAUNCHED[k] > before[k] for k in kinds) and LAUNCHED["write_kv_f16"] == before["write_kv_f16"]
+    _agree(got, cpu.score(ids)[15:])
+
+
 def test_forked_branches_decode_together(device, gpu, greedy_runs):
     """Three greedy branches of one prompt: they share its blocks (the partial last block is
     copied on write), decode in one batch, and each gives the single sequence's tokens."""
@@ -189,6 +209,21 @@ def test_prefix_cache_on_disk_is_fp16_and_only_for_the_gpu(device, real_model_pa
     assert r2.cached_tokens == full and r2.tokens == r1.tokens
     third = Engine(_config(real_model_path, device="cpu", disk_cache=True, kv_dtype="f32"))
     assert _greedy(third, ids, n=1).cached_tokens == 0
+
+
+def test_prefix_cache_on_disk_holds_a_quantized_pools_bytes(device, real_model_path):
+    """A q8_0 pool's full blocks go to the disk tier as its bytes (entries in q8_0); a new CUDA
+    engine of that format loads them, with the same result, an f16 one never reads them."""
+    ids = _chat_ids(real_model_path)
+    first = Engine(_config(real_model_path, device="cuda", disk_cache=True, kv_dtype="q8_0"))
+    assert first.disk is not None and first.disk.format.name == "q8_0"
+    r1 = _greedy(first, ids, n=3)
+    second = Engine(_config(real_model_path, device="cuda", disk_cache=True, kv_dtype="q8_0"))
+    r2 = _greedy(second, ids, n=3)
+    full = len(ids) // second.block_size * second.block_size
+    assert r1.cached_tokens == 0 and r2.cached_tokens == full and r2.tokens == r1.tokens
+    f16 = Engine(_config(real_model_path, device="cuda", disk_cache=True))
+    assert _greedy(f16, ids, n=1).cached_tokens == 0
 
 
 def _chat_ids(path) -> list[int]:

@@ -115,6 +115,28 @@ def _close(got, ref, rtol=2e-2, atol=3e-3):
     np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("pair", ["q8_0", "q4_0", "q8_0:q4_0"])
+@pytest.mark.parametrize("T", [1, 40])
+def test_quantized_pools_hold_the_cpu_encoders_bytes_and_attend_as_it_does(cp, oc, pair, T):
+    """K/V written by the backend into q8_0 / q4_0 pools are kv_format.encode's bytes; decode (T 1,
+    split-K over 1000 tokens) and prefill (T 40) read them as the CPU backend does."""
+    from localkv import kv_format
+
+    rng = np.random.default_rng(len(pair) + T)
+    n_ctx, kvh, hd, bs, H = 1000, 2, 64, 16, 8
+    num_blocks, table, slots = _layout(rng, n_ctx, bs)
+    k, v = (rng.standard_normal((n_ctx, kvh, hd)).astype(np.float16) for _ in "kv")
+    fk, fv = kv_format.parse(pair)
+    kn, vn = (np.zeros((num_blocks, bs, kvh, f.row_len(hd)), f.dtype) for f in (fk, fv))
+    ops_numpy.write_kv(kn, vn, slots, k.astype(np.float32), v.astype(np.float32))
+    kg, vg = cp.zeros(kn.shape, kn.dtype), cp.zeros(vn.shape, vn.dtype)
+    oc.write_kv(kg, vg, cp.asarray(slots), cp.asarray(k), cp.asarray(v))
+    assert np.array_equal(oc.to_host(kg), kn) and np.array_equal(oc.to_host(vg), vn)
+    q = rng.standard_normal((T, H, hd)).astype(np.float16)
+    ref = ops_numpy.paged_attention(q.astype(np.float32), kn, vn, table, n_ctx, 0.125)
+    _close(oc.to_host(oc.paged_attention(cp.asarray(q), kg, vg, cp.asarray(table), n_ctx, 0.125)), ref)
+
+
 @pytest.mark.parametrize("hd", HEAD_DIMS)
 @pytest.mark.parametrize("H,kvh", HEADS)
 @pytest.mark.parametrize("n_ctx", CTXS)

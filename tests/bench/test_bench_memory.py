@@ -138,3 +138,20 @@ def test_arena_from_kv_mem():
 def test_bad_configs(kw):
     with pytest.raises(LocalkvError):
         _cfg(**kw).validate()
+
+
+def test_each_kv_format_fills_the_same_memory_with_more_requests():
+    """The per-format table: SmolLM2's bytes per token in each layout, the tokens the same memory
+    holds, and the paged pool running more requests at once (and preempting less) as they shrink."""
+    from localkv.bench import memory_suite
+    from localkv.bench.options import Options
+
+    rep = memory_suite.run(Options(quick=True))
+    ((name, _, rows),) = rep.more
+    by = {r["kv_dtype"]: r for r in rows}
+    assert [by[d]["bytes_per_token"] for d in ("f16", "q8_0", "q4_0", "q8_0:q4_0")] == [23040, 12240, 6480, 9360]
+    assert by["f16"]["arena_slots"] == 4096 and by["q8_0"]["arena_slots"] == 4096 * 23040 // 12240 // 16 * 16
+    assert by["q8_0"]["tokens_per_gib"] == (1 << 30) // 12240 // 16 * 16
+    assert by["f16"]["mean_batch"] < by["q8_0"]["mean_batch"] <= by["q4_0"]["mean_batch"]  # quick: 64 requests in all
+    assert by["q8_0"]["preemptions"] <= by["f16"]["preemptions"]
+    assert rep.targets[-1].name == "tokens in the same pool, q8_0 vs f16 K/V" and rep.targets[-1].ok is None

@@ -102,3 +102,23 @@ def test_bench_serve_url_with_nothing_listening_is_one_line(tmp_path, capsys):
     assert main(["bench", "serve", "--quick", "-m", str(tiny), "--url", f"http://127.0.0.1:{port}"]) == 1
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}/v1/models" in err and len(err.splitlines()) == 1
+
+
+def test_bench_serve_with_a_quantized_pool_measures_f16_beside_it(tmp_path, capsys):
+    """--kv-dtype q8_0: the runs on q8_0 pools, and the clients at once again on an f16 pool of
+    the same --kv-mem; each row says its format, tokens per GiB, requests at once, preemptions."""
+    tiny = write_gguf(tmp_path / "tiny64.gguf", ctx=512, dim=256, ffn=512, n_heads=4, n_kv_heads=2)
+    rep = _report(capsys, "-m", str(tiny), "--kv-dtype", "q8_0")
+    assert [(r["load"], r["kv_dtype"]) for r in rep["rows"]] == [
+        ("4 at once", "q8_0"),
+        ("one at a time", "q8_0"),
+        ("4 at once", "f16"),
+    ]
+    q8, _, f16 = rep["rows"]
+    assert q8["tokens"] == f16["tokens"] == 4 * 8 and 1 <= q8["peak_running"] <= 4
+    assert q8["tokens_per_gib"] / f16["tokens_per_gib"] == pytest.approx(64 * 2 / 68, rel=1e-3)  # 34 bytes a 32
+    assert q8["preemptions"] == f16["preemptions"] == 0  # the default 1GiB holds the quick load either way
+    names = [t["name"] for t in rep["targets"][-2:]]
+    assert names == [f"{m}, q8_0 vs f16 K/V at this --kv-mem" for m in ("preemptions at once", "aggregate t/s at once")]
+    assert [t["result"] for t in rep["targets"]] == [None] * 6 and "--kv-dtype q8_0" in rep["command"]
+    assert rep["targets"][1]["value"] == "n/a" and "all_tps_vs_llama_cpp_server" not in rep["summary"]  # no --vs

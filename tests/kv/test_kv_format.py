@@ -122,13 +122,13 @@ def test_a_head_size_the_blocks_do_not_divide_is_refused(tmp_path):
 
 
 class _FloatOnly:
-    name = "CUDA"
+    name = "Float"
     kv_dtype = np.float16
     caps = Capabilities(False, True, True, ("f16",), frozenset())
 
 
 def test_a_backend_without_quantized_kv_refuses_it_in_one_line():
-    with pytest.raises(LocalkvError, match=r"--kv-dtype q8_0:q4_0: the CUDA backend keeps K/V in f16 here"):
+    with pytest.raises(LocalkvError, match=r"--kv-dtype q8_0:q4_0: the Float backend keeps K/V in f16 here"):
         _kv_formats("q8_0:q4_0", _FloatOnly, 64)
     assert _kv_formats("auto", _FloatOnly, 64) == (kv_format.F16, kv_format.F16)
 
@@ -199,3 +199,13 @@ def test_h2o_attends_to_its_compacted_quantized_rows(model, dtype):
     (h2o32, _), (h2o, evictions) = score("f32", cfg), score(dtype, cfg)
     assert evictions >= 7
     assert np.abs(h2o - h2o32).max() <= 2 * np.abs(full - full32).max()
+
+
+def test_q8_0_rounding_is_c_roundf_at_and_beside_every_half():
+    """The float32 rounding (rint, then exact ties away from zero) against C's roundf computed in
+    float64: at each k + 0.5 and one float32 step either side of it, and on random values."""
+    halves = np.arange(-128, 128, dtype=np.float32) + np.float32(0.5)
+    near = np.concatenate([halves, np.nextafter(halves, np.float32(-200)), np.nextafter(halves, np.float32(200))])
+    x = np.concatenate([near, (RNG.standard_normal(4096) * 60).astype(np.float32), np.float32([0.49999997, -0.0])])
+    ref = np.copysign(np.floor(np.abs(x.astype(np.float64)) + 0.5), x)
+    assert np.array_equal(kv_format._round_away(x), ref)

@@ -244,6 +244,13 @@ async def test_set_applies_params_and_rebuilds_the_engine(engine):
         assert app.cid == cid and app.panel.shown["policy"] == "sliding"  # the store and the conversation stay
         await send(pilot, "more")
         assert [m.role for m in app.store.path(app.at)] == ["user", "assistant"] * 2
+        await send(pilot, "/set kv-dtype q8_0")  # this model's heads (16 values) do not split into q8_0 blocks
+        text, error = notices(app)[-1]
+        assert error and "divisible by 32, not 16" in text and app.engine.kv_dtype == "f16"
+        await send(pilot, "/set kv-dtype f32")
+        assert app.engine.kv_dtype == "f32" and app.engine.config.evict.policy == "sliding"
+        await send(pilot, "again")
+        assert app.panel.shown["kv/token"].endswith(" f32") and len(app.store.path(app.at)) == 6
 
 
 @pytest.mark.asyncio

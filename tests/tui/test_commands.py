@@ -252,7 +252,10 @@ def test_set_without_a_key_shows_the_settings():
     st = State(params=SamplingParams(temperature=0.5, seed=None))
     st.config = replace(st.config, evict=EvictConfig("sliding", 64))
     assert run(st, "/set") == [
-        Say("temperature 0.5 · top_p 0.95 · top_k 40 · max_tokens 512 · seed None · evict sliding · budget 64")
+        Say(
+            "temperature 0.5 · top_p 0.95 · top_k 40 · max_tokens 512 · seed None · evict sliding · budget 64"
+            " · kv_dtype auto"
+        )
     ]
 
 
@@ -293,12 +296,26 @@ def test_set_evict_or_budget_rebuilds_the_engine_from_its_config(line, evict):
 
 
 @pytest.mark.parametrize(
+    "line, kv_dtype",
+    [("/set kv-dtype q8_0", "q8_0"), ("/set KV_DTYPE Q8_0:Q4_0", "q8_0:q4_0"), ("/set kv_dtype f16", "f16")],
+)
+def test_set_kv_dtype_rebuilds_the_engine_with_that_pool(line, kv_dtype):
+    st = State()
+    value = line.split()[2]
+    assert run(st, line) == [
+        Say(f"{line.split()[1].lower().replace('-', '_')} = {value}: building a new engine (the in-memory prefix "
+            "cache starts empty)"),
+        Rebuild(replace(st.config, kv_dtype=kv_dtype)),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
     "line, why",
     [
         (
             "/set bogus 1",
             "unknown setting 'bogus': use one of temperature, top_p, top_k, min_p, repeat_penalty, repeat_last_n, "
-            "presence_penalty, frequency_penalty, max_tokens, seed, stop, evict, budget",
+            "presence_penalty, frequency_penalty, max_tokens, seed, stop, evict, budget, kv_dtype",
         ),
         ("/set temperature", "/set temperature needs a value"),
         ("/set top_k many", "invalid top_k 'many': expected a number"),
@@ -312,6 +329,8 @@ def test_set_evict_or_budget_rebuilds_the_engine_from_its_config(line, evict):
         ("/set evict h2o", "needs a budget"),
         ("/set budget -5", "invalid KV budget -5"),
         ("/set budget lots", "invalid budget 'lots': expected a number"),
+        ("/set kv-dtype q4", "unknown --kv-dtype 'q4'"),
+        ("/set kv_dtype q8_0:q4_0:f16", "unknown --kv-dtype 'q8_0:q4_0:f16'"),
     ],
 )
 def test_set_refuses_a_bad_value_with_one_line(line, why):
