@@ -76,10 +76,18 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         str,
         _ENGINE.spec,
         ("--spec",),
-        "Speculative decoding: off, or ngram (draft the next tokens from the context's own earlier text, "
-        "verify them in one pass; the text is the same). Off under --evict sliding, h2o or offload.",
+        "Speculative decoding: off, ngram (draft the next tokens from the context's own earlier text) or "
+        "draft (a small model of the same vocabulary drafts them, --draft-model); each draft is verified in "
+        "one pass and the text is the same. Off under --evict sliding, h2o or offload.",
     ),
-    "spec_max": (int, _ENGINE.spec_max, ("--spec-max",), "Most tokens drafted per verify pass (--spec ngram)."),
+    "draft_model": (
+        str | None,
+        None,
+        ("--draft-model",),
+        "--spec draft: the draft model, named as for -m (catalog name, .gguf path, hf:, ollama:); it must "
+        "have the model's vocabulary. Its K/V share --kv-mem with the model's.",
+    ),
+    "spec_max": (int, _ENGINE.spec_max, ("--spec-max",), "Most tokens drafted per verify pass (--spec ngram, draft)."),
     "spec_ngram_max": (
         int,
         _ENGINE.spec_ngram_max,
