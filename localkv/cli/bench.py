@@ -42,7 +42,15 @@ SUITE = typer.Argument(
 
 
 @engine_options(
-    "model", "threads", "block_size", "kv_mem", "device", "spec", "spec_max", flags={"threads": ("-t", "--threads")}
+    "model",
+    "threads",
+    "block_size",
+    "kv_mem",
+    "device",
+    "spec",
+    "spec_max",
+    "draft_model",
+    flags={"threads": ("-t", "--threads")},
 )
 def bench_command(
     n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="speed: prompt tokens of the pp test (0: skip it)."),

@@ -188,6 +188,8 @@ def engine_config(values: dict) -> EngineConfig:
     """An EngineConfig from the engine options' values (missing ones take their defaults),
     validated before any model loads."""
     v = {name: spec[1] for name, spec in ENGINE_OPTIONS.items()} | values
+    if v["draft_model"] and v["spec"] == "off":  # a draft model given is a draft model asked for
+        v["spec"] = "draft"
     evict = EvictConfig(policy=v["evict"], budget=v["kv_budget"], sinks=v["sinks"])
     names = {f.name for f in fields(EngineConfig)} - {"evict", "prefix_cache"}
     kept = {k: v[k] for k in names if k in v}

@@ -60,4 +60,4 @@ def test_a_draft_model_of_another_vocabulary_is_one_line(tiny, tmp_path):
     served = localkv("serve", "-m", tiny, "--port", "0", "--spec", "draft", "--draft-model", str(swapped))
     assert served.returncode == 1 and "Traceback" not in served.stderr, served.stderr
     assert served.stderr.strip().splitlines()[-1].startswith("error: --draft-model "), served.stderr
-    assert_one_line_error(localkv(*RUN, "-m", tiny, "--draft-model", tiny), "--draft-model goes with --spec draft")
+    assert_one_line_error(localkv(*RUN, "-m", tiny, "--spec", "ngram", "--draft-model", tiny), "--draft-model goes")

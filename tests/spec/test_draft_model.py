@@ -9,14 +9,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from scipy.stats import chisquare
+from spec.test_speculation import BASE, GREEDY, PROMPT, RNG, engine, run, tokens
 from test_one_answer import models  # noqa: F401 (a fixture)
 from test_scheduler import drain
 
 from localkv.errors import LocalkvError
 from localkv.generation import Generation
-from localkv.sampling import Sampler, SamplingParams
+from localkv.sampling import Constraint, Sampler, SamplingParams
 from localkv.scheduler import Scheduler
-from spec.test_speculation import BASE, GREEDY, PROMPT, RNG, engine, run, tokens
 from tiny_model import byte_vocab, write_gguf
 
 TARGET = "llama-Q4_1"
@@ -79,6 +79,20 @@ def test_a_draft_that_disagrees_is_rejected_and_rolled_back(models, other):  # n
     s = got.speculation()
     assert 0 <= s["accepted"] < s["drafted"]
     check_draft_pool(eng)
+
+
+@pytest.mark.parametrize("trigger", ["", "c"], ids=["strict", "lazy"])
+def test_a_constrained_reply_drafts_on_a_copy_of_its_grammar(models, narrow, trigger):  # noqa: F811
+    """The draft masks its rows with a copy of the branch's matcher (strict, and lazy from its
+    trigger on): the text equals plain constrained decoding, and the drafts mostly pass."""
+    path = models(TARGET)
+    regex = Constraint("regex", "[a-f]{3,30}" if not trigger else "c[a-f]{3,30}", trigger=trigger)
+    params = SamplingParams(temperature=0, max_tokens=40, constraint=regex)
+    want = run(engine(path), params=params)
+    got = run(drafting(path, narrow), params=params)
+    assert got.text == want.text and got.tokens == want.tokens
+    s = got.speculation()
+    assert s["accepted"] > 0
 
 
 def test_forked_branches_each_draft_with_their_own_sequence(models, narrow):  # noqa: F811
