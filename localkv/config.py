@@ -33,7 +33,8 @@ class EngineConfig:
     offload_dir: str | None = None  # offload policy: spill blocks to a file here instead of RAM
     kv_dtype: str = "auto"  # K/V pool: auto (the backend's default), f32, f16, q8_0, q4_0 or K:V (kv_format.parse)
     ctx: int | None = None  # most tokens one sequence may hold (prompt + reply); None: the model's context
-    spec: str = "off"  # speculative decoding: off | ngram (spec/control.py says why the defaults)
+    spec: str = "off"  # speculative decoding: off | ngram | draft (spec/control.py says why the defaults)
+    draft_model: str | None = None  # --spec draft: a model of the same vocabulary, resolved as `model` is
     spec_max: int = speculation.K_MAX  # most tokens a sequence drafts per verify pass
     spec_ngram_max: int = speculation.NGRAM_MAX  # longest n-gram of the context's end looked up
     spec_ngram_min: int = speculation.NGRAM_MIN  # shortest
@@ -44,8 +45,9 @@ class EngineConfig:
             object.__setattr__(self, "evict", EvictConfig())
         object.__setattr__(self, "kv_mem", parse_size(self.kv_mem))
         object.__setattr__(self, "disk_cache_size", parse_size(self.disk_cache_size))
-        if self.model is not None:
-            object.__setattr__(self, "model", str(self.model))
+        for name in ("model", "draft_model"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, str(getattr(self, name)))
         if self.offload_dir is not None:
             object.__setattr__(self, "offload_dir", str(Path(self.offload_dir)))
 
@@ -67,7 +69,7 @@ class EngineConfig:
         if self.kv_dtype != "auto":
             kv_format.parse(self.kv_dtype)
         self.evict.validate(bs)
-        speculation.check(self.spec, self.spec_max, self.spec_ngram_max, self.spec_ngram_min)
+        speculation.check(self.spec, self.spec_max, self.spec_ngram_max, self.spec_ngram_min, self.draft_model)
         return self
 
     def to_dict(self) -> dict:

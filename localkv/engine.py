@@ -1,5 +1,7 @@
 """The engine: a model, a block pool, and the steps that run sequences through them."""
 
+from dataclasses import replace
+
 import numpy as np
 
 from localkv import backends, kv_format
@@ -17,6 +19,7 @@ from localkv.model.llama import Llama, Span, check_backend
 from localkv.model.loader import load_model
 from localkv.model.weights import dense_weights
 from localkv.sequence import Sequence
+from localkv.spec.draft import check_vocabulary
 from localkv.stats import Stats
 from localkv.units import format_size
 
@@ -28,7 +31,9 @@ class Engine:
     one thread drives an engine at a time."""
 
     @vm.gc_paused()
-    def __init__(self, config: EngineConfig | None = None, progress: bool = False):
+    def __init__(self, config: EngineConfig | None = None, progress: bool = False, partner: int = 0):
+        """partner: K/V bytes per token of an engine that shares --kv-mem with this one (a
+        draft model's and its target's: each pool holds the same number of tokens)."""
         self.config = cfg = (config or EngineConfig()).validate()  # bad values fail before loading
         if cfg.threads is not None:
             from threadpoolctl import threadpool_limits
@@ -49,7 +54,8 @@ class Engine:
             weights, run_cfg = dense_weights(weights, self.model_config, np.dtype(self.backend.act_dtype))
         self.model = Llama(run_cfg, self.backend.prepare_weights(weights), self.backend, n_ctx=cfg.ctx)
         self.stats = Stats()
-        self.pool = self._new_pool()
+        self.draft = self._draft_engine(progress) if cfg.spec == "draft" else None
+        self.pool = self._new_pool(self.draft.kv_bytes_per_token if self.draft is not None else partner)
         # validates the policy and opens the offload tier before any generation starts
         self.policy = make_policy(cfg.evict, self.pool, self.stats, cfg.offload_dir)
         self.ctx = self._context()  # tokens one sequence may hold: --ctx, checked against the model and the pool
@@ -65,14 +71,25 @@ class Engine:
         if cfg.prefix_cache and cfg.disk_cache and k_fmt == v_fmt:  # an entry holds K and V in one format
             self.disk = DiskStore(max_bytes=cfg.disk_cache_size, dtype=dtype)
 
-    def _new_pool(self) -> BlockPool:
-        m = self.model_config
-        per_block = self.kv_bytes_per_token * self.config.block_size
-        if self.config.kv_mem < per_block:
+    def _draft_engine(self, progress: bool) -> "Engine":
+        """--spec draft: the draft model's engine, its pool sized beside this one's; refused in
+        one line unless its vocabulary is this model's."""
+        cfg = self.config
+        draft_cfg = replace(cfg, model=cfg.draft_model, spec="off", draft_model=None)
+        draft = Engine(draft_cfg, progress, partner=self.kv_bytes_per_token)
+        check_vocabulary(self.tokenizer, draft.tokenizer, cfg.draft_model)
+        return draft
+
+    def _new_pool(self, partner: int) -> BlockPool:
+        """The pool in this engine's share of --kv-mem (all of it unless a partner shares it)."""
+        m, own = self.model_config, self.kv_bytes_per_token
+        mem = self.config.kv_mem * own // (own + partner)
+        per_block = own * self.config.block_size
+        if mem < per_block:
             raise LocalkvError(f"--kv-mem {self.config.kv_mem} bytes is smaller than one KV block ({per_block} bytes)")
         pool = BlockPool(
             m.n_layers,
-            self.config.kv_mem // per_block,
+            mem // per_block,
             self.config.block_size,
             m.n_kv_heads,
             m.head_dim,

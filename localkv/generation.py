@@ -36,7 +36,6 @@ from localkv.sampling import Sampler, SamplingParams, TokenLogprob
 from localkv.scheduler import Scheduler
 from localkv.sequence import Sequence
 from localkv.spec import control as speculation
-from localkv.spec.control import Speculator
 from localkv.stops import StopScanner
 
 __all__ = ["Branch", "Generation", "Result"]  # Branch and Result live in result.py; callers import them here too
@@ -209,6 +208,8 @@ class Generation:
             if b.seq is not None:
                 self._free(b.seq)
                 b.seq = None
+            if b.spec is not None:
+                b.spec.close()
             b.drafted = 0  # the draft went with the sequence; the branch's tokens are all verified
 
     def cancel(self, reason: str, detail: str = "") -> None:
@@ -252,8 +253,7 @@ class Generation:
         for i, seq in enumerate(seqs):
             matcher = self.grammar.matcher() if self.grammar is not None else None  # each branch its own
             b = Branch(i, seq, Sampler(self.params.for_branch(i), matcher), eng.tokenizer.streamer())
-            if r.spec == "ngram":
-                b.spec = Speculator.ngram(eng.config.spec_max, eng.config.spec_ngram_min, eng.config.spec_ngram_max)
+            b.spec = speculation.for_branch(self.result.spec, eng, b.sampler, self.stop_ids, len(self.prompt))
             b.stops = StopScanner(self.params.stop)
             b.peak_active_tokens = eng.policy.active_tokens(seq)
             r.branches.append(b)
@@ -288,7 +288,7 @@ class Generation:
         base, picks = len(seq.tokens) - d, []
         for i in range(d + 1):
             draft = seq.tokens[base + i] if i < d else None
-            tok = b.sampler(rows[i], _history(seq.tokens, base + i, p), draft)
+            tok = b.sampler(rows[i], _history(seq.tokens, base + i, p), draft, b.spec.law(i) if i < d else None)
             picks.append((tok, b.sampler.last))
             if not self.result.ttft_s:
                 self.result.ttft_s = time.perf_counter() - self._t0
@@ -355,6 +355,8 @@ class Generation:
                 b.stored = b.seq.num_stored
                 self._free(b.seq)
                 b.seq = None
+                if b.spec is not None:
+                    b.spec.close()
         if self.done or any(not b.finish_reason for b in r.branches) or self.root is not None and not r.branches:
             return
         if self.root is not None:

@@ -93,6 +93,10 @@ class GrammarMatcher:
         self._raise_on_error()
         return np.unpackbits(self._bits.view(np.uint8), count=self._n, bitorder="little").view(bool)
 
+    def copy(self) -> "GrammarMatcher":
+        """An independent matcher at the same position (a draft model drafts on a copy)."""
+        return GrammarMatcher(self._m.deep_copy(), self._n)
+
     def accept(self, token: int) -> None:
         if not self._m.consume_token(token):
             self._raise_on_error()
@@ -134,6 +138,14 @@ class LazyMatcher:
             only_stops[[i for i in self._g.model_tokenizer.stop_ids if i < self._g.vocab_size]] = True
             return only_stops
         return self._free if self._m is None else self._m.allowed()
+
+    def copy(self) -> "LazyMatcher":
+        """An independent matcher at the same position (a draft model drafts on a copy)."""
+        c = LazyMatcher.__new__(LazyMatcher)
+        c._g, c._free, c._dead = self._g, self._free, self._dead  # _free is never written
+        c._text, c._starts, c._tokens = bytearray(self._text), list(self._starts), list(self._tokens)
+        c._m = self._m.copy() if self._m is not None else None
+        return c
 
     def accept(self, token: int) -> None:
         if self._m is not None:

@@ -44,7 +44,7 @@ class Result:
     peak_blocks: int = 0  # most distinct blocks this request's sequences held at once
     unshared_blocks: int = 0  # what the branches would hold without sharing
     cow_copies: int = 0  # shared blocks this request's sequences copied before writing
-    spec: str = "off"  # speculation: off | ngram
+    spec: str = "off"  # speculation: off | ngram | draft
     spec_note: str = ""  # why it was switched off for this request ('' if it was not)
 
     @property

@@ -20,6 +20,7 @@ from localkv.errors import LocalkvError
 
 CONSTRAINT_KINDS = ("json", "json_schema", "grammar", "regex")
 MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's limit
+Law = tuple[np.ndarray, np.ndarray]  # a distribution: token ids and their probabilities
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +142,8 @@ class Matcher(Protocol):
 
     def accept(self, token: int) -> None: ...  # the token drawn; advances the state
 
+    def copy(self) -> "Matcher": ...  # an independent matcher at the same position
+
 
 def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest values of a 1-D row (in no particular order). The k-th largest
@@ -200,30 +203,51 @@ class Sampler:
     and is advanced by the token drawn. With params.logprobs set, `last` holds the drawn token's
     TokenLogprob after each call."""
 
-    def __init__(self, params: SamplingParams, matcher: Matcher | None = None):
+    def __init__(self, params: SamplingParams, matcher: Matcher | None = None, stream: int = 0):
+        """stream: another random stream of the same seed (a draft model's draws are made apart
+        from the target's: the acceptance rule needs them independent)."""
         params.validate()
         self.p = params
-        self.rng = np.random.default_rng(params.seed)
+        seed = params.seed if params.seed is None or not stream else [params.seed, stream]
+        self.rng = np.random.default_rng(seed)
         self.matcher = matcher
         self.last: TokenLogprob | None = None
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int] = (), draft: int | None = None) -> int:
-        """The next token. draft: a speculative draft's token for this position, proposed with
-        certainty (prompt lookup: q is one-hot), accepted with probability p(draft) under the
-        distribution every transform above leaves, else replaced by a draw from that
-        distribution without it, renormalised (Leviathan et al.'s rule for such a q): the
-        token's law is p's, whatever was drafted. Greedy returns the argmax as without a draft."""
+    def __call__(
+        self, logits: np.ndarray, history: Sequence[int] = (), draft: int | None = None, q: Law | None = None
+    ) -> int:
+        """The next token. draft: a speculative draft's token for this position. Proposed with
+        certainty (prompt lookup: q None, one-hot), it is accepted with probability p(draft)
+        under the distribution every transform above leaves, else replaced by a draw from that
+        distribution without it, renormalised. Drawn from a draft model's law q (distribution()
+        of its row), it is accepted with probability min(1, p/q), else replaced by a draw from
+        max(0, p - q) renormalised (Leviathan et al.). Either way the token's law is p's,
+        whatever was drafted. Greedy returns the argmax as without a draft."""
         allowed = self.matcher.allowed() if self.matcher is not None else None
-        row = self.adjusted(logits, history, allowed)
-        cand = None if allowed is None else np.flatnonzero(allowed[: row.size])
-        if cand is not None and cand.size == 0:
-            raise LocalkvError("the grammar allows no token of this model's vocabulary next: it cannot be matched")
-        tok = self._draw(row, cand, draft)
+        row, cand = self.masked(logits, history, allowed)
+        tok = self._draw(row, cand, draft, q)
         if self.matcher is not None:
             self.matcher.accept(tok)
         if self.p.logprobs is not None:
             self.last = self._logprob(row, tok)
         return tok
+
+    def masked(self, logits: np.ndarray, history: Sequence[int], allowed: np.ndarray | None):
+        """adjusted()'s row and the ids the mask allows (None: all)."""
+        row = self.adjusted(logits, history, allowed)
+        cand = None if allowed is None else np.flatnonzero(allowed[: row.size])
+        if cand is not None and cand.size == 0:
+            raise LocalkvError("the grammar allows no token of this model's vocabulary next: it cannot be matched")
+        return row, cand
+
+    def propose(self, logits: np.ndarray, history: Sequence[int], allowed: np.ndarray | None) -> tuple[int, Law | None]:
+        """A draft model's token for this position and the law it was drawn from (None when
+        greedy: the argmax), after the same transforms as a draw of __call__."""
+        row, cand = self.masked(logits, history, allowed)
+        if self.p.temperature == 0:
+            return self._draw(row, cand), None
+        idx, probs = self._distribution(row, cand)
+        return int(idx[self.rng.choice(len(idx), p=probs)]), (idx, probs)
 
     def adjusted(
         self, logits: np.ndarray, history: Sequence[int] = (), allowed: np.ndarray | None = None
@@ -240,13 +264,15 @@ class Sampler:
         apply_penalties(row, window, p.repeat_penalty, p.presence_penalty, p.frequency_penalty)
         return row
 
-    def _draw(self, logits: np.ndarray, cand: np.ndarray | None, draft: int | None = None) -> int:
+    def _draw(self, logits: np.ndarray, cand: np.ndarray | None, draft: int | None = None, q: Law | None = None) -> int:
         """cand: the ids a mask allows (None: all). The rest of a masked row is -inf: drawing
         among cand alone gives the same result without scanning the whole vocabulary."""
         p = self.p
         if p.temperature == 0:
             return int(np.argmax(logits)) if cand is None else int(cand[np.argmax(logits[cand])])
         idx, probs = self._distribution(logits, cand)
+        if draft is not None and q is not None:
+            return self._accept_or_resample(logits.size, idx, probs, draft, q)
         if draft is not None:
             at = np.flatnonzero(idx == draft)
             if at.size and self.rng.random() < probs[at[0]]:
@@ -256,6 +282,21 @@ class Sampler:
                 probs[at[0]] = 0.0
                 probs /= probs.sum()
         return int(idx[self.rng.choice(len(idx), p=probs)])
+
+    def _accept_or_resample(self, size: int, idx: np.ndarray, probs: np.ndarray, draft: int, q: Law) -> int:
+        """The rule for a draft drawn from q: keep it with probability min(1, p/q), else draw
+        from the residual max(0, p - q), renormalised (its mass is what q took from p)."""
+        pv, qv = np.zeros(size), np.zeros(size)
+        pv[idx], qv[q[0]] = probs, q[1]
+        if not qv[draft] > 0:
+            raise RuntimeError(f"draft token {draft} has no mass in its law q: a bug in the caller's logic")
+        if self.rng.random() * qv[draft] < pv[draft]:
+            return draft
+        rest = np.maximum(pv - qv, 0.0)
+        if not rest.sum() > 0:  # p == q up to rounding: a rejection had probability ~0
+            rest = pv
+        ids = np.flatnonzero(rest)
+        return int(ids[self.rng.choice(len(ids), p=rest[ids] / rest[ids].sum())])
 
     def _distribution(self, logits: np.ndarray, cand: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The ids a draw may give and their probabilities, after top-k, temperature, top-p and

@@ -32,7 +32,10 @@ class Options:
     def new_engine(self, **changes) -> Engine:
         """An engine of these settings with `changes`; without the disk cache unless asked, so a
         bench does not write into the user's LOCALKV_HOME (the cache suite's children get their own)."""
-        config = replace(self.engine, **({"disk_cache": False} | changes))
+        changes = {"disk_cache": False} | changes
+        if changes.get("spec", self.engine.spec) != "draft":  # a draft model only where it drafts
+            changes["draft_model"] = None
+        config = replace(self.engine, **changes)
         return Engine(config, progress=self.progress is not None and sys.stderr.isatty())
 
     def command(self, suite: str, threads: int | None) -> str:
@@ -56,6 +59,7 @@ class Options:
         args += ["--device", e.device] if e.device != _DEFAULT.device and suite != "memory" else []
         args += ["--spec", e.spec] if e.spec != _DEFAULT.spec and suite not in ("memory", "spec") else []
         args += ["--spec-max", str(e.spec_max)] if e.spec_max != _DEFAULT.spec_max and suite != "memory" else []
+        args += ["--draft-model", e.draft_model] if e.draft_model and suite in ("serve", "spec") else []
         return shlex.join(args)
 
 

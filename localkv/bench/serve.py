@@ -199,6 +199,7 @@ def _localkv(o: Options, path: Path, threads: int, bodies: list[dict], concurren
     with tempfile.TemporaryDirectory(prefix="localkv-bench-serve-") as home:
         e = o.engine
         spec = ("--spec", e.spec, "--spec-max", str(e.spec_max)) if e.spec != "off" else ()
+        spec += ("--draft-model", e.draft_model) if e.draft_model else ()
         extra = ("--kv-dtype", kv_dtype, *spec)
         server = localkv_server(path, threads, size_flag(e.kv_mem), home, extra).wait_ready()
         try:

@@ -3,7 +3,8 @@ spec_tasks.toml): four whose replies copy their context (a rename, a spelling fi
 list of an earlier answer) and a free-chat control. Each task runs greedy with --spec off and
 --spec ngram (and, with --vs, llama-cpp-python with LlamaPromptLookupDecoding), reps
 interleaved; decode t/s are medians of the reps, and the texts with and without speculation
-must be identical."""
+must be identical. With --draft-model, --spec draft runs beside them (its own columns; the
+targets stay prompt lookup's)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +36,9 @@ COLUMNS = [
     Column("speedup", "speedup", "x"),
     Column("accepted_per_verify", "accepted / verify pass", ".2f"),
     Column("tokens_per_pass", "tokens / pass", ".2f"),
+    Column("draft_tps", "decode t/s draft", ".1f"),
+    Column("draft_speedup", "draft speedup", "x"),
+    Column("draft_accepted_per_verify", "draft accepted / verify", ".2f"),
     Column("identical", "same text", left=True),
     Column("peer_tps", "llama.cpp lookup t/s", ".1f"),
     Column("vs_llama_cpp", "vs llama.cpp", "x"),
@@ -59,6 +63,8 @@ def run(o: Options) -> Report:
         "off": o.new_engine(prefix_cache=False, spec="off"),
         "ngram": o.new_engine(prefix_cache=False, spec="ngram"),
     }
+    if o.engine.draft_model:  # --draft-model: the draft model's speculation beside prompt lookup's
+        engines["draft"] = o.new_engine(prefix_cache=False, spec="draft")
     tasks = load_tasks()
     prompts = [prompt_ids(engines["off"], t) for t in tasks]
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -71,10 +77,11 @@ def run(o: Options) -> Report:
         "spec",
         f"speculative decoding by prompt lookup: {len(tasks)} chat tasks, greedy, {n} tokens (EOS ignored), "
         f"--spec off vs ngram (k {engines['ngram'].config.spec_max}), {reps} interleaved rep(s), medians"
+        + (f", and --spec draft with {o.engine.draft_model}" if "draft" in engines else "")
         + (", beside llama-cpp-python's LlamaPromptLookupDecoding" if o.vs else ""),
         command=o.command("spec", eng.threads),
         rows=rows,
-        columns=list(COLUMNS),
+        columns=[c for c in COLUMNS if "draft" in engines or not c.key.startswith("draft")],
     )
     e = entry_for(eng.path)
     judged = not o.quick and e is not None and e.name == DEFAULT_MODEL
@@ -105,7 +112,7 @@ def measure(o: Options, engines: dict, prompts: list[list[int]], params: Samplin
     ctx = -(-(max(map(len, prompts)) + n + 1 + PEER_DRAFT_ROOM) // 256) * 256
     peer = PeerRunner(engines["off"].path, engines["off"].threads, ctx, prompt_lookup=True) if o.vs else None
     names = [t["name"] for t in load_tasks()]
-    runs = {name: {"off": [], "ngram": [], "peer": []} for name in names}
+    runs = {name: {side: [] for side in [*engines, "peer"]} for name in names}
     try:
         for eng in engines.values():
             Generation(eng, prompts[0], replace(params, max_tokens=4)).run()
@@ -139,12 +146,21 @@ def _row(task: dict, runs: dict) -> dict:
         "tokens_per_pass": s["tokens_per_pass"],
         "drafted": s["drafted"],
         "accepted": s["accepted"],
-        "identical": "yes" if all(r.tokens == off[0].tokens for r in off + on) else "no",
+        "identical": "yes" if all(r.tokens == off[0].tokens for r in _ours(runs)) else "no",
         "peer_tps": median([(len(x["tokens"]) - 1) / x["decode_s"] for x in peer if x["decode_s"]]),
     }
     row["speedup"] = ratio(row["ngram_tps"], row["off_tps"])
+    if draft := runs.get("draft"):
+        d = draft[-1].speculation()
+        row |= {"draft_tps": median([_tps(r) for r in draft]), "draft_accepted_per_verify": d["accepted_per_verify"]}
+        row |= {"draft_drafted": d["drafted"], "draft_accepted": d["accepted"]}
+        row["draft_speedup"] = ratio(row["draft_tps"], row["off_tps"])
     row["vs_llama_cpp"] = ratio(row["ngram_tps"], row["peer_tps"])
     return row
+
+
+def _ours(runs: dict) -> list[Result]:
+    return [r for side, rs in runs.items() if side != "peer" for r in rs]
 
 
 def _targets(rows: list[dict], judged: bool) -> list[Target]:

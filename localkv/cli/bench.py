@@ -50,6 +50,7 @@ SUITE = typer.Argument(
     "device",
     "spec",
     "spec_max",
+    "draft_model",
     flags={"threads": ("-t", "--threads")},
 )
 def bench_command(

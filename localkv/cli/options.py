@@ -89,10 +89,18 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         str,
         _ENGINE.spec,
         ("--spec",),
-        "Speculative decoding: off, or ngram (draft the next tokens from the context's own earlier text, "
-        "verify them in one pass; the text is the same). Off under --evict sliding, h2o or offload.",
+        "Speculative decoding: off, ngram (draft the next tokens from the context's own earlier text) or "
+        "draft (a small model of the same vocabulary drafts them, --draft-model); each draft is verified in "
+        "one pass and the text is the same. Off under --evict sliding, h2o or offload.",
     ),
-    "spec_max": (int, _ENGINE.spec_max, ("--spec-max",), "Most tokens drafted per verify pass (--spec ngram)."),
+    "draft_model": (
+        str | None,
+        None,
+        ("--draft-model",),
+        "--spec draft: the draft model, named as for -m (catalog name, .gguf path, hf:, ollama:); it must "
+        "have the model's vocabulary. Its K/V share --kv-mem with the model's.",
+    ),
+    "spec_max": (int, _ENGINE.spec_max, ("--spec-max",), "Most tokens drafted per verify pass (--spec ngram, draft)."),
     "spec_ngram_max": (
         int,
         _ENGINE.spec_ngram_max,
@@ -193,6 +201,8 @@ def engine_config(values: dict) -> EngineConfig:
     """An EngineConfig from the engine options' values (missing ones take their defaults),
     validated before any model loads."""
     v = {name: spec[1] for name, spec in ENGINE_OPTIONS.items()} | values
+    if v["draft_model"] and v["spec"] == "off":  # a draft model given is a draft model asked for
+        v["spec"] = "draft"
     evict = EvictConfig(policy=v["evict"], budget=v["kv_budget"], sinks=v["sinks"])
     names = {f.name for f in fields(EngineConfig)} - {"evict", "prefix_cache"}
     kept = {k: v[k] for k in names if k in v}

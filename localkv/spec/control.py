@@ -8,20 +8,26 @@ did, and 2 still finds the places where a rewrite resumes copying; a single toke
 earlier occurrence nearly everywhere (every "the", every "(") and drafts noise, which costs a
 wider pass each step on text that quotes nothing (the free-chat control)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from localkv.errors import LocalkvError
+from localkv.sampling import Law, Sampler
+from localkv.spec.draft import DraftModel
 from localkv.spec.ngram import NgramIndex
 
-MODES = ("off", "ngram")
+MODES = ("off", "ngram", "draft")
 K_MAX, NGRAM_MAX, NGRAM_MIN = 8, 4, 2
 MAX_REST = 16  # most lookups a branch skips after drafts rejected outright in a row
 
 
-def check(mode: str, k_max: int, n_max: int, n_min: int) -> None:
+def check(mode: str, k_max: int, n_max: int, n_min: int, draft_model: str | None = None) -> None:
     """Raise LocalkvError for settings no speculation runs with."""
     if mode not in MODES:
         raise LocalkvError(f"unknown --spec {mode!r}: use one of {', '.join(MODES)}")
+    if mode == "draft" and not draft_model:
+        raise LocalkvError("--spec draft needs --draft-model NAME|PATH (a small model of the same vocabulary)")
+    if draft_model and mode != "draft":
+        raise LocalkvError(f"--draft-model goes with --spec draft, not --spec {mode}")
     if not 1 <= k_max <= 64:
         raise LocalkvError(f"invalid --spec-max {k_max}: must be in 1..64 (drafted tokens per pass)")
     if not 1 <= n_min <= n_max <= 16:
@@ -50,6 +56,19 @@ def share(n_decodes: int, room: int, k_max: int) -> int:
     return max(0, min(k_max, min(room, 2 * k_max) // n_decodes))
 
 
+def for_branch(mode: str, engine, sampler: Sampler, stop_ids: frozenset, prompt_len: int) -> "Speculator | None":
+    """A branch's drafting under its request's --spec (None: off); `sampler` is the branch's (a
+    draft model draws with its params on a random stream of its own, and a copy of its grammar
+    matcher)."""
+    cfg = engine.config
+    if mode == "ngram":
+        return Speculator.ngram(cfg.spec_max, cfg.spec_ngram_min, cfg.spec_ngram_max)
+    if mode != "draft":
+        return None
+    own = Sampler(replace(sampler.p, logprobs=None), stream=1)
+    return Speculator.drafting(cfg.spec_max, DraftModel(engine.draft, own, sampler, stop_ids, prompt_len))
+
+
 @dataclass(slots=True)
 class Speculator:
     """One branch's drafting: its n-gram index, the draft length its acceptance earned (k), and
@@ -59,8 +78,9 @@ class Speculator:
     rejected outright in a row also rest the drafting for 1, 2, 4 .. up to MAX_REST lookups,
     so text that quotes nothing pays for a wider pass only now and then."""
 
-    index: NgramIndex
+    index: NgramIndex | None  # prompt lookup's (None: a draft model drafts)
     k_max: int
+    model: DraftModel | None = None
     k: int = 0
     drafted: int = 0  # tokens drafted and verified
     accepted: int = 0  # of those, accepted
@@ -75,13 +95,28 @@ class Speculator:
     def ngram(cls, k_max: int, n_min: int, n_max: int) -> "Speculator":
         return cls(NgramIndex(n_min, n_max), k_max)
 
+    @classmethod
+    def drafting(cls, k_max: int, model: DraftModel) -> "Speculator":
+        return cls(None, k_max, model)
+
     def propose(self, tokens: list[int], limit: int, siblings: tuple["Speculator", ...] = ()) -> list[int]:
         """A draft of at most min(k, limit) tokens to follow `tokens` (all verified), from them or
         from the siblings' tokens (a fork's other branches)."""
         if self.rest:
             self.rest -= 1
             return []
-        return self.index.draft(tokens, min(self.k, limit), tuple(s.index for s in siblings))
+        if self.model is not None:
+            return self.model.draft(tokens, min(self.k, limit))
+        return self.index.draft(tokens, min(self.k, limit), tuple(s.index for s in siblings if s.index is not None))
+
+    def law(self, i: int) -> Law | None:
+        """The law the draft's token i was drawn from (None: proposed with certainty, or greedy)."""
+        return self.model.law(i) if self.model is not None else None
+
+    def close(self) -> None:
+        """Free what the drafting holds (a draft model's sequence): the branch ended or was preempted."""
+        if self.model is not None:
+            self.model.close()
 
     def record(self, drafted: int, accepted: int) -> None:
         """A verify pass of `drafted` tokens accepted `accepted` of them (a prefix)."""

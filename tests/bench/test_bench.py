@@ -162,6 +162,7 @@ def _call(**kw):
         kv_mem="1GiB",
         spec="off",
         spec_max=8,
+        draft_model=None,
         quick=False,
         plot=None,
         long=False,

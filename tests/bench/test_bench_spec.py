@@ -50,3 +50,13 @@ def test_speculation_flags_reach_the_serve_suite_and_its_command(monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         serve._localkv(o, "model.gguf", 1, [], concurrent=True)
     assert seen == [("--spec", "ngram", "--spec-max", "4")]
+
+
+def test_spec_quick_with_a_draft_model(tiny):
+    """--draft-model: --spec draft runs beside prompt lookup, its columns filled, the same text;
+    the command that reproduces the suite names the draft model."""
+    o = Options(engine=EngineConfig(model=str(tiny), threads=1, spec="draft", draft_model=str(tiny)), quick=True)
+    rep = spec.run(o)
+    assert all(r["identical"] == "yes" and r["draft_tps"] > 0 for r in rep.rows)
+    assert sum(r["draft_accepted"] for r in rep.rows) == sum(r["draft_drafted"] for r in rep.rows) > 0  # itself
+    assert "draft_speedup" in [c.key for c in rep.columns] and f"--draft-model {tiny}" in rep.command

@@ -6,7 +6,7 @@ import json
 import pytest
 from test_cli import assert_one_line_error, localkv
 
-from tiny_model import write_gguf
+from tiny_model import byte_vocab, write_gguf
 
 RUN = ("run", "abc abc abc abc", "--raw", "-n", "20", "--ignore-eos", "-t", "0", "--no-save")
 
@@ -41,3 +41,23 @@ def test_a_policy_that_cannot_roll_back_says_so_in_one_verbose_line(tiny, tmp_pa
 )
 def test_bad_speculation_flags_are_one_line_errors(tiny, flags, needle):
     assert_one_line_error(localkv(*RUN, "-m", tiny, *flags), needle)
+
+
+def test_run_with_a_draft_model_prints_the_same_text_and_its_counts(tiny, tmp_path):
+    plain = localkv(*RUN, "-m", tiny, "--json", env_home=tmp_path)
+    spec = localkv(*RUN, "-m", tiny, "--json", "--spec", "draft", "--draft-model", tiny, env_home=tmp_path)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    a, b = json.loads(plain.stdout), json.loads(spec.stdout)
+    s = b["speculation"]
+    assert a["text"] == b["text"] and s["mode"] == "draft" and 0 < s["accepted"] == s["drafted"]
+
+
+def test_a_draft_model_of_another_vocabulary_is_one_line(tiny, tmp_path):
+    vocab = byte_vocab()
+    swapped = write_gguf(tmp_path / "swapped.gguf", ctx=256, meta={"tokenizer.ggml.tokens": vocab[:-2] + vocab[:-3:-1]})
+    p = localkv(*RUN, "-m", tiny, "--spec", "draft", "--draft-model", str(swapped), env_home=tmp_path)
+    assert_one_line_error(p, "not its tokenizer")
+    served = localkv("serve", "-m", tiny, "--port", "0", "--spec", "draft", "--draft-model", str(swapped))
+    assert served.returncode == 1 and "Traceback" not in served.stderr, served.stderr
+    assert served.stderr.strip().splitlines()[-1].startswith("error: --draft-model "), served.stderr
+    assert_one_line_error(localkv(*RUN, "-m", tiny, "--spec", "ngram", "--draft-model", tiny), "--draft-model goes")
