@@ -57,17 +57,19 @@ def run(
     it; progress: the line (and on a terminal the bar) when something compiles."""
     first = _FirstCompile(jobs, worker, processes, progress, stream or sys.stderr)
     results = {}
-    with event.install_listener("numba:compile", first):
-        for i, job in enumerate(jobs):
-            first.at = i
-            if job.key not in first.handed:
-                results[job.key] = _call(job)
-                first.finished(job)
-        first.wait()
-        for job in jobs:  # their builds in the cache by now: loads and checks
-            if job.key in first.handed:
-                results[job.key] = _call(job)
-    first.close()
+    try:
+        with event.install_listener("numba:compile", first):
+            for i, job in enumerate(jobs):
+                first.at = i
+                if job.key not in first.handed:
+                    results[job.key] = _call(job)
+                    first.finished(job)
+            first.wait()
+            for job in jobs:  # their builds in the cache by now: loads and checks
+                if job.key in first.handed:
+                    results[job.key] = _call(job)
+    finally:  # Ctrl-C in a compile: the bar is erased (the workers share the terminal's signal)
+        first.close()
     return results, first.started
 
 
