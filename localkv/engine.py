@@ -42,7 +42,7 @@ class Engine:
         self.threads = cfg.threads or _blas_threads()
         self.backend = backends.select(cfg.device, self.threads)  # before the model loads: a missing GPU fails fast
         backends.tune_malloc()
-        self.path = resolve_model(cfg.model, progress=progress)
+        self.path = resolve_model(cfg.model, progress=progress, before_pull=self.backend.prefetch)
         check_fits(self.path, cfg.kv_mem, kv_on_host=self.backend.xp is np)  # before mapping anything
         self.loaded = loaded = load_model(self.path, progress=progress)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer

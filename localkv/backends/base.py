@@ -41,6 +41,9 @@ class Backend(Protocol):
     # by prepare_weights, not an ability of the backend's code, so state here and not in caps
     prefill_amx: bool
 
+    def prefetch(self) -> None:
+        """While the model downloads: begin, in the background, loading what needs no model."""
+
     def start(self, progress: bool) -> None:
         """Once the model is known to load: compile or load kernels, so no step pays for it."""
 

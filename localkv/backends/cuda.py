@@ -235,6 +235,9 @@ class CudaBackend:
     logits = staticmethod(logits)
     decode_batch = DecodeBatch
 
+    def prefetch(self) -> None:
+        """Nothing: the CUDA kernels compile in start()."""
+
     def start(self, progress: bool) -> None:
         """Compile every kernel now (NVRTC; CuPy caches the result on disk), so no step pays for it."""
         t0 = time.perf_counter()

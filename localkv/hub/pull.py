@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from localkv.errors import ModelError
@@ -207,16 +208,33 @@ def _hf_pull(ref: HfRef, progress: bool = True, force: bool = False, sha256: str
     return hf.pull(ref, progress=progress, force=force, sha256=sha256, **kw)
 
 
-def ensure_model(name: str = DEFAULT_MODEL, progress: bool = True, entry: CatalogEntry | None = None) -> Path:
+def ensure_model(
+    name: str = DEFAULT_MODEL,
+    progress: bool = True,
+    entry: CatalogEntry | None = None,
+    before_pull: Callable[[], None] | None = None,
+) -> Path:
     """The local file of a catalog model or an hf: file (or the Hugging Face cache's copy), pulled
-    on first use; silent (and offline) when it is already there."""
+    on first use (before_pull called just before: work that can overlap the download); silent
+    (and offline) when it is already there."""
     if entry is None and is_hf(name):
         ref = HfRef.parse(name)
-        return _hf_local(ref) or _hf_pull(ref, progress=progress)
-    e = entry or registry.lookup(name)
-    if e.hf is not None:
-        return _hf_local(e.hf, e.sha256 or None) or pull(e.name, progress=progress, entry=e)
-    if not is_pulled(e):
-        return pull(e.name, progress=progress, entry=e)
-    sweep_stale(e.path.parent, TEMPORARIES)
-    return e.path
+        found = _hf_local(ref)
+
+        def fetch():
+            return _hf_pull(ref, progress=progress)
+    else:
+        e = entry or registry.lookup(name)
+        if e.hf is None and is_pulled(e):
+            sweep_stale(e.path.parent, TEMPORARIES)
+            return e.path
+        found = None if e.hf is None else _hf_local(e.hf, e.sha256 or None)
+
+        def fetch():
+            return pull(e.name, progress=progress, entry=e)
+
+    if found is not None:
+        return found
+    if before_pull is not None:
+        before_pull()
+    return fetch()

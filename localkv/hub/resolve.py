@@ -1,6 +1,7 @@
 """What a --model value names: a catalog entry (pulled on first use), a hub reference, a .gguf
 file or a Hugging Face style directory, resolved to a local path."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 from localkv.errors import ModelError
@@ -25,17 +26,18 @@ def _check_dir(p: Path) -> Path:
     return p
 
 
-def resolve_model(spec: str | None, progress: bool = True) -> Path:
+def resolve_model(spec: str | None, progress: bool = True, before_pull: Callable[[], None] | None = None) -> Path:
     """None or a catalog name/alias -> the local GGUF (pulled if missing); hf:OWNER/REPO/FILE.gguf
     -> its copy under models_dir()/hf (pulled from the hub if missing); ollama:NAME[:TAG] -> its
     blob in Ollama's store (never pulled: Ollama pulls); a .gguf path or a Hugging Face style
-    directory -> itself. Catalog names win over same-named local paths."""
+    directory -> itself. Catalog names win over same-named local paths. before_pull: called
+    once a pull is about to start."""
     if spec is None:
-        return ensure_model(DEFAULT_MODEL, progress=progress)
+        return ensure_model(DEFAULT_MODEL, progress=progress, before_pull=before_pull)
     if (e := find(spec)) is not None:
-        return ensure_model(e.name, progress=progress, entry=e)
+        return ensure_model(e.name, progress=progress, entry=e, before_pull=before_pull)
     if is_hf(spec):
-        return ensure_model(spec, progress=progress)
+        return ensure_model(spec, progress=progress, before_pull=before_pull)
     if is_ollama(spec):
         return find_ollama(spec).path
     p = Path(spec).expanduser()

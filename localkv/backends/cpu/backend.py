@@ -332,9 +332,15 @@ class CpuBackend:
         self.prefill_amx = False  # the weights' prefill matmuls run on the AMX kernels (prepare_weights)
         self._progress = False
 
+    def prefetch(self) -> None:
+        """While the model downloads: the kernels no weight type decides (attention,
+        element-wise); prepare_weights's load waits for them."""
+        build.load_in_background()
+
     def start(self, progress: bool) -> None:
+        """The kernels load with the weights' types (prepare_weights, next): a first compile of
+        both is then shared out at once (build.load)."""
         self._progress = progress
-        build.load(progress=progress)
 
     def prepare_weights(self, weights: dict) -> dict:
         """The weights as they are (views of the file); loads the kernels of their types only."""

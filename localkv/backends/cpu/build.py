@@ -30,7 +30,7 @@ from types import ModuleType
 
 from localkv.backends.cpu.jit_cache import tables_deferred
 from localkv.backends.vm import drop_file_pages
-from localkv.errors import first_line
+from localkv.errors import LocalkvError, first_line
 
 ROOT = Path(__file__).parent  # every .py file under it can be inlined into a cached kernel
 
@@ -65,10 +65,12 @@ _lock = threading.Lock()
 def load(types: Iterable[str] = (), progress: bool = False) -> bool:
     """Import numba, pin its threading layer to OpenMP, and compile (or load from numba's
     cache) and self-check the attention and element-wise kernels, then those of these weight
-    types only (with their AMX kernels where the CPU has the unit). True when all of them can
+    types only (with their AMX kernels where the CPU has the unit): the kernels every pass
+    runs, and those of the fast paths only with them (FAST_PATHS). True when all of them can
     run; otherwise those that can still do, and the others' reasons are kept (why_not,
-    quant.why_not). Safe to call again. With progress, a first compile (seconds; cached for
-    later runs) is reported on stderr."""
+    quant.why_not). Safe to call again. A compile (numba's cache missed) is shared with worker
+    processes (warmup); with progress it is said on stderr before it starts, with a bar on a
+    terminal."""
     from localkv.backends.cpu.quant.tensor import SUPPORTED
 
     types = sorted(set(types))
@@ -77,19 +79,35 @@ def load(types: Iterable[str] = (), progress: bool = False) -> bool:
             raise ValueError(f"weight type {t} is not supported")
     with _lock:
         t0 = time.perf_counter()
-        first = state.ok is None
-        if first:
-            state.ok, state.why = _load()
+        if state.ok is None and (off := _numba()):
+            state.ok, state.why = False, off
         todo = [t for t in types if t not in state.types]
-        if todo and not state.ok:
+        if state.ok is False:
             state.types.update(dict.fromkeys(todo, state.why or "the CPU kernels are off"))
-        elif todo:
-            with tables_deferred():
-                _load_types(todo)
-        took = time.perf_counter() - t0
-        if progress and state.ok and (first or todo) and took > 1.0:
-            print(f"compiled the CPU kernels in {took:.1f}s (cached for later runs)", file=sys.stderr)
+            return False
+        jobs = _jobs(state.ok is None, todo)
+        if jobs:
+            compiled = _run(jobs, progress)
+            if progress and compiled:
+                took = time.perf_counter() - t0
+                print(f"compiled the CPU kernels in {took:.1f} s (cached for later runs)", file=sys.stderr)
     return bool(state.ok) and all(state.types[t] is None for t in types)
+
+
+def load_in_background() -> threading.Thread:
+    """load() of the kernels no weight type decides, in a daemon thread (started): the next
+    load() waits for it. An error it raises (a bad LOCALKV_COMPILE_WORKERS) leaves them
+    unloaded, and that next load() raises it again, in the caller's thread."""
+
+    def quietly():
+        try:
+            load()
+        except LocalkvError:
+            pass
+
+    thread = threading.Thread(target=quietly, name="localkv-kernels", daemon=True)
+    thread.start()
+    return thread
 
 
 def active() -> bool:
@@ -110,30 +128,106 @@ def release_compiler() -> bool:
     return active() and drop_file_pages("/libllvmlite.so") > 0
 
 
-def _load() -> tuple[bool, str | None]:
-    """The switch, numba, its threading layer and the kernels every model runs."""
+def _numba() -> str | None:
+    """The switch, numba, its threading layer, the stale-cache guard and the kernel modules
+    (their imports register the checks): None when all are in place, else why not."""
     if os.environ.get("LOCALKV_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False, "LOCALKV_CPU_KERNELS=0"
+        return "LOCALKV_CPU_KERNELS=0"
     try:
         with _absent(*_UNUSED_BY_NUMBA):
             import numba
     except ImportError as e:
-        return False, f"numba not installed ({e})"
+        return f"numba not installed ({e})"
     if not os.environ.get("NUMBA_THREADING_LAYER"):
         numba.config.THREADING_LAYER = "omp"
     try:
         drop_stale_cache()
-        with _absent("scipy.linalg"), tables_deferred():
-            from localkv.backends.cpu.kernels import CHECKS, attention, decode, decode_rows, elementwise
+        with _absent("scipy.linalg"):
+            from localkv.backends.cpu.kernels import attention, decode, decode_rows, elementwise  # noqa: F401
+    except Exception as e:  # a numba/numpy mismatch, an unwritable cache...
+        return f"numba kernels unavailable ({type(e).__name__}: {first_line(e)})"
+    return None
 
-            if not all(check() for check in CHECKS["base"]):
-                return False, "kernel self-check failed"
-        if numba.threading_layer() != "omp":
-            return False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
-    except Exception as e:  # no OpenMP runtime, a numba/numpy mismatch, an unwritable cache...
-        return False, f"numba kernels unavailable ({type(e).__name__}: {first_line(e)})"
-    state.attention, state.decode, state.decode_rows, state.elementwise = attention, decode, decode_rows, elementwise
-    return True, None
+
+def _checks(group: str) -> list:
+    """The checks of group a run needs: the fast paths' only with them."""
+    from localkv.backends.cpu.kernels import CHECKS
+
+    return [c for c in CHECKS[group] if FAST_PATHS or not c.fast]
+
+
+def _jobs(base: bool, types: list[str]) -> list:
+    """warmup's jobs: each base check (their kernels are disjoint), and one for all these
+    weight types (their checks compile the same kernels, in other signatures)."""
+    from localkv.backends.cpu.warmup import Job
+
+    jobs = [Job(f"base:{_name(c.run)}", c.cost, c.run) for c in _checks("base")] if base else []
+    if types:
+        try:
+            import localkv.backends.cpu.quant.compiled  # noqa: F401  (its import registers the checks)
+        except Exception:  # _load_types says why
+            pass
+        cost = sum(c.cost for c in _checks("weights"))  # AMX's, where the CPU has it, is not counted
+        jobs.append(Job("weights:" + ",".join(types), cost * len(types), lambda: _load_types(types)))
+    return jobs
+
+
+def _name(check) -> str:
+    return f"{check.__module__.rsplit('.', 1)[-1]}.{check.__name__}"
+
+
+def _run(jobs: list, progress: bool) -> bool:
+    """Run the jobs (warmup, under _lock) and keep what the base checks found. True when
+    something compiled."""
+    import numba
+
+    from localkv.backends.cpu import warmup
+
+    with _absent("scipy.linalg"), tables_deferred():
+        results, compiled = warmup.run(jobs, _WORKER, progress, warmup.workers())
+    base = {k: r for k, r in results.items() if k.startswith("base:")}
+    if not base:
+        return compiled
+    failed = [r for r in base.values() if isinstance(r, Exception)]
+    if failed:
+        state.ok, state.why = False, f"numba kernels unavailable ({type(failed[0]).__name__}: {first_line(failed[0])})"
+    elif not all(base.values()):
+        state.ok, state.why = False, "kernel self-check failed"
+    elif numba.threading_layer() != "omp":
+        state.ok, state.why = False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
+    else:
+        from localkv.backends.cpu.kernels import attention, decode, decode_rows, elementwise
+
+        state.ok, state.why = True, None
+        state.attention, state.decode, state.elementwise = attention, decode, elementwise
+        state.decode_rows = decode_rows
+    if not state.ok:
+        state.types.update(dict.fromkeys(state.types, state.why))
+    return compiled
+
+
+# a worker process of warmup: compiles the jobs whose keys follow
+_WORKER = [sys.executable, "-m", "localkv.backends.cpu.compile_worker"]
+
+
+def run_in_worker(keys: list[str]) -> int:
+    """In a worker process of warmup: compile (or load) the jobs of these keys into numba's
+    cache, printing `done KEY` as each is in it. Their results are not kept: the process that
+    started this one loads and checks each itself."""
+    off = _numba()
+    if off:
+        print(off, file=sys.stderr)
+        return 1
+    types = [k.removeprefix("weights:").split(",") for k in keys if k.startswith("weights:")]
+    jobs = {j.key: j for j in _jobs(True, types[0] if types else [])}
+    with _absent("scipy.linalg"):
+        for key in keys:
+            try:
+                jobs[key].run()
+            except Exception as e:  # the parent's own run of it reports the failure
+                print(f"{key}: {type(e).__name__}: {first_line(e)}", file=sys.stderr)
+            print(f"done {key}", flush=True)
+    return 0
 
 
 def _load_types(types: list[str]):
@@ -171,10 +265,8 @@ def _load_amx(types: list[str]):
 
 def _passes(group: str, qtype: str, what: str) -> str | None:
     """None when the self-checks of `group` pass for qtype, else why not."""
-    from localkv.backends.cpu.kernels import CHECKS
-
     try:
-        return None if all(check(qtype) for check in CHECKS[group]) else f"{what} self-check failed"
+        return None if all(check.run(qtype) for check in _checks(group)) else f"{what} self-check failed"
     except Exception as e:  # a numba/llvm mismatch, an unwritable cache...
         return f"{what}s unavailable ({type(e).__name__}: {first_line(e)})"
 

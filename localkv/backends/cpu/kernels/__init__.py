@@ -21,6 +21,7 @@ build.load runs when it loads them (`self_check`).
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 # Parallel loops (prange) on numba's OpenMP workers; SER on the calling thread; EXACT: serial,
 # without fastmath, for code that must see inf and nan as they are
@@ -31,19 +32,32 @@ EXACT = dict(boundscheck=False, cache=True, nogil=True)
 # rule, backends/cpu/backend.py), whose sums must not depend on the loop version LLVM picks
 EXACT_PAR = dict(PAR, fastmath=False)
 
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """A load-time check: run() compiles (or loads from the cache) the builds it names and
+    compares them with numpy."""
+
+    run: Callable[..., bool]
+    # seconds its compile takes on an empty cache, on the host of BENCHMARKS.md's "first run"
+    # (per weight type for "weights"): the first run's estimate and bar; 0: not counted
+    cost: float
+    fast: bool  # its kernels run only on the fast paths (build.FAST_PATHS): checked only with them
+
+
 # group -> checks, in the order registered. "base" (the attention and element-wise kernels):
-# check() -> bool; "weights" and "amx": check(qtype) -> bool, for each weight type loaded
-CHECKS: dict[str, list[Callable[..., bool]]] = {"base": [], "weights": [], "amx": []}
+# run() -> bool; "weights" and "amx": run(qtype) -> bool, for each weight type loaded
+CHECKS: dict[str, list[Check]] = {"base": [], "weights": [], "amx": []}
 
 
-def self_check(group: str):
+def self_check(group: str, cost: float = 0.0, fast: bool = False):
     """Register the decorated function as a load-time check of `group`: it compiles (or loads
     from the cache) the builds the model calls, with the array kinds it passes, and compares
-    their results with numpy's. build.load runs them; a False or an exception turns the group
-    off."""
+    their results with numpy's. build.load runs them (those of fast-path kernels only with
+    the fast paths); a False or an exception turns the group off."""
 
     def register(check):
-        CHECKS[group].append(check)
+        CHECKS[group].append(Check(check, cost, fast))
         return check
 
     return register

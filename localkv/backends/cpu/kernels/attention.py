@@ -351,20 +351,26 @@ def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, wi
                 out[h, c, r, d] = o[r, d] * inv
 
 
-@self_check("base")
-def check() -> bool:
-    """The shared-prefix and causal kernels for an f16 pool, with the array kinds the model
-    passes (read-only int64 tables): equal keys weigh every value alike, so each unnormalised
-    output is the values' sum (normalised: a value)."""
+@self_check("base", cost=7.8, fast=True)
+def check_prefix() -> bool:
+    """The shared-prefix kernel for an f16 pool, with the array kinds the model passes
+    (read-only int64 tables): equal keys weigh every value alike, so each unnormalised output
+    is the values' sum."""
     k = np.ones((1, 4, 2, 8), np.float16).view(np.uint16)  # [blocks, block size, kv heads, head dim]
     table = np.zeros(1, np.int64)
     table.flags.writeable = False
     out, mx, sm = np.empty((2, 8, 8), np.float32), np.empty((2, 8), np.float32), np.empty((2, 8), np.float32)
     paged_prefix(np.ones((2, 8, 8), np.float32), k, k, table, 3, out, mx, sm)
-    ok = bool((mx == 8.0).all() and (sm == 3.0).all() and (out == 3.0).all())
+    return bool((mx == 8.0).all() and (sm == 3.0).all() and (out == 3.0).all())
+
+
+@self_check("base", cost=7.6)
+def check() -> bool:
+    """The causal kernel for an f16 pool, as check_prefix: normalised, each output a value."""
+    k = np.ones((1, 4, 2, 8), np.float16).view(np.uint16)
     cout = np.empty((2, 1, QT, 8), np.float32)  # one tile of one head each
     tables = np.zeros((2, 1), np.int64)
     tables.flags.writeable = False
     none = np.empty((2, 0, 4, 8), np.uint16)
     paged_causal(np.ones((2, 1, 8, QT), np.float32), k, k, tables, none, none, 0, 3, QT, 1, np.float32(0), 0, cout)
-    return ok and bool((cout[:, :, :3] == 1.0).all())
+    return bool((cout[:, :, :3] == 1.0).all())

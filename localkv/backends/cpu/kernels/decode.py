@@ -103,7 +103,7 @@ decode_attention = njit(**PAR)(_decode_attention)
 decode_attention_serial = njit(**SER)(_decode_attention)
 
 
-@self_check("base")
+@self_check("base", cost=6.5, fast=True)
 def check() -> bool:
     """The tails kernel and both builds of decode attention for an f16 pool (the CPU's default;
     an f32 pool's builds load on first use), with the array kinds the model passes, against

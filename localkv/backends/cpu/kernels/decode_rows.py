@@ -162,7 +162,7 @@ def _gather(qt, o, m, sums, members, count, g, h, s0, gq, go, gm, gs):
         gm[r], gs[r] = -np.inf, 0
 
 
-@self_check("base")
+@self_check("base", cost=7.2)
 def check() -> bool:
     """Two sequences on one block and one on another, f16 pool, read-only int64 tables: equal
     keys weigh every value alike, so each row's output is the value."""

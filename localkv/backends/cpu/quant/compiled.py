@@ -49,11 +49,17 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
         R, tail = len(x), len(x) % OUT_LANES
         lanes = R - tail if tail <= out_rows(run.qtype) else R  # a short tail: matmul_out's
         if lanes:
-            _matmul_lanes(qt, *_lanes_inputs(qt, x[:lanes]), run.datas, run.offs, out)
+            xl = _lanes_inputs(_GROUP_MARKERS[activation_group(run.qtype)], x[:lanes])
+            _matmul_lanes(qt, *xl, run.datas, run.offs, out)
         if lanes < R:
             _matmul_out(qt, x[lanes:], run.datas, run.offs, out[lanes:])
     else:
         matmul_few_float(qt, x, run.datas, run.offs, out)
+
+
+# lanes_inputs reads only the activations' group from its type: one build (one compile on an
+# empty cache, one load at a start) serves every block type of a group
+_GROUP_MARKERS = {activation_group(t): MARKERS[t] for t in reversed(BLOCK_TYPES)}  # the first type of each
 
 
 def dequantize(w, rows: np.ndarray, out: np.ndarray):
@@ -75,42 +81,68 @@ def quantize(x: np.ndarray, group: int) -> np.ndarray:
     return out
 
 
-@self_check("weights")
-def check(qtype: str) -> bool:
-    """Compile (or load) this type's kernels now, not inside a timed step, and check them
-    against the numpy path: both few-row paths, several weights at once, a row count that
-    is not a multiple of the work chunk, and the dequantizer."""
+def _samples(qtype: str):
+    """Two weights of qtype (the first not a multiple of the work chunk) and their float32 values."""
     values = block_size(qtype)[0] if qtype in BLOCK_TYPES else 32
     cols = 3 * values if values == 32 else 2 * values
     ws = (sample_weight(qtype, CHUNK + 3, cols, 1), sample_weight(qtype, 5, cols, 2))
-    dense = [fallback.dequantize_rows(w.data, qtype, 0, w.rows, np.empty(w.shape, np.float32)) for w in ws]
+    return ws, [fallback.dequantize_rows(w.data, qtype, 0, w.rows, np.empty(w.shape, np.float32)) for w in ws]
+
+
+def _close(got: np.ndarray, x: np.ndarray, qtype: str, dense: list) -> bool:
+    """got = x @ W.T for the weights dense side by side, within float32 sums of the exact products."""
+    xa = fallback.quantize_activations(x, activation_group(qtype)) if qtype in BLOCK_TYPES else x
+    want = xa.astype(np.float64) @ np.concatenate(dense).T.astype(np.float64)
+    return bool(np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()))
+
+
+@self_check("weights", cost=7.0)
+def check(qtype: str) -> bool:
+    """Compile (or load) this type's kernels of every pass (every_row, the dequantizer) now,
+    not inside a timed step, and check them against the numpy path: several weights at once, a
+    row count that is not a multiple of the work chunk, each row alone the bits it gets among
+    others."""
+    ws, dense = _samples(qtype)
     if qtype in BLOCK_TYPES:
         got = np.empty(dense[0].shape, np.float32)
         dequantize(ws[0], np.arange(ws[0].rows), got)
+        if not np.array_equal(got, dense[0]):
+            return False
+    rng = np.random.default_rng(3)
+    (run,) = QStack(ws).runs
+    for rows in (1, 2, 3, 8):
+        x = rng.standard_normal((rows, dense[0].shape[1]), dtype=np.float32)
+        one = np.empty((8, ws[0].rows + ws[1].rows), np.float32)  # the lanes kernel writes 8 rows
+        every_row(run, x, one)
+        one = one[: len(x)]
+        if not all(np.array_equal(one[r : r + 1], _one_row(run, x[r : r + 1], one.shape[1])) for r in range(rows)):
+            return False  # each row the bits it gets in a batch (the lanes kernel's) when alone
+        if not _close(one, x, qtype, dense):
+            return False
+    return True
+
+
+@self_check("weights", cost=3.5, fast=True)
+def check_fast(qtype: str) -> bool:
+    """The fast paths' kernels of this type: few() for 1-8 rows and the activations' int8
+    rounding of matmul_many, in both orders, against the numpy path."""
+    ws, dense = _samples(qtype)
+    cols = dense[0].shape[1]
+    if qtype in BLOCK_TYPES:
         x = np.random.default_rng(4).standard_normal((3, cols), dtype=np.float32)
         x[1, 2] = np.inf  # its group: nan, as the few-row kernels give
         want = fallback.quantize_activations(x, activation_group(qtype))
         for xs in (x, np.asfortranarray(x)):  # both orders matmul_many is given
             if not np.array_equal(quantize(xs, activation_group(qtype)), want, equal_nan=True):
                 return False
-        if not np.array_equal(got, dense[0]):
-            return False
     rng = np.random.default_rng(3)
+    (run,) = QStack(ws).runs
     for rows in (1, 2, 3, 8):
         x = rng.standard_normal((rows, cols), dtype=np.float32)
         out = np.empty((rows, ws[0].rows + ws[1].rows), np.float32)
-        (run,) = QStack(ws).runs
         few(run, x, out)
-        one = np.empty((8, out.shape[1]), np.float32)  # the lanes kernel writes 8 rows
-        every_row(run, x, one)
-        one = one[: len(x)]
-        if not all(np.array_equal(one[r : r + 1], _one_row(run, x[r : r + 1], out.shape[1])) for r in range(rows)):
-            return False  # each row the bits it gets in a batch (the lanes kernel's) when alone
-        xa = fallback.quantize_activations(x, activation_group(qtype)) if qtype in BLOCK_TYPES else x
-        want = xa.astype(np.float64) @ np.concatenate(dense).T.astype(np.float64)
-        for got in (out, one):
-            if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
-                return False
+        if not _close(out, x, qtype, dense):
+            return False
     return True
 
 
