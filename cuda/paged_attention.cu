@@ -119,18 +119,15 @@ struct LkvKvQ4_0 {  // block: d, then 16 bytes: value c < 16 the low nibble of b
   }
 };
 
-// body(K format, V format) for the formats kf, vf name; nothing for a code without a format.
+// body(K format, V format) for the pairs cuda_kernels.KV_PAIRS lists (each instantiation is
+// compiled at start: all nine pairs took ten times the f16 kernels' compile time); nothing for
+// another pair, which the backend sends to its CuPy path instead.
 template <typename Body>
 __device__ __forceinline__ void lkv_kv_formats(int kf, int vf, const Body& body) {
   switch (kf * 3 + vf) {
     case 0: body(LkvKvF16(), LkvKvF16()); break;
-    case 1: body(LkvKvF16(), LkvKvQ8_0()); break;
-    case 2: body(LkvKvF16(), LkvKvQ4_0()); break;
-    case 3: body(LkvKvQ8_0(), LkvKvF16()); break;
     case 4: body(LkvKvQ8_0(), LkvKvQ8_0()); break;
     case 5: body(LkvKvQ8_0(), LkvKvQ4_0()); break;
-    case 6: body(LkvKvQ4_0(), LkvKvF16()); break;
-    case 7: body(LkvKvQ4_0(), LkvKvQ8_0()); break;
     case 8: body(LkvKvQ4_0(), LkvKvQ4_0()); break;
     default: break;
   }
@@ -532,7 +529,7 @@ __device__ __forceinline__ void lkv_attention_mass(float* __restrict__ mass, con
       long long q_tok_stride, const void* __restrict__ kc, int kf, const int* __restrict__ bt, int n_ctx, int T, \
       int H, int kvh, int bs, float scale) {                                                                     \
     const unsigned char* k8 = static_cast<const unsigned char*>(kc);                                            \
-    lkv_kv_formats(kf, LKV_KV_F16, [&](auto K, auto) {                                                          \
+    lkv_kv_formats(kf, kf, [&](auto K, auto) {                                                          \
       lkv_attention_mass<HDV, decltype(K)>(mass, lse, q, q_tok_stride, k8, bt, n_ctx, T, H, kvh, bs, scale);    \
     });                                                                                                          \
   }

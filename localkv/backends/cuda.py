@@ -12,9 +12,9 @@ Dtypes, and why:
   weights as they are, so fp16 activations keep every matmul fp16 x fp16 (fp32 activations would
   make CuPy upcast the weight on every call). The residual stream is therefore fp16, unlike
   llama.cpp's fp32; every fused kernel (RMSNorm, RoPE, SiLU, attention) computes in fp32;
-- the KV pool is fp16 by default (kv_dtype), or q8_0 / q4_0 (any K:V pair of the three): quantized
-  once as rows are written, read as stored by the attention kernels (cuda_kv, cuda_attention);
-  attention accumulates in fp32 (online softmax).
+- the KV pool is fp16 by default (kv_dtype), or q8_0 / q4_0 (kernels for those and q8_0:q4_0,
+  other K:V pairs on CuPy): quantized once as rows are written, read as stored by the attention
+  kernels (cuda_kv, cuda_attention); attention accumulates in fp32 (online softmax).
 
 Decode steps of single-token sequences run one paged_decode launch per layer for all of them
 (CudaBackend.decode, through Llama.forward's decode batch).

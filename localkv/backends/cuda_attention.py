@@ -26,6 +26,7 @@ from localkv.backends.cuda_kernels import (
     GMAX,
     KERNEL_HEAD_DIMS,
     KV_FORMATS,
+    KV_PAIRS,
     MASS_WARPS,
     PREFILL_WARPS,
     THREADS,
@@ -49,7 +50,12 @@ def _q_rows(q):
 
 
 def _kernels_ok(hd, k_layer, v_layer) -> bool:
-    return hd in KERNEL_HEAD_DIMS and pool_layer_ok(k_layer) and pool_layer_ok(v_layer)
+    return (
+        hd in KERNEL_HEAD_DIMS
+        and pool_layer_ok(k_layer)
+        and pool_layer_ok(v_layer)
+        and kv_format.pair_name(kv_format.of(k_layer), kv_format.of(v_layer)) in KV_PAIRS
+    )
 
 
 def _code(layer) -> np.int32:

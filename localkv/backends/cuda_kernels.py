@@ -22,6 +22,7 @@ QMV_WARPS, QMV_LANES = 4, 4  # quant_matvec.cu: warps per thread block of the ma
 THREADS = 256  # threads per block of the element-wise kernels
 # K/V row formats the kernels write and read: kv_format name -> the kf / vf code (LKV_KV_* in the .cu)
 KV_FORMATS = {"f16": 0, "q8_0": 1, "q4_0": 2}
+KV_PAIRS = ("f16", "q8_0", "q4_0", "q8_0:q4_0")  # (K, V) pairs with kernels (lkv_kv_formats); others: CuPy
 DEFINES = (
     f"-DLKV_DECODE_WARPS={DECODE_WARPS}",
     f"-DLKV_PREFILL_WARPS={PREFILL_WARPS}",
