@@ -99,9 +99,22 @@ class PeerRunner:
         except Exception as e:  # llama.cpp reports load failures as ValueError/RuntimeError
             raise LocalkvError(f"llama.cpp could not load {path}: {e}") from None
         self.n_vocab = self.llm.n_vocab()
+        self.depth = 0  # tokens every pp/tg rep starts after (set_depth)
+
+    def set_depth(self, tokens: list[int]):
+        """pp and tg from now on start after these tokens, evaluated once here."""
+        self.depth = 0
+        self._reset()
+        if tokens:
+            self.llm.eval(tokens)
+            self.depth = len(tokens)
 
     def _reset(self):
-        # reset() only rewinds n_tokens; clear the KV too so each rep starts from an empty cache
+        # reset() only rewinds n_tokens; clear the KV too so each rep starts from an empty cache.
+        # At a depth, rewinding to it is enough: eval() drops the K/V past n_tokens first
+        if self.depth:
+            self.llm.n_tokens = self.depth
+            return
         self.llm.reset()
         self.llm._ctx.kv_cache_clear()
 

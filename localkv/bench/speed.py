@@ -1,5 +1,8 @@
-"""`localkv bench speed`, llama-bench style: pp N times a prefill of N random tokens into an
-empty sequence; tg N times N single-token decode steps after a 1-token prompt.
+"""`localkv bench speed`, llama-bench style: pp N times a prefill of N random tokens; tg N times
+N single-token decode steps after a 1-token prompt. At depth D (llama-bench's -d) both run after
+D random tokens already in the K/V: a sequence of D tokens is prefilled once per depth, untimed,
+and every rep continues a copy of it (localkv: a fork sharing its blocks; llama.cpp: its K/V
+past D removed), so the timed part is what llama-bench times.
 
 Rows use llama-bench's JSON field names and the table its layout, so results can sit next to
 llama-bench's. With --vs llama.cpp the same tests run on llama-cpp-python with the same GGUF
@@ -43,9 +46,10 @@ START_NOTE = (
 
 @dataclass(slots=True, frozen=True)
 class Test:
-    name: str  # "pp512" / "tg128", as llama-bench names them
+    base: str  # "pp512" / "tg128", as llama-bench names them
     n_prompt: int
     n_gen: int
+    n_depth: int = 0  # tokens already in the K/V when the test starts
 
     @classmethod
     def parse(cls, name: str) -> "Test":
@@ -55,9 +59,17 @@ class Test:
         n = int(m.group(2))
         return cls(name, n, 0) if m.group(1) == "pp" else cls(name, 0, n)
 
+    def at(self, depth: int) -> "Test":
+        return Test(self.base, self.n_prompt, self.n_gen, depth)
+
+    @property
+    def name(self) -> str:
+        """llama-bench's test column: "tg128", "tg128 @ d4096"."""
+        return self.base + (f" @ d{self.n_depth}" if self.n_depth else "")
+
     @property
     def n_ctx(self) -> int:
-        return self.n_prompt + self.n_gen + 1
+        return self.n_depth + self.n_prompt + self.n_gen + 1
 
 
 class LocalRunner:
@@ -67,9 +79,26 @@ class LocalRunner:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.base: Sequence | None = None  # the depth's tokens, computed; every rep forks it
+
+    def set_depth(self, tokens: list[int]):
+        """Tests from now on start after these tokens (none: from an empty K/V)."""
+        if self.base is not None:
+            self.engine.free(self.base)
+            self.base = None
+        if tokens:
+            self.base = Sequence(list(tokens))
+            self.engine.prefill(self.base)
+
+    def _fresh(self, tokens: list[int]) -> Sequence:
+        if self.base is None:
+            return Sequence(list(tokens))
+        seq = self.engine.fork(self.base)
+        seq.tokens += tokens
+        return seq
 
     def pp(self, tokens: list[int]) -> float:
-        eng, seq = self.engine, Sequence(list(tokens))
+        eng, seq = self.engine, self._fresh(tokens)
         try:
             t0 = perf_counter()
             eng.prefill(seq)
@@ -78,7 +107,7 @@ class LocalRunner:
             eng.free(seq)
 
     def tg(self, first: int, n: int) -> float:
-        eng, seq = self.engine, Sequence([first])
+        eng, seq = self.engine, self._fresh([first])
         try:
             logits = eng.prefill(seq)
             t0 = perf_counter()
@@ -96,8 +125,19 @@ def _measure(runner, test: Test, tokens: list[int]) -> float:
 
 def _tokens(test: Test, vocab: int, rep: int, seed: int, warm: bool = False) -> list[int]:
     # the same ids for every engine at a given rep, different ids across reps
-    rng = np.random.default_rng([seed, warm, rep, test.n_prompt, test.n_gen])
+    rng = np.random.default_rng([seed, warm, rep, test.n_prompt, test.n_gen] + [test.n_depth] * bool(test.n_depth))
     return rng.integers(0, vocab, max(test.n_prompt, 1)).tolist()
+
+
+def _depth_tokens(depth: int, vocab: int, seed: int) -> list[int]:
+    return np.random.default_rng([seed, depth, 1]).integers(0, vocab, depth).tolist()
+
+
+def check_depths(depths) -> tuple[int, ...]:
+    depths = tuple(depths)
+    if not depths or any(d < 0 for d in depths):
+        raise LocalkvError(f"invalid depth {','.join(map(str, depths))}: give token counts >= 0, e.g. -d 0,4096")
+    return depths
 
 
 def speed_rows(
@@ -108,38 +148,51 @@ def speed_rows(
     vs: str | None = None,
     seed: int = 0,
     progress=None,
+    depths=(0,),
 ) -> list[dict]:
-    """One row per (test, engine); with vs="llama.cpp" a llama.cpp row follows each localkv row.
-    progress(msg) is called before each rep (bench_command sends it to stderr)."""
+    """One row per (depth, test, engine); with vs="llama.cpp" a llama.cpp row follows each
+    localkv row. progress(msg) is called before each rep (bench_command sends it to stderr)."""
     tests = [t if isinstance(t, Test) else Test.parse(t) for t in tests]
     if reps < 1:
         raise LocalkvError(f"invalid repetitions {reps}: must be >= 1")
     check_vs(vs)
-    for t in tests:
-        engine.check_fits(max(t.n_prompt, 1), t.n_gen)
+    plan = [[t.at(d) for t in tests] for d in check_depths(depths)]
+    for t in (t for ts in plan for t in ts):
+        engine.check_fits(t.n_depth + max(t.n_prompt, 1), t.n_gen)
     runners = [LocalRunner(engine)]
     if vs:
-        n_ctx = -(-max(t.n_ctx for t in tests) // 256) * 256
+        n_ctx = -(-max(t.n_ctx for ts in plan for t in ts) // 256) * 256
         runners.append(PeerRunner(engine.path, engine.threads, n_ctx))
     say = progress or (lambda msg: None)
+    vocab = engine.model_config.vocab_size
     rows = []
     try:
-        for t in tests:
-            vocab = engine.model_config.vocab_size
-            for i in range(warmup):
-                for r in runners:
-                    say(f"{t.name} {r.name} warmup {i + 1}/{warmup}")
-                    _measure(r, t, _tokens(t, vocab, i, seed, warm=True))
-            secs = {r.name: [] for r in runners}
-            for i in range(reps):
-                for r in runners:  # interleaved: A B A B ...
-                    say(f"{t.name} {r.name} rep {i + 1}/{reps}")
-                    secs[r.name].append(_measure(r, t, _tokens(t, vocab, i, seed)))
-            rows += [_row(engine, t, name, s) for name, s in secs.items()]
+        for ts in plan:
+            depth = ts[0].n_depth
+            for r in runners:
+                say(f"depth {depth}: {r.name} prefills {depth} tokens")
+                r.set_depth(_depth_tokens(depth, vocab, seed))
+            for t in ts:
+                rows += _test_rows(engine, runners, t, reps, warmup, seed, say)
     finally:
+        runners[0].set_depth([])
         for r in runners[1:]:
             r.close()
     return rows
+
+
+def _test_rows(engine: Engine, runners: list, t: Test, reps: int, warmup: int, seed: int, say) -> list[dict]:
+    vocab = engine.model_config.vocab_size
+    for i in range(warmup):
+        for r in runners:
+            say(f"{t.name} {r.name} warmup {i + 1}/{warmup}")
+            _measure(r, t, _tokens(t, vocab, i, seed, warm=True))
+    secs = {r.name: [] for r in runners}
+    for i in range(reps):
+        for r in runners:  # interleaved: A B A B ...
+            say(f"{t.name} {r.name} rep {i + 1}/{reps}")
+            secs[r.name].append(_measure(r, t, _tokens(t, vocab, i, seed)))
+    return [_row(engine, t, name, s) for name, s in secs.items()]
 
 
 def _backend(engine: Engine) -> str:
@@ -163,6 +216,7 @@ def _row(engine: Engine, t: Test, name: str, secs: list[float]) -> dict:
         "test": t.name,
         "n_prompt": t.n_prompt,
         "n_gen": t.n_gen,
+        "n_depth": t.n_depth,
         "test_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "avg_ns": int(statistics.fmean(ns)),
         "stddev_ns": int(_sd(ns)),
@@ -192,11 +246,12 @@ def run(o: Options) -> Report:
     n_prompt, n_gen, reps = (64, 16, 1) if o.quick else (o.n_prompt, o.n_gen, o.reps or 5)
     tests = [f"pp{n_prompt}"] * bool(n_prompt) + [f"tg{n_gen}"] * bool(n_gen)
     eng = o.new_engine(prefix_cache=False)  # as llama-bench: no prefix cache, the pool's blocks reused
-    rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say)
+    rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say, depths=o.depths)
     r = ratios(rows)
+    at = f" at depth {', '.join(map(str, o.depths))}" if o.depths != (0,) else ""
     rep = Report(
         "speed",
-        f"prompt processing ({', '.join(tests)}) and generation speed, llama-bench style, "
+        f"prompt processing ({', '.join(tests)}) and generation speed{at}, llama-bench style, "
         f"{reps} rep(s)" + (", interleaved with llama.cpp" if o.vs else ""),
         command=o.command("speed", eng.threads),
         rows=rows,
