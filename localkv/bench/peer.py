@@ -14,6 +14,7 @@ from time import perf_counter
 import numpy as np
 
 import localkv
+from localkv import kv_format
 from localkv.errors import LocalkvError
 
 INSTALL_HINT = "pip install -e '.[peer]'"
@@ -70,6 +71,9 @@ def _cpu_has(flag: str) -> bool:
 
 class PeerRunner:
     name = "llama.cpp"
+    chunk = 512  # n_batch: prompt tokens per pass
+    kv_format = kv_format.F16  # llama.cpp's default K and V type
+    flash_attn = False  # llama-cpp-python's default; each row says it
 
     def __init__(self, path: str | Path, threads: int, n_ctx: int, prompt_lookup: bool = False):
         """prompt_lookup: llama-cpp-python's LlamaPromptLookupDecoding as the draft model, at its
@@ -88,8 +92,9 @@ class PeerRunner:
                 n_ctx=n_ctx,
                 n_threads=threads,
                 n_threads_batch=threads,
-                n_batch=512,
-                n_ubatch=512,
+                n_batch=self.chunk,
+                n_ubatch=self.chunk,
+                flash_attn=self.flash_attn,
                 # with a draft model llama-cpp-python keeps logits for every position but sizes
                 # their buffer by this flag (n_batch rows without it): past 512 tokens it overflows
                 logits_all=prompt_lookup,

@@ -18,10 +18,10 @@ from time import perf_counter
 
 import numpy as np
 
-from localkv.bench import rss, start
+from localkv.bench import bandwidth, rss, start
 from localkv.bench.options import Options
 from localkv.bench.peer import PeerRunner, check_vs
-from localkv.bench.report import LoadMeter, Report, cpu_info
+from localkv.bench.report import LoadMeter, Report, Target, cpu_info
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
 from localkv.sequence import Sequence
@@ -36,6 +36,22 @@ RSS_NOTE = (
     "peak RSS: ru_maxrss of a fresh `localkv run -n 16 --json` child (and of a llama-cpp-python child doing the "
     "same chat turn), as /usr/bin/time reports it; mapped model pages count once touched"
 )
+
+
+TRAFFIC_NOTE = (
+    "GB/s: bytes moved per test / its mean time; each pass (a tg token, a pp chunk) reads every matmul weight "
+    "and the output head once (the file's bytes) and the K/V of its context once (the engine's row format); "
+    "of read probe: that rate over the probe's median during the test's reps (bench/bandwidth.py)"
+)
+
+PEER_NOTE = (
+    f"llama.cpp: f16 K/V, n_batch {PeerRunner.chunk}, flash attention {'on' if PeerRunner.flash_attn else 'off'}"
+)
+
+QUICK_PROBE_BYTES = 64 << 20  # --quick: the probe's path, not a figure
+
+# issue 32: tg128's share of the read probe at depth 0, by the weights' type (llama-3.2-1b shapes)
+PROBE_SHARE_GOALS = {"Q4_K_M": 0.85, "Q8_0": 0.80, "Q4_0": 0.80}
 
 
 START_NOTE = (
@@ -80,6 +96,7 @@ class LocalRunner:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.base: Sequence | None = None  # the depth's tokens, computed; every rep forks it
+        self.chunk = engine.config.prefill_chunk  # prompt tokens per pass
 
     def set_depth(self, tokens: list[int]):
         """Tests from now on start after these tokens (none: from an empty K/V)."""
@@ -149,9 +166,13 @@ def speed_rows(
     seed: int = 0,
     progress=None,
     depths=(0,),
+    probe=None,
 ) -> list[dict]:
     """One row per (depth, test, engine); with vs="llama.cpp" a llama.cpp row follows each
-    localkv row. progress(msg) is called before each rep (bench_command sends it to stderr)."""
+    localkv row. progress(msg) is called before each rep (bench_command sends it to stderr).
+    Each row says the bytes its passes move (bandwidth.py) and their GB/s; with a probe
+    (bandwidth.ReadProbe) one probe pass follows each round of reps, and each row gets the
+    probe's median over its test and its share of it."""
     tests = [t if isinstance(t, Test) else Test.parse(t) for t in tests]
     if reps < 1:
         raise LocalkvError(f"invalid repetitions {reps}: must be >= 1")
@@ -173,7 +194,7 @@ def speed_rows(
                 say(f"depth {depth}: {r.name} prefills {depth} tokens")
                 r.set_depth(_depth_tokens(depth, vocab, seed))
             for t in ts:
-                rows += _test_rows(engine, runners, t, reps, warmup, seed, say)
+                rows += _test_rows(engine, runners, t, reps, warmup, seed, say, probe)
     finally:
         runners[0].set_depth([])
         for r in runners[1:]:
@@ -181,18 +202,43 @@ def speed_rows(
     return rows
 
 
-def _test_rows(engine: Engine, runners: list, t: Test, reps: int, warmup: int, seed: int, say) -> list[dict]:
+def _test_rows(engine: Engine, runners: list, t: Test, reps: int, warmup: int, seed: int, say, probe) -> list[dict]:
     vocab = engine.model_config.vocab_size
     for i in range(warmup):
         for r in runners:
             say(f"{t.name} {r.name} warmup {i + 1}/{warmup}")
             _measure(r, t, _tokens(t, vocab, i, seed, warm=True))
-    secs = {r.name: [] for r in runners}
+    secs, probed = {r.name: [] for r in runners}, []
     for i in range(reps):
         for r in runners:  # interleaved: A B A B ...
             say(f"{t.name} {r.name} rep {i + 1}/{reps}")
             secs[r.name].append(_measure(r, t, _tokens(t, vocab, i, seed)))
-    return [_row(engine, t, name, s) for name, s in secs.items()]
+        if probe is not None:  # under the load the reps just ran under
+            probed.append(probe.gbps())
+    weights = bandwidth.weight_bytes(engine.loaded.weights)
+    rows = []
+    for r in runners:
+        moved = bandwidth.bytes_moved(t.n_depth, t.n_prompt, t.n_gen, r.chunk, weights, _kv_per_token(engine, r))
+        rows.append(_row(engine, t, r.name, secs[r.name]) | _traffic(moved, secs[r.name], probed))
+        if r.name != "localkv":
+            rows[-1]["flash_attn"] = r.flash_attn
+    return rows
+
+
+def _kv_per_token(engine: Engine, runner) -> int:
+    """Bytes of one token's K and V over all layers, as this runner stores them."""
+    if isinstance(runner, LocalRunner):
+        return engine.kv_bytes_per_token
+    m = engine.model_config
+    return m.n_layers * m.n_kv_heads * 2 * runner.kv_format.row_bytes(m.head_dim)
+
+
+def _traffic(moved: int, secs: list[float], probed: list[float]) -> dict:
+    gbps = moved / statistics.fmean(secs) / 1e9
+    out = {"bytes_moved": moved, "gbps": gbps}
+    if probed:
+        out |= {"read_probe_gbps": statistics.median(probed), "probe_share": gbps / statistics.median(probed)}
+    return out
 
 
 def _backend(engine: Engine) -> str:
@@ -246,7 +292,12 @@ def run(o: Options) -> Report:
     n_prompt, n_gen, reps = (64, 16, 1) if o.quick else (o.n_prompt, o.n_gen, o.reps or 5)
     tests = [f"pp{n_prompt}"] * bool(n_prompt) + [f"tg{n_gen}"] * bool(n_gen)
     eng = o.new_engine(prefix_cache=False)  # as llama-bench: no prefix cache, the pool's blocks reused
-    rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say, depths=o.depths)
+    o.say("read probe: compile and fill its buffer")
+    probe = bandwidth.ReadProbe(eng.threads, QUICK_PROBE_BYTES if o.quick else None)
+    try:
+        rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say, depths=o.depths, probe=probe)
+    finally:
+        probe.close()
     r = ratios(rows)
     at = f" at depth {', '.join(map(str, o.depths))}" if o.depths != (0,) else ""
     rep = Report(
@@ -258,7 +309,12 @@ def run(o: Options) -> Report:
         table_md=format_speed_table(rows, r),
     )
     rep.summary = {f"{t} localkv / llama.cpp": f"{x:.2f}x" for t, x in r.items()}
-    rep.notes = [NOTE]
+    rep.summary["read probe"] = (
+        f"{statistics.median(row['read_probe_gbps'] for row in rows):.1f} GB/s, median over the run: a sum of "
+        f"{probe.nbytes >> 20} MiB of 64-bit words on {probe.threads} thread(s), one pass after each round of reps"
+    )
+    rep.targets = _targets(rows, eng.model_config.quant, judged=not o.quick)
+    rep.notes = [NOTE, TRAFFIC_NOTE] + ([PEER_NOTE] if o.vs else [])
     if not o.quick and Path(eng.path).is_file():  # peak memory of a whole `localkv run` (and llama.cpp's)
         o.say("peak RSS of `localkv run -n 16` in a child process" + (" and of llama.cpp" if o.vs else ""))
         rep.summary |= rss.summary(Path(eng.path), eng.kv_bytes_per_token, eng.threads, o.vs)
@@ -266,6 +322,22 @@ def run(o: Options) -> Report:
         rep.summary |= start.summary(str(eng.path), eng.threads)
         rep.notes += [RSS_NOTE, START_NOTE]
     return meter.finish(rep, eng.threads)
+
+
+def _targets(rows: list[dict], quant: str, judged: bool) -> list[Target]:
+    goal = PROBE_SHARE_GOALS.get(quant)
+    tg = [r for r in rows if r["engine"] == "localkv" and r["n_gen"] and not r["n_depth"] and "probe_share" in r]
+    if goal is None or not tg:
+        return []
+    x = tg[0]["probe_share"]
+    return [
+        Target(
+            f"{tg[0]['test']} share of the read probe ({quant})",
+            f"{x * 100:.0f}%",
+            f">= {goal * 100:.0f}%",
+            x >= goal if judged else None,
+        )
+    ]
 
 
 # ------------------------------------------------------------------ output
@@ -285,6 +357,7 @@ def format_speed_table(rows: list[dict], ratios: dict[str, float] | None = None)
     compared = any(r["engine"] != "localkv" for r in rows)
     ratios = ratios or {}
     cols = ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    cols += ["GB/s"] * any("gbps" in r for r in rows) + ["of read probe"] * any("probe_share" in r for r in rows)
     if compared:
         cols = ["engine", *cols, "vs llama.cpp"]
     left = {"engine", "model", "backend"}  # llama-bench left-aligns text, right-aligns numbers
@@ -316,6 +389,10 @@ def _cell(r: dict, col: str, ratios: dict[str, float]) -> str:
             return r["test"]
         case "t/s":
             return f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}"
+        case "GB/s":
+            return f"{r['gbps']:.2f}" if "gbps" in r else ""
+        case "of read probe":
+            return f"{r['probe_share'] * 100:.0f}%" if "probe_share" in r else ""
         case "vs llama.cpp":
             x = ratios.get(r["test"]) if r["engine"] == "localkv" else None
             return f"{x:.2f}x" if x is not None else ""

@@ -106,6 +106,8 @@ def test_speed_quick(tiny):
     assert [r["test"] for r in rep.rows] == ["pp64", "tg16"] and all(r["avg_ts"] > 0 for r in rep.rows)
     assert all(r.keys() >= LLAMA_BENCH_KEYS for r in json.loads(br.format_json([rep], single=True))["rows"])
     assert "| pp64 |" in br.format_md(rep).replace("  ", "")
+    assert all(r["gbps"] > 0 and r["probe_share"] > 0 and r["bytes_moved"] > 0 for r in rep.rows)
+    assert "| GB/s | of read probe |" in br.format_md(rep).replace("  ", "") and "read probe" in rep.summary
 
 
 def test_speed_names_amx_where_prefill_ran_on_it(tmp_path):
