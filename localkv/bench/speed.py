@@ -34,7 +34,9 @@ NOTE = (
 
 RSS_NOTE = (
     "peak RSS: ru_maxrss of a fresh `localkv run -n 16 --json` child (and of a llama-cpp-python child doing the "
-    "same chat turn), as /usr/bin/time reports it; mapped model pages count once touched"
+    "same chat turn), as /usr/bin/time reports it; mapped model pages count once touched. Peak private: the "
+    "most anonymous memory (smaps_rollup's Pss_Anon) seen in samples every 20 ms, what the process costs the "
+    "machine beyond page cache; USS also counts the clean model pages only it maps (bench/rss.py)"
 )
 
 
@@ -316,8 +318,10 @@ def run(o: Options) -> Report:
     rep.targets = _targets(rows, eng.model_config.quant, judged=not o.quick)
     rep.notes = [NOTE, TRAFFIC_NOTE] + ([PEER_NOTE] if o.vs else [])
     if not o.quick and Path(eng.path).is_file():  # peak memory of a whole `localkv run` (and llama.cpp's)
-        o.say("peak RSS of `localkv run -n 16` in a child process" + (" and of llama.cpp" if o.vs else ""))
-        rep.summary |= rss.summary(Path(eng.path), eng.kv_bytes_per_token, eng.threads, o.vs)
+        o.say("peak memory of `localkv run -n 16` in a child process" + (" and of llama.cpp" if o.vs else ""))
+        lines, targets = rss.summary(Path(eng.path), eng.kv_bytes_per_token, eng.threads, o.vs)
+        rep.summary |= lines
+        rep.targets += targets
         o.say("engine start (imports + Engine()) in fresh processes")
         rep.summary |= start.summary(str(eng.path), eng.threads)
         rep.notes += [RSS_NOTE, START_NOTE]
