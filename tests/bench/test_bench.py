@@ -9,6 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from localkv.bench import speed as bench
+from localkv.bench import speed_table
 from localkv.bench.report import check_output
 from localkv.cli.bench import bench_command
 from localkv.config import EngineConfig
@@ -59,7 +60,7 @@ def test_parse_tests():
 
 
 def test_md_table_like_llama_bench():
-    md = bench.format_speed_table([_row(), _row(test="tg128", ts=(40.0, 40.0))])
+    md = speed_table.format_speed_table([_row(), _row(test="tg128", ts=(40.0, 40.0))])
     table = md.splitlines()
     assert [c.strip() for c in table[0].strip("|").split("|")] == [
         "model",
@@ -93,7 +94,7 @@ def test_md_compared_has_engine_and_ratio_columns():
     ]
     r = bench.ratios(rows)
     assert r == pytest.approx({"pp512": 3.0, "tg128": 0.4})
-    table = bench.format_speed_table(rows, r).splitlines()
+    table = speed_table.format_speed_table(rows, r).splitlines()
     cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in table]
     assert cells[0][0] == "engine" and cells[0][-1] == "vs llama.cpp"
     assert [c[0] for c in cells[2:]] == ["localkv", "llama.cpp"] * 2
@@ -106,8 +107,8 @@ def test_ratios_skip_tests_without_peer():
 
 
 def test_size_and_params_units():
-    assert bench._size(3 * 2**30) == "3.00 GiB" and bench._size(2**20) == "1.00 MiB"
-    assert bench._params(6_740_000_000) == "6.74 B" and bench._params(135_000_000) == "135.00 M"
+    assert speed_table._size(3 * 2**30) == "3.00 GiB" and speed_table._size(2**20) == "1.00 MiB"
+    assert speed_table._params(6_740_000_000) == "6.74 B" and speed_table._params(135_000_000) == "135.00 M"
 
 
 def _app():
