@@ -225,6 +225,8 @@ def _test_rows(engine: Engine, runners: list, t: Test, reps: int, warmup: int, s
         rows.append(_row(engine, t, r.name, secs[r.name]) | _traffic(moved, secs[r.name], probed))
         if r.name != "localkv":
             rows[-1]["flash_attn"] = r.flash_attn
+        share = f", {rows[-1]['probe_share'] * 100:.0f}% of the read probe" if probed else ""
+        say(f"{t.name} {r.name}: {rows[-1]['avg_ts']:.2f} t/s, {rows[-1]['gbps']:.2f} GB/s{share}")
     return rows
 
 
