@@ -7,8 +7,10 @@ the context it attends over once. A tg pass is one token; a pp pass is one prefi
 weights are counted in the file's own encoding, the K/V in the pool's row formats.
 
 The read probe is STREAM-style: one pass summing a buffer of 64-bit words well past the
-last-level cache, on the suite's thread count, in the bench's own process, so a tg row's
-share of it says how close decode runs to what the memory gives under the same load.
+last-level cache, in the bench's own process, on the suite's thread count less the cores other
+processes hold (the kernels' own rule, backends/cpu/threads.CoreShare: on a loaded machine a
+parallel pass on a taken core waits for its time slice), so a tg row's share of it says how
+close decode runs to what the memory gives under the same load.
 """
 
 import os
@@ -19,6 +21,7 @@ import numpy as np
 
 from localkv.backends.cpu import build
 from localkv.backends.cpu.quant import QStack, QTensor
+from localkv.backends.cpu.threads import CoreShare
 
 PROBE_MIN_BYTES = 256 << 20
 LLC_TIMES = 16  # the probe's buffer: this many last-level caches, PROBE_MIN_BYTES at least
@@ -82,6 +85,7 @@ class ReadProbe:
         build.load()  # numba's threading layer pinned as the kernels' before this compiles
         nbytes = nbytes or max(PROBE_MIN_BYTES, LLC_TIMES * _llc_bytes())
         self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+        self.cores = CoreShare(self.threads)
         self.parts = 8 * self.threads  # several per thread: a slow start of one thread evens out
         self.words = np.ones(nbytes // 8 // self.parts * self.parts, np.uint64)  # real pages, not the zero page
         self.nbytes = self.words.nbytes
@@ -89,7 +93,7 @@ class ReadProbe:
 
     def gbps(self) -> float:
         was = numba.get_num_threads()
-        numba.set_num_threads(self.threads)
+        numba.set_num_threads(self.cores.threads())
         try:
             t0 = perf_counter()
             _sum_words(self.words, self.parts)

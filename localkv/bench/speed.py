@@ -316,7 +316,8 @@ def run(o: Options) -> Report:
     rep.summary = {f"{t} localkv / llama.cpp": f"{x:.2f}x" for t, x in r.items()}
     rep.summary["read probe"] = (
         f"{statistics.median(row['read_probe_gbps'] for row in rows):.1f} GB/s, median over the run: a sum of "
-        f"{probe.nbytes >> 20} MiB of 64-bit words on {probe.threads} thread(s), one pass after each round of reps"
+        f"{probe.nbytes >> 20} MiB of 64-bit words on up to {probe.threads} thread(s) (fewer while other processes "
+        "hold cores, as the kernels), one pass after each round of reps"
     )
     rep.targets = _targets(rows, eng.model_config.quant, judged=not o.quick)
     rep.notes = [NOTE, TRAFFIC_NOTE] + ([PEER_NOTE] if o.vs else [])
