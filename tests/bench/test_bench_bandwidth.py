@@ -63,3 +63,16 @@ def test_probe_share_targets_judge_tg_at_depth_0(quant, share, ok):
     assert t.ok is ok and t.value == f"{share * 100:.0f}%"
     assert speed._targets(rows, quant, judged=False)[0].ok is None
     assert speed._targets(rows, "Q4_1", judged=True) == []  # the issue names no goal for it
+
+
+def test_probe_runs_on_the_threads_the_kernels_would_get(monkeypatch):
+    # on a loaded machine CoreShare gives fewer threads than asked; the probe follows it
+    probe = bandwidth.ReadProbe(2, 8 << 20)
+    seen = []
+    monkeypatch.setattr(bandwidth.numba, "set_num_threads", seen.append)
+    monkeypatch.setattr(probe.cores, "threads", lambda: 1)
+    try:
+        probe.gbps()
+    finally:
+        probe.close()
+    assert seen[0] == 1
