@@ -6,11 +6,11 @@ counted; a tied head is the embedding table, read whole as the head), and every 
 the context it attends over once. A tg pass is one token; a pp pass is one prefill chunk. The
 weights are counted in the file's own encoding, the K/V in the pool's row formats.
 
-The read probe is STREAM-style: one pass summing a buffer of 64-bit words well past the
-last-level cache, in the bench's own process, on the suite's thread count less the cores other
-processes hold (the kernels' own rule, backends/cpu/threads.CoreShare: on a loaded machine a
-parallel pass on a taken core waits for its time slice), so a tg row's share of it says how
-close decode runs to what the memory gives under the same load.
+The read probe is STREAM-style: passes summing a buffer of 64-bit words well past the
+last-level cache, for PROBE_S seconds at least, in the bench's own process, on the suite's
+thread count less the cores other processes hold (the kernels' own rule, CoreShare: on a
+loaded machine a parallel pass on a taken core waits for its time slice), so a tg row's share
+of it says how close decode runs to what the memory gives under the same load.
 """
 
 import os
@@ -24,6 +24,7 @@ from localkv.backends.cpu.quant import QStack, QTensor
 from localkv.backends.cpu.threads import CoreShare
 
 PROBE_MIN_BYTES = 256 << 20
+PROBE_S = 1.0  # a probe's passes last at least this long: time slices lost to other processes average out as in a rep
 LLC_TIMES = 16  # the probe's buffer: this many last-level caches, PROBE_MIN_BYTES at least
 
 
@@ -79,28 +80,33 @@ def _sum_words(words, parts):
 
 
 class ReadProbe:
-    """Read bandwidth of this process, threads threads, one pass at a time (gbps())."""
+    """Read bandwidth of this process on up to threads threads (gbps())."""
 
-    def __init__(self, threads: int, nbytes: int | None = None):
+    def __init__(self, threads: int, nbytes: int | None = None, least_s: float = PROBE_S):
         build.load()  # numba's threading layer pinned as the kernels' before this compiles
         nbytes = nbytes or max(PROBE_MIN_BYTES, LLC_TIMES * _llc_bytes())
         self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
         self.cores = CoreShare(self.threads)
+        self.least_s = least_s
         self.parts = 8 * self.threads  # several per thread: a slow start of one thread evens out
         self.words = np.ones(nbytes // 8 // self.parts * self.parts, np.uint64)  # real pages, not the zero page
         self.nbytes = self.words.nbytes
-        self.gbps()  # compiles, and the first pass warms the TLB
+        self.gbps(0.0)  # compiles, and the first pass warms the TLB
 
-    def gbps(self) -> float:
-        was = numba.get_num_threads()
-        numba.set_num_threads(self.cores.threads())
+    def gbps(self, least_s: float | None = None) -> float:
+        """Bytes read over seconds taken, in passes (at least one) until least_s (default: the
+        probe's) have gone."""
+        least_s = self.least_s if least_s is None else least_s
+        was, passes = numba.get_num_threads(), 0
+        t0 = perf_counter()
         try:
-            t0 = perf_counter()
-            _sum_words(self.words, self.parts)
-            secs = perf_counter() - t0
+            while not passes or perf_counter() - t0 < least_s:
+                numba.set_num_threads(self.cores.threads())
+                _sum_words(self.words, self.parts)
+                passes += 1
         finally:
             numba.set_num_threads(was)
-        return self.nbytes / secs / 1e9
+        return passes * self.nbytes / (perf_counter() - t0) / 1e9
 
     def close(self):
         self.words = np.empty(0, np.uint64)

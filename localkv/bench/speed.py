@@ -298,7 +298,7 @@ def run(o: Options) -> Report:
     tests = [f"pp{n_prompt}"] * bool(n_prompt) + [f"tg{n_gen}"] * bool(n_gen)
     eng = o.new_engine(prefix_cache=False)  # as llama-bench: no prefix cache, the pool's blocks reused
     o.say("read probe: compile and fill its buffer")
-    probe = bandwidth.ReadProbe(eng.threads, QUICK_PROBE_BYTES if o.quick else None)
+    probe = bandwidth.ReadProbe(eng.threads, *((QUICK_PROBE_BYTES, 0.0) if o.quick else ()))
     try:
         rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say, depths=o.depths, probe=probe)
     finally:
@@ -317,7 +317,7 @@ def run(o: Options) -> Report:
     rep.summary["read probe"] = (
         f"{statistics.median(row['read_probe_gbps'] for row in rows):.1f} GB/s, median over the run: a sum of "
         f"{probe.nbytes >> 20} MiB of 64-bit words on up to {probe.threads} thread(s) (fewer while other processes "
-        "hold cores, as the kernels), one pass after each round of reps"
+        "hold cores, as the kernels), passes for a second after each round of reps (--quick: one)"
     )
     rep.targets = _targets(rows, eng.model_config.quant, judged=not o.quick)
     rep.notes = [NOTE, TRAFFIC_NOTE] + ([PEER_NOTE] if o.vs else [])
