@@ -54,9 +54,7 @@ def _tg_row(share, depth=0, engine="localkv"):
     return {"engine": engine, "test": "tg128", "n_gen": 128, "n_depth": depth, "probe_share": share}
 
 
-@pytest.mark.parametrize(
-    ("quant", "share", "ok"), [("Q4_K_M", 0.86, True), ("Q4_K_M", 0.84, False), ("Q8_0", 0.81, True)]
-)
+@pytest.mark.parametrize(("quant", "share", "ok"), [("Q4_K", 0.86, True), ("Q4_K", 0.84, False), ("Q8_0", 0.81, True)])
 def test_probe_share_targets_judge_tg_at_depth_0(quant, share, ok):
     rows = [_tg_row(0.5, engine="llama.cpp"), _tg_row(share), _tg_row(0.1, depth=4096)]
     (t,) = speed._targets(rows, quant, judged=True)
