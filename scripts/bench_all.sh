@@ -29,6 +29,7 @@ for s in $SUITES; do
   extra=("${VS[@]}")
   [ "$s" = memory ] && extra=()
   [ "$s" = evict ] && extra=()
+  [ "$s" = speed ] && extra+=(-d 0,4096)  # as `localkv bench all` runs it (issue 32)
   { echo "== before: $(uptime)"; ps -eo pid,pcpu,etime,args --sort=-pcpu | head -6 | cut -c1-140; } > "$OUT/$s.load"
   echo "== localkv bench $s ${T[*]} ${extra[*]}" >&2
   localkv bench "$s" "${T[@]}" "${extra[@]}" "${PLOT[@]}" > "$OUT/$s.md" || status=1

@@ -17,7 +17,6 @@ import numpy as np
 MMAP_THRESHOLD = 32 << 20
 KEPT = 4  # large buffers each thread keeps for reuse (reused_empty)
 MADV_NOHUGEPAGE = 15  # <sys/mman.h>
-MADV_DONTNEED = 4  # unmap the pages: a file's come back from the page cache, anonymous ones as zeros
 
 _madvise = None
 
@@ -36,37 +35,6 @@ def madvise(start: int, end: int, advice: int) -> bool:
     page = mmap.PAGESIZE
     start, end = -(-start // page) * page, end // page * page
     return end > start and _madvise(start, end - start, advice) == 0
-
-
-def drop_file_pages(suffix: str) -> int:
-    """Unmap the resident pages of every read-only mapping of a file whose path ends with suffix
-    (a shared library whose code will not run again soon) from this process: they stay in the
-    page cache, for this process if the code runs again and for the next process that loads the
-    library. A mapping holding a private copy of a page (a library's relocated read-only data)
-    is left alone: dropping that copy would bring the file's unrelocated bytes back. Returns how
-    many mappings the kernel took the advice for."""
-    tail = suffix.encode()
-    try:
-        with open("/proc/self/smaps", "rb") as f:  # bytes: a mapped file's name may not be UTF-8
-            lines = f.read().splitlines()
-    except OSError:
-        return 0
-    spans, span = [], None
-    for line in lines:
-        if line[:1] in b"0123456789abcdef":  # a mapping's first line; its fields start uppercase
-            fields = line.split()
-            read_only = len(fields) > 1 and b"w" not in fields[1]
-            span = fields[0].decode() if read_only and line.rstrip().endswith(tail) else None
-            if span is not None:
-                spans.append(span)
-        elif span is not None and line.startswith(b"Anonymous:") and int(line.split()[1]) > 0:
-            spans.remove(span)
-            span = None
-    done = 0
-    for span in spans:
-        start, end = (int(x, 16) for x in span.split("-"))
-        done += madvise(start, end, MADV_DONTNEED)
-    return done
 
 
 _kept = threading.local()

@@ -22,6 +22,7 @@ class Options:
     reps: int | None = None  # None: the suite's default
     n_prompt: int = 512  # speed only
     n_gen: int = 128  # speed only
+    depths: tuple[int, ...] = (0,)  # speed only: tokens in the K/V before each test (llama-bench's -d)
     progress: Callable[[str], None] | None = None
     url: str | None = None  # serve: the load against this OpenAI-compatible server instead of localkv's own
 
@@ -44,6 +45,8 @@ class Options:
         args = ["localkv", "bench", suite] + (["-m", e.model] if e.model else [])
         if suite == "speed" and not self.quick:
             args += ["-p", str(self.n_prompt), "-n", str(self.n_gen), "-r", str(self.reps or 5)]
+        if suite == "speed" and self.depths != (0,):
+            args += ["-d", ",".join(map(str, self.depths))]
         elif suite in ("fork", "cache", "grammar", "spec") and self.reps:
             args += ["-r", str(self.reps)]
         if threads and suite != "memory":

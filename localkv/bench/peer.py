@@ -14,6 +14,7 @@ from time import perf_counter
 import numpy as np
 
 import localkv
+from localkv import kv_format
 from localkv.errors import LocalkvError
 
 INSTALL_HINT = "pip install -e '.[peer]'"
@@ -70,6 +71,9 @@ def _cpu_has(flag: str) -> bool:
 
 class PeerRunner:
     name = "llama.cpp"
+    chunk = 512  # n_batch: prompt tokens per pass
+    kv_format = kv_format.F16  # llama.cpp's default K and V type
+    flash_attn = False  # llama-cpp-python's default; each row says it
 
     def __init__(self, path: str | Path, threads: int, n_ctx: int, prompt_lookup: bool = False):
         """prompt_lookup: llama-cpp-python's LlamaPromptLookupDecoding as the draft model, at its
@@ -88,8 +92,9 @@ class PeerRunner:
                 n_ctx=n_ctx,
                 n_threads=threads,
                 n_threads_batch=threads,
-                n_batch=512,
-                n_ubatch=512,
+                n_batch=self.chunk,
+                n_ubatch=self.chunk,
+                flash_attn=self.flash_attn,
                 # with a draft model llama-cpp-python keeps logits for every position but sizes
                 # their buffer by this flag (n_batch rows without it): past 512 tokens it overflows
                 logits_all=prompt_lookup,
@@ -99,9 +104,22 @@ class PeerRunner:
         except Exception as e:  # llama.cpp reports load failures as ValueError/RuntimeError
             raise LocalkvError(f"llama.cpp could not load {path}: {e}") from None
         self.n_vocab = self.llm.n_vocab()
+        self.depth = 0  # tokens every pp/tg rep starts after (set_depth)
+
+    def set_depth(self, tokens: list[int]):
+        """pp and tg from now on start after these tokens, evaluated once here."""
+        self.depth = 0
+        self._reset()
+        if tokens:
+            self.llm.eval(tokens)
+            self.depth = len(tokens)
 
     def _reset(self):
-        # reset() only rewinds n_tokens; clear the KV too so each rep starts from an empty cache
+        # reset() only rewinds n_tokens; clear the KV too so each rep starts from an empty cache.
+        # At a depth, rewinding to it is enough: eval() drops the K/V past n_tokens first
+        if self.depth:
+            self.llm.n_tokens = self.depth
+            return
         self.llm.reset()
         self.llm._ctx.kv_cache_clear()
 

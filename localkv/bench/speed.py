@@ -1,5 +1,8 @@
-"""`localkv bench speed`, llama-bench style: pp N times a prefill of N random tokens into an
-empty sequence; tg N times N single-token decode steps after a 1-token prompt.
+"""`localkv bench speed`, llama-bench style: pp N times a prefill of N random tokens; tg N times
+N single-token decode steps after a 1-token prompt. At depth D (llama-bench's -d) both run after
+D random tokens already in the K/V: a sequence of D tokens is prefilled once per depth, untimed,
+and every rep continues a copy of it (localkv: a fork sharing its blocks; llama.cpp: its K/V
+past D removed), so the timed part is what llama-bench times.
 
 Rows use llama-bench's JSON field names and the table its layout, so results can sit next to
 llama-bench's. With --vs llama.cpp the same tests run on llama-cpp-python with the same GGUF
@@ -15,10 +18,11 @@ from time import perf_counter
 
 import numpy as np
 
-from localkv.bench import rss, start
+from localkv.bench import bandwidth, rss, start
 from localkv.bench.options import Options
 from localkv.bench.peer import PeerRunner, check_vs
-from localkv.bench.report import LoadMeter, Report, cpu_info
+from localkv.bench.report import LoadMeter, Report, Target, cpu_info
+from localkv.bench.speed_table import format_speed_table
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
 from localkv.sequence import Sequence
@@ -31,8 +35,27 @@ NOTE = (
 
 RSS_NOTE = (
     "peak RSS: ru_maxrss of a fresh `localkv run -n 16 --json` child (and of a llama-cpp-python child doing the "
-    "same chat turn), as /usr/bin/time reports it; mapped model pages count once touched"
+    "same chat turn), as /usr/bin/time reports it; mapped model pages count once touched. Peak private: the "
+    "most anonymous memory (smaps_rollup's Pss_Anon) seen in samples every 20 ms, what the process costs the "
+    "machine beyond page cache; USS also counts the clean model pages only it maps (bench/rss.py)"
 )
+
+
+TRAFFIC_NOTE = (
+    "GB/s: bytes moved per test / its mean time; each pass (a tg token, a pp chunk) reads every matmul weight "
+    "and the output head once (the file's bytes) and the K/V of its context once (the engine's row format); "
+    "of read probe: that rate over the probe's median during the test's reps (bench/bandwidth.py)"
+)
+
+PEER_NOTE = (
+    f"llama.cpp: f16 K/V, n_batch {PeerRunner.chunk}, flash attention {'on' if PeerRunner.flash_attn else 'off'}"
+)
+
+QUICK_PROBE_BYTES = 64 << 20  # --quick: the probe's path, not a figure
+
+# issue 32: tg128's share of the read probe at depth 0, by the weights' type (llama-3.2-1b shapes;
+# a Q4_K_M file's type is Q4_K, ModelConfig.quant's name for it)
+PROBE_SHARE_GOALS = {"Q4_K": 0.85, "Q8_0": 0.80, "Q4_0": 0.80}
 
 
 START_NOTE = (
@@ -43,9 +66,10 @@ START_NOTE = (
 
 @dataclass(slots=True, frozen=True)
 class Test:
-    name: str  # "pp512" / "tg128", as llama-bench names them
+    base: str  # "pp512" / "tg128", as llama-bench names them
     n_prompt: int
     n_gen: int
+    n_depth: int = 0  # tokens already in the K/V when the test starts
 
     @classmethod
     def parse(cls, name: str) -> "Test":
@@ -55,9 +79,17 @@ class Test:
         n = int(m.group(2))
         return cls(name, n, 0) if m.group(1) == "pp" else cls(name, 0, n)
 
+    def at(self, depth: int) -> "Test":
+        return Test(self.base, self.n_prompt, self.n_gen, depth)
+
+    @property
+    def name(self) -> str:
+        """llama-bench's test column: "tg128", "tg128 @ d4096"."""
+        return self.base + (f" @ d{self.n_depth}" if self.n_depth else "")
+
     @property
     def n_ctx(self) -> int:
-        return self.n_prompt + self.n_gen + 1
+        return self.n_depth + self.n_prompt + self.n_gen + 1
 
 
 class LocalRunner:
@@ -67,9 +99,27 @@ class LocalRunner:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.base: Sequence | None = None  # the depth's tokens, computed; every rep forks it
+        self.chunk = engine.config.prefill_chunk  # prompt tokens per pass
+
+    def set_depth(self, tokens: list[int]):
+        """Tests from now on start after these tokens (none: from an empty K/V)."""
+        if self.base is not None:
+            self.engine.free(self.base)
+            self.base = None
+        if tokens:
+            self.base = Sequence(list(tokens))
+            self.engine.prefill(self.base)
+
+    def _fresh(self, tokens: list[int]) -> Sequence:
+        if self.base is None:
+            return Sequence(list(tokens))
+        seq = self.engine.fork(self.base)
+        seq.tokens += tokens
+        return seq
 
     def pp(self, tokens: list[int]) -> float:
-        eng, seq = self.engine, Sequence(list(tokens))
+        eng, seq = self.engine, self._fresh(tokens)
         try:
             t0 = perf_counter()
             eng.prefill(seq)
@@ -78,7 +128,7 @@ class LocalRunner:
             eng.free(seq)
 
     def tg(self, first: int, n: int) -> float:
-        eng, seq = self.engine, Sequence([first])
+        eng, seq = self.engine, self._fresh([first])
         try:
             logits = eng.prefill(seq)
             t0 = perf_counter()
@@ -96,8 +146,19 @@ def _measure(runner, test: Test, tokens: list[int]) -> float:
 
 def _tokens(test: Test, vocab: int, rep: int, seed: int, warm: bool = False) -> list[int]:
     # the same ids for every engine at a given rep, different ids across reps
-    rng = np.random.default_rng([seed, warm, rep, test.n_prompt, test.n_gen])
+    rng = np.random.default_rng([seed, warm, rep, test.n_prompt, test.n_gen] + [test.n_depth] * bool(test.n_depth))
     return rng.integers(0, vocab, max(test.n_prompt, 1)).tolist()
+
+
+def _depth_tokens(depth: int, vocab: int, seed: int) -> list[int]:
+    return np.random.default_rng([seed, depth, 1]).integers(0, vocab, depth).tolist()
+
+
+def check_depths(depths) -> tuple[int, ...]:
+    depths = tuple(depths)
+    if not depths or any(d < 0 for d in depths):
+        raise LocalkvError(f"invalid depth {','.join(map(str, depths))}: give token counts >= 0, e.g. -d 0,4096")
+    return depths
 
 
 def speed_rows(
@@ -108,38 +169,82 @@ def speed_rows(
     vs: str | None = None,
     seed: int = 0,
     progress=None,
+    depths=(0,),
+    probe=None,
 ) -> list[dict]:
-    """One row per (test, engine); with vs="llama.cpp" a llama.cpp row follows each localkv row.
-    progress(msg) is called before each rep (bench_command sends it to stderr)."""
+    """One row per (depth, test, engine); with vs="llama.cpp" a llama.cpp row follows each
+    localkv row. progress(msg) is called before each rep (bench_command sends it to stderr).
+    Each row says the bytes its passes move (bandwidth.py) and their GB/s; with a probe
+    (bandwidth.ReadProbe) one probe pass follows each round of reps, and each row gets the
+    probe's median over its test and its share of it."""
     tests = [t if isinstance(t, Test) else Test.parse(t) for t in tests]
     if reps < 1:
         raise LocalkvError(f"invalid repetitions {reps}: must be >= 1")
     check_vs(vs)
-    for t in tests:
-        engine.check_fits(max(t.n_prompt, 1), t.n_gen)
+    plan = [[t.at(d) for t in tests] for d in check_depths(depths)]
+    for t in (t for ts in plan for t in ts):
+        engine.check_fits(t.n_depth + max(t.n_prompt, 1), t.n_gen)
     runners = [LocalRunner(engine)]
     if vs:
-        n_ctx = -(-max(t.n_ctx for t in tests) // 256) * 256
+        n_ctx = -(-max(t.n_ctx for ts in plan for t in ts) // 256) * 256
         runners.append(PeerRunner(engine.path, engine.threads, n_ctx))
     say = progress or (lambda msg: None)
+    vocab = engine.model_config.vocab_size
     rows = []
     try:
-        for t in tests:
-            vocab = engine.model_config.vocab_size
-            for i in range(warmup):
-                for r in runners:
-                    say(f"{t.name} {r.name} warmup {i + 1}/{warmup}")
-                    _measure(r, t, _tokens(t, vocab, i, seed, warm=True))
-            secs = {r.name: [] for r in runners}
-            for i in range(reps):
-                for r in runners:  # interleaved: A B A B ...
-                    say(f"{t.name} {r.name} rep {i + 1}/{reps}")
-                    secs[r.name].append(_measure(r, t, _tokens(t, vocab, i, seed)))
-            rows += [_row(engine, t, name, s) for name, s in secs.items()]
+        for ts in plan:
+            depth = ts[0].n_depth
+            for r in runners:
+                say(f"depth {depth}: {r.name} prefills {depth} tokens")
+                r.set_depth(_depth_tokens(depth, vocab, seed))
+            for t in ts:
+                rows += _test_rows(engine, runners, t, reps, warmup, seed, say, probe)
     finally:
+        runners[0].set_depth([])
         for r in runners[1:]:
             r.close()
     return rows
+
+
+def _test_rows(engine: Engine, runners: list, t: Test, reps: int, warmup: int, seed: int, say, probe) -> list[dict]:
+    vocab = engine.model_config.vocab_size
+    for i in range(warmup):
+        for r in runners:
+            say(f"{t.name} {r.name} warmup {i + 1}/{warmup}")
+            _measure(r, t, _tokens(t, vocab, i, seed, warm=True))
+    secs, probed = {r.name: [] for r in runners}, []
+    for i in range(reps):
+        for r in runners:  # interleaved: A B A B ...
+            say(f"{t.name} {r.name} rep {i + 1}/{reps}")
+            secs[r.name].append(_measure(r, t, _tokens(t, vocab, i, seed)))
+        if probe is not None:  # under the load the reps just ran under
+            probed.append(probe.gbps())
+    weights = bandwidth.weight_bytes(engine.loaded.weights)
+    rows = []
+    for r in runners:
+        moved = bandwidth.bytes_moved(t.n_depth, t.n_prompt, t.n_gen, r.chunk, weights, _kv_per_token(engine, r))
+        rows.append(_row(engine, t, r.name, secs[r.name]) | _traffic(moved, secs[r.name], probed))
+        if r.name != "localkv":
+            rows[-1]["flash_attn"] = r.flash_attn
+        share = f", {rows[-1]['probe_share'] * 100:.0f}% of the read probe" if probed else ""
+        say(f"{t.name} {r.name}: {rows[-1]['avg_ts']:.2f} t/s, {rows[-1]['gbps']:.2f} GB/s{share}")
+    return rows
+
+
+def _kv_per_token(engine: Engine, runner) -> int:
+    """Bytes of one token's K and V over all layers, as this runner stores them."""
+    if isinstance(runner, LocalRunner):
+        return engine.kv_bytes_per_token
+    m = engine.model_config
+    return m.n_layers * m.n_kv_heads * 2 * runner.kv_format.row_bytes(m.head_dim)
+
+
+def _traffic(moved: int, secs: list[float], probed: list[float]) -> dict:
+    gbps = moved / statistics.fmean(secs) / 1e9
+    out = {"bytes_moved": moved, "gbps": gbps}
+    if probed:
+        out |= {"read_probe_gbps": statistics.median(probed), "probe_share": gbps / statistics.median(probed)}
+    return out
 
 
 def _backend(engine: Engine) -> str:
@@ -163,6 +268,7 @@ def _row(engine: Engine, t: Test, name: str, secs: list[float]) -> dict:
         "test": t.name,
         "n_prompt": t.n_prompt,
         "n_gen": t.n_gen,
+        "n_depth": t.n_depth,
         "test_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "avg_ns": int(statistics.fmean(ns)),
         "stddev_ns": int(_sd(ns)),
@@ -192,75 +298,52 @@ def run(o: Options) -> Report:
     n_prompt, n_gen, reps = (64, 16, 1) if o.quick else (o.n_prompt, o.n_gen, o.reps or 5)
     tests = [f"pp{n_prompt}"] * bool(n_prompt) + [f"tg{n_gen}"] * bool(n_gen)
     eng = o.new_engine(prefix_cache=False)  # as llama-bench: no prefix cache, the pool's blocks reused
-    rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say)
+    o.say("read probe: compile and fill its buffer")
+    probe = bandwidth.ReadProbe(eng.threads, *((QUICK_PROBE_BYTES, 0.0) if o.quick else ()))
+    try:
+        rows = speed_rows(eng, tests, reps=reps, vs=o.vs, seed=o.seed, progress=o.say, depths=o.depths, probe=probe)
+    finally:
+        probe.close()
     r = ratios(rows)
+    at = f" at depth {', '.join(map(str, o.depths))}" if o.depths != (0,) else ""
     rep = Report(
         "speed",
-        f"prompt processing ({', '.join(tests)}) and generation speed, llama-bench style, "
+        f"prompt processing ({', '.join(tests)}) and generation speed{at}, llama-bench style, "
         f"{reps} rep(s)" + (", interleaved with llama.cpp" if o.vs else ""),
         command=o.command("speed", eng.threads),
         rows=rows,
         table_md=format_speed_table(rows, r),
     )
     rep.summary = {f"{t} localkv / llama.cpp": f"{x:.2f}x" for t, x in r.items()}
-    rep.notes = [NOTE]
+    rep.summary["read probe"] = (
+        f"{statistics.median(row['read_probe_gbps'] for row in rows):.1f} GB/s, median over the run: a sum of "
+        f"{probe.nbytes >> 20} MiB of 64-bit words on up to {probe.threads} thread(s) (fewer while other processes "
+        "hold cores, as the kernels), passes for a second after each round of reps (--quick: one)"
+    )
+    rep.targets = _targets(rows, eng.model_config.quant, judged=not o.quick)
+    rep.notes = [NOTE, TRAFFIC_NOTE] + ([PEER_NOTE] if o.vs else [])
     if not o.quick and Path(eng.path).is_file():  # peak memory of a whole `localkv run` (and llama.cpp's)
-        o.say("peak RSS of `localkv run -n 16` in a child process" + (" and of llama.cpp" if o.vs else ""))
-        rep.summary |= rss.summary(Path(eng.path), eng.kv_bytes_per_token, eng.threads, o.vs)
+        o.say("peak memory of `localkv run -n 16` in a child process" + (" and of llama.cpp" if o.vs else ""))
+        lines, targets = rss.summary(Path(eng.path), eng.kv_bytes_per_token, eng.threads, o.vs)
+        rep.summary |= lines
+        rep.targets += targets
         o.say("engine start (imports + Engine()) in fresh processes")
         rep.summary |= start.summary(str(eng.path), eng.threads)
         rep.notes += [RSS_NOTE, START_NOTE]
     return meter.finish(rep, eng.threads)
 
 
-# ------------------------------------------------------------------ output
-
-
-def _size(b: int) -> str:  # llama-bench's units, two decimals
-    return f"{b / 2**20:.2f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
-
-
-def _params(n: int) -> str:
-    return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
-
-
-def format_speed_table(rows: list[dict], ratios: dict[str, float] | None = None) -> str:
-    """llama-bench's markdown table; when llama.cpp rows are present an engine column leads and
-    a ratio column (localkv t/s / llama.cpp t/s) ends each localkv row."""
-    compared = any(r["engine"] != "localkv" for r in rows)
-    ratios = ratios or {}
-    cols = ["model", "size", "params", "backend", "threads", "test", "t/s"]
-    if compared:
-        cols = ["engine", *cols, "vs llama.cpp"]
-    left = {"engine", "model", "backend"}  # llama-bench left-aligns text, right-aligns numbers
-    table = [cols] + [[_cell(r, c, ratios) for c in cols] for r in rows]
-    w = [max(len(row[i]) for row in table) for i in range(len(cols))]
-
-    def fmt(row):
-        return "| " + " | ".join(v.ljust(n) if c in left else v.rjust(n) for c, v, n in zip(cols, row, w)) + " |"
-
-    rule = "| " + " | ".join("-" * n if c in left else "-" * (n - 1) + ":" for c, n in zip(cols, w)) + " |"
-    return "\n".join([fmt(table[0]), rule] + [fmt(r) for r in table[1:]]) + "\n"
-
-
-def _cell(r: dict, col: str, ratios: dict[str, float]) -> str:
-    match col:
-        case "engine":
-            return r["engine"]
-        case "model":
-            return r["model_type"]
-        case "size":
-            return _size(r["model_size"])
-        case "params":
-            return _params(r["model_n_params"])
-        case "backend":
-            return r["backend"]
-        case "threads":
-            return str(r["n_threads"])
-        case "test":
-            return r["test"]
-        case "t/s":
-            return f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}"
-        case "vs llama.cpp":
-            x = ratios.get(r["test"]) if r["engine"] == "localkv" else None
-            return f"{x:.2f}x" if x is not None else ""
+def _targets(rows: list[dict], quant: str, judged: bool) -> list[Target]:
+    goal = PROBE_SHARE_GOALS.get(quant)
+    tg = [r for r in rows if r["engine"] == "localkv" and r["n_gen"] and not r["n_depth"] and "probe_share" in r]
+    if goal is None or not tg:
+        return []
+    x = tg[0]["probe_share"]
+    return [
+        Target(
+            f"{tg[0]['test']} share of the read probe ({quant})",
+            f"{x * 100:.0f}%",
+            f">= {goal * 100:.0f}%",
+            x >= goal if judged else None,
+        )
+    ]

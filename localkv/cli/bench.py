@@ -29,6 +29,13 @@ URL = typer.Option(
     help="serve: run the same load against this OpenAI-compatible server (llama-server, vLLM, SGLang, Ollama, "
     "localkv) instead of starting localkv's own; -m is the local model whose tokenizer cuts the workload.",
 )
+DEPTH = typer.Option(
+    None,
+    "-d",
+    "--n-depth",
+    help="speed: tokens already in the K/V before each test, comma-separated as llama-bench's -d "
+    "(default 0; `all`: 0,4096).",
+)
 LONG = typer.Option(
     False, "--long", help="evict: also a 10,000-token generation under a 1,024-token budget per policy."
 )
@@ -56,6 +63,7 @@ SUITE = typer.Argument(
 def bench_command(
     n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="speed: prompt tokens of the pp test (0: skip it)."),
     n_gen: int = typer.Option(128, "-n", "--n-gen", help="speed: generated tokens of the tg test (0: skip it)."),
+    n_depth: str | None = DEPTH,
     repetitions: int | None = REPS,
     vs: str | None = VS,
     output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
@@ -75,6 +83,7 @@ def bench_command(
     the targets it checks. --vs llama.cpp runs llama-cpp-python on the same work in the same run."""
     _check(suite, vs=vs, output=output, plot=plot, quick=quick, n_prompt=n_prompt, n_gen=n_gen, reps=repetitions)
     url = _check_url(url, suite, vs)
+    depths = _depths(n_depth, suite, quick)
     from localkv.bench.options import Options  # the engine's code loads only when a bench runs
 
     opts = Options(
@@ -86,6 +95,7 @@ def bench_command(
         reps=repetitions,
         n_prompt=n_prompt,
         n_gen=n_gen,
+        depths=depths,
         progress=_say,
         url=url,
     )
@@ -127,6 +137,19 @@ def _check_url(url: str | None, suite: str, vs: str | None) -> str | None:
     if not url.startswith(("http://", "https://")) or len(url.split("//", 1)[1].strip("/")) == 0:
         raise LocalkvError(f"invalid --url {url!r}: expected http://HOST:PORT (optionally ending in /v1)")
     return url.rstrip("/").removesuffix("/v1")
+
+
+def _depths(text: str | None, suite: str, quick: bool) -> tuple[int, ...]:
+    """-d as depths; unset: 0, and for `all` (not --quick) 0 and 4096 as issue 32 asks."""
+    if text is None:
+        return (0, 4096) if suite == "all" and not quick else (0,)
+    try:
+        depths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise LocalkvError(f"invalid -d {text!r}: give token counts >= 0, comma-separated (e.g. -d 0,4096)") from None
+    if any(d < 0 for d in depths):
+        raise LocalkvError(f"invalid -d {text!r}: give token counts >= 0, comma-separated (e.g. -d 0,4096)")
+    return depths
 
 
 def check_suite(suite: str):

@@ -3,11 +3,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from localkv.bench import speed as bench
+from localkv.bench import speed_table
 from localkv.bench.report import check_output
 from localkv.cli.bench import bench_command
 from localkv.config import EngineConfig
@@ -17,6 +19,7 @@ LLAMA_BENCH_KEYS = {
     "test",
     "n_prompt",
     "n_gen",
+    "n_depth",
     "avg_ts",
     "stddev_ts",
     "samples_ts",
@@ -57,7 +60,7 @@ def test_parse_tests():
 
 
 def test_md_table_like_llama_bench():
-    md = bench.format_speed_table([_row(), _row(test="tg128", ts=(40.0, 40.0))])
+    md = speed_table.format_speed_table([_row(), _row(test="tg128", ts=(40.0, 40.0))])
     table = md.splitlines()
     assert [c.strip() for c in table[0].strip("|").split("|")] == [
         "model",
@@ -91,7 +94,7 @@ def test_md_compared_has_engine_and_ratio_columns():
     ]
     r = bench.ratios(rows)
     assert r == pytest.approx({"pp512": 3.0, "tg128": 0.4})
-    table = bench.format_speed_table(rows, r).splitlines()
+    table = speed_table.format_speed_table(rows, r).splitlines()
     cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in table]
     assert cells[0][0] == "engine" and cells[0][-1] == "vs llama.cpp"
     assert [c[0] for c in cells[2:]] == ["localkv", "llama.cpp"] * 2
@@ -104,8 +107,8 @@ def test_ratios_skip_tests_without_peer():
 
 
 def test_size_and_params_units():
-    assert bench._size(3 * 2**30) == "3.00 GiB" and bench._size(2**20) == "1.00 MiB"
-    assert bench._params(6_740_000_000) == "6.74 B" and bench._params(135_000_000) == "135.00 M"
+    assert speed_table._size(3 * 2**30) == "3.00 GiB" and speed_table._size(2**20) == "1.00 MiB"
+    assert speed_table._params(6_740_000_000) == "6.74 B" and speed_table._params(135_000_000) == "135.00 M"
 
 
 def _app():
@@ -125,6 +128,8 @@ def _app():
         ["fork", "-r", "0"],
         ["evict", "--vs", "vllm"],
         ["fork", "--block-size", "3"],
+        ["-d", "4k"],
+        ["-d", "0,-1"],
     ],
 )
 def test_bad_options_raise_before_loading(args, monkeypatch):
@@ -154,6 +159,7 @@ def _call(**kw):
         model=None,
         n_prompt=16,
         n_gen=4,
+        n_depth=None,
         repetitions=1,
         threads=None,
         vs=None,
@@ -243,6 +249,9 @@ def test_command_reproduces_the_engine_settings():
     assert o.command("memory", None) == "localkv bench memory -m m.gguf --quick --block-size 32 --kv-mem 512MiB"
     full = Options(vs="llama.cpp", reps=3, seed=7)
     assert full.command("speed", 1) == "localkv bench speed -p 512 -n 128 -r 3 -t 1 --vs llama.cpp --seed 7"
+    deep = Options(depths=(0, 4096))
+    assert deep.command("speed", 1) == "localkv bench speed -p 512 -n 128 -r 5 -d 0,4096 -t 1"
+    assert deep.command("fork", 1) == "localkv bench fork -t 1"
     assert full.command("evict", 1) == "localkv bench evict -t 1 --seed 7"
 
 
@@ -267,6 +276,63 @@ def test_bench_package_imports_no_engine():
     code = "import sys, localkv.bench; print(sorted(m for m in sys.modules if m.startswith(('localkv.', 'numpy'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['localkv.bench']"
+
+
+def test_depth_names_the_test_as_llama_bench_does():
+    t = bench.Test.parse("tg128")
+    assert (t.name, t.at(4096).name, t.at(4096).n_ctx) == ("tg128", "tg128 @ d4096", 4096 + 128 + 1)
+    with pytest.raises(LocalkvError, match="invalid depth"):
+        bench.speed_rows(object(), ["pp16"], depths=(0, -1))
+
+
+def _logits_of_prefills(eng, monkeypatch) -> list:
+    seen = []
+    prefill = eng.prefill
+    monkeypatch.setattr(eng, "prefill", lambda seq: seen.append((seq.num_computed, prefill(seq))) or seen[-1][1])
+    return seen
+
+
+def test_a_test_at_depth_runs_after_the_depths_tokens(tmp_path, monkeypatch):
+    # the timed prefill computes only the test's tokens, and what it computes is what a prefill
+    # of depth + test tokens from an empty K/V gives (bitwise: one answer per token)
+    from localkv.engine import Engine
+    from tiny_model import write_gguf
+
+    eng = Engine(EngineConfig(model=write_gguf(tmp_path / "t.gguf"), threads=1, prefix_cache=False))
+    depth, tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3] * 4, [5, 8, 9, 7]
+    runner = bench.LocalRunner(eng)
+    runner.set_depth(depth)
+    seen = _logits_of_prefills(eng, monkeypatch)
+    runner.pp(tokens)
+    runner.tg(7, 2)
+    assert [n for n, _ in seen] == [len(depth), len(depth)]  # both started after the depth
+    want = eng.score(depth + tokens)[-1]
+    assert np.array_equal(seen[0][1], want)
+    assert np.array_equal(seen[1][1], eng.score(depth + [7])[-1])
+    held = eng.pool.num_blocks - eng.pool.num_free
+    assert held == -(-len(depth) // eng.block_size)  # only the depth's blocks stay between reps
+    runner.set_depth([])
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.peer
+def test_llama_cpp_at_depth_continues_after_the_depths_tokens(tmp_path):
+    from localkv.bench.peer import PeerRunner
+    from tiny_model import write_gguf
+
+    path, depth, tokens = write_gguf(tmp_path / "t.gguf"), [3, 1, 4, 1, 5, 9, 2, 6] * 5, [5, 8, 9, 7]
+    peer = PeerRunner(path, 1, 256)
+    logits = lambda: np.ctypeslib.as_array(peer.llm._ctx.get_logits(), shape=(peer.n_vocab,)).copy()  # noqa: E731
+    try:
+        peer.pp(depth + tokens)
+        fresh = logits()
+        peer.set_depth(depth)
+        for _ in range(2):  # each rep starts at the depth again
+            peer.pp(tokens)
+            assert peer.llm.n_tokens == len(depth + tokens)
+            np.testing.assert_allclose(logits(), fresh, rtol=1e-4, atol=1e-4)  # llama.cpp's sums follow its batch
+    finally:
+        peer.close()
 
 
 def test_timers_free_through_the_engine(tmp_path):

@@ -106,6 +106,8 @@ def test_speed_quick(tiny):
     assert [r["test"] for r in rep.rows] == ["pp64", "tg16"] and all(r["avg_ts"] > 0 for r in rep.rows)
     assert all(r.keys() >= LLAMA_BENCH_KEYS for r in json.loads(br.format_json([rep], single=True))["rows"])
     assert "| pp64 |" in br.format_md(rep).replace("  ", "")
+    assert all(r["gbps"] > 0 and r["probe_share"] > 0 and r["bytes_moved"] > 0 for r in rep.rows)
+    assert "| GB/s | of read probe |" in br.format_md(rep).replace("  ", "") and "read probe" in rep.summary
 
 
 def test_speed_names_amx_where_prefill_ran_on_it(tmp_path):
@@ -123,6 +125,29 @@ def test_cli_all_quick_json(tiny, capsys, monkeypatch):
     assert [r["suite"] for r in out] == ["speed", "memory", "fork"]
     for r in out:
         assert {"what", "hardware", "command", "rows", "summary", "targets"} <= r.keys()
+
+
+def test_cli_speed_at_depths(tiny, capsys):
+    assert main(["bench", "speed", "--quick", "-m", str(tiny), "-t", "1", "-d", "0,32", "-o", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["test"], r["n_depth"]) for r in out["rows"]] == [
+        ("pp64", 0),
+        ("tg16", 0),
+        ("pp64 @ d32", 32),
+        ("tg16 @ d32", 32),
+    ]
+    assert "-d 0,32" in out["command"] and "depth 0, 32" in out["what"]
+
+
+def test_all_measures_speed_at_depth_4096_unless_told():
+    from localkv.cli.bench import _depths
+
+    assert [_depths(None, "all", False), _depths(None, "speed", False), _depths(None, "all", True)] == [
+        (0, 4096),
+        (0,),
+        (0,),
+    ]
+    assert _depths("0,512", "all", False) == (0, 512)
 
 
 def test_cli_suite_csv(tiny, capsys):

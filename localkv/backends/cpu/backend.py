@@ -347,7 +347,6 @@ class CpuBackend:
         types = quant.weight_types(weights.values())
         build.load(types, progress=self._progress)
         self.prefill_amx = any(quant.on_amx(t) for t in types)
-        build.release_compiler()  # every kernel a forward pass runs has loaded by now
         return weights
 
     def decode_batch(self, tables: list, n_ctx: list[int]) -> "DecodeBatch":

@@ -29,7 +29,6 @@ from pathlib import Path
 from types import ModuleType
 
 from localkv.backends.cpu.jit_cache import tables_deferred
-from localkv.backends.vm import drop_file_pages
 from localkv.errors import LocalkvError, first_line
 
 ROOT = Path(__file__).parent  # every .py file under it can be inlined into a cached kernel
@@ -117,15 +116,6 @@ def active() -> bool:
 
 def why_not() -> str | None:
     return state.why
-
-
-def release_compiler() -> bool:
-    """Drop numba's compiler from this process's resident memory once the kernels have loaded.
-    Loading them runs LLVM (libllvmlite.so), which leaves tens of MB of its code resident; it
-    runs again only if a kernel of a new signature compiles, and its pages then come back from
-    the page cache. A run that never compiles more holds that much less. True when the kernel
-    took the advice."""
-    return active() and drop_file_pages("/libllvmlite.so") > 0
 
 
 def _numba() -> str | None:
