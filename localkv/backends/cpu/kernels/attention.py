@@ -11,9 +11,12 @@ of 8 query rows for 8 of the head dimension, each a vector load, 8 broadcasts an
 with the accumulators in registers. A row of scores per query, as
 the earlier kernels kept, is stored and reloaded at every step and a horizontal sum ends every
 dot product: several times slower. The softmax runs online (flash attention): each job keeps
-its chunks' running row maximum, rescaling what it summed only when the maximum grows; the jobs
-of one kv head are folded at the end. The exponential is a polynomial (`exp`) that vectorises,
-where numba's np.exp is a scalar call.
+its chunks' running row maximum, rescaling what it summed only when the maximum grows. In the
+causal kernel (and decode_rows, which must give its bits) a row's keys form spans of SPAN
+positions, each with its own softmax, folded in position order (`_fold`): the split-K of
+flash-decoding, defined by positions only, so a decode step can run its spans on all the threads
+while a prefill tile walks them in turn. The exponential is a polynomial (`exp`, and f32x8.fexp
+with its bits on 8 rows at once), where numba's np.exp is a scalar call.
 
 Head dimensions must be a multiple of 8 (every model the loader takes has one).
 """
@@ -23,30 +26,48 @@ from numba import njit, prange, types
 from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR, PAR, self_check
-from localkv.backends.cpu.simd.f32x8 import fload, float_of_bits, fma, fsplat, fsplat_at, fstore, hload, q4load, q8load
+from localkv.backends.cpu.simd.f32x8 import (
+    EXP_FLOOR,
+    EXP_POLY,
+    LN2_HI,
+    LN2_LO,
+    LOG2E,
+    fadd,
+    fload,
+    float_of_bits,
+    fma,
+    fmax,
+    fsplat,
+    fsplat_at,
+    fstore,
+    fweights,
+    fzero,
+    hload,
+    q4load,
+    q8load,
+)
 from localkv.backends.cpu.simd.u8x32 import half
 from localkv.kv_format import Q4_0_BYTES, Q8_0_BYTES, QK
 from localkv.sequence import HOLE
 
 KEYS = 64  # keys per chunk
+# keys per span (a multiple of KEYS): a row sums each span of its keys on its own, from the
+# positions 0, SPAN, 2 * SPAN..., and folds the spans' partial softmaxes in position order
+# (_fold), so a long decode splits its keys over the threads without its bits depending on them
+SPAN = 512
 SPLITS = 4  # jobs per kv head (each a run of chunks): enough for 2 threads when kv heads are few
 
 
 @register_jitable
 def exp(x):
-    """exp(x) of a float32 x <= 0 (a score less its row maximum) to about 2.4e-7 relative:
-    2**k from the exponent bits times a degree-6 polynomial of the remainder. Below -87 it
-    returns about 1e-38 (the smallest normal floats), never a subnormal."""
-    x = max(x, np.float32(-87.0))
-    k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - k * np.float32(0.693145751953125) - k * np.float32(1.428606765330187e-06)  # ln 2, hi + lo
-    p = np.float32(1.0 / 720)
-    p = p * r + np.float32(1.0 / 120)
-    p = p * r + np.float32(1.0 / 24)
-    p = p * r + np.float32(1.0 / 6)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
+    """exp(x) of a float32 x <= 0 (a score less its row maximum): f32x8's recipe (EXP_POLY) on
+    one lane, fexp's bits."""
+    x = max(x, np.float32(EXP_FLOOR))
+    k = np.floor(x * np.float32(LOG2E) + np.float32(0.5))
+    r = x - k * np.float32(LN2_HI) - k * np.float32(LN2_LO)
+    p = np.float32(EXP_POLY[0])
+    for i in range(1, len(EXP_POLY)):
+        p = p * r + np.float32(EXP_POLY[i])
     return p * float_of_bits((np.int32(k) + np.int32(127)) << np.int32(23))
 
 
@@ -194,14 +215,13 @@ def _softmax_step(st, n, o, m, total, top):
     """Scores st [KEYS, R8] of a chunk's first n keys into weights in place (zeros after them),
     against the running row maxima m [R8], which grow to this chunk's where it is higher: the
     running output o [R8, hd] and row sums total [R8] are rescaled then, and total gains the
-    new weights.
-    top [R8] is scratch."""
+    new weights, in key order. 8 rows (lanes) at a time; top [R8] is scratch."""
     R8 = st.shape[1]
-    for r in range(R8):
-        top[r] = st[0, r]
-    for t in range(1, n):
-        for r in range(R8):
-            top[r] = max(top[r], st[t, r])
+    for rb in range(0, R8, 8):
+        t8 = fload(st, rb)
+        for t in range(1, n):
+            t8 = fmax(t8, fload(st, t * R8 + rb))
+        fstore(top, rb, t8)
     for r in range(R8):
         if top[r] > m[r]:
             a = exp(m[r] - top[r])
@@ -209,15 +229,15 @@ def _softmax_step(st, n, o, m, total, top):
                 o[r, d] *= a
             total[r] *= a
             m[r] = top[r]
-    for t in range(KEYS):
-        if t < n:
-            for r in range(R8):  # a masked key weighs 0, not exp's floor: rows see only their keys
-                e = exp(st[t, r] - m[r]) if st[t, r] > -np.inf else np.float32(0)
-                st[t, r] = e
-                total[r] += e
-        else:
-            for r in range(R8):
-                st[t, r] = 0
+    for rb in range(0, R8, 8):
+        m8, s8 = fload(m, rb), fload(total, rb)
+        for t in range(n):
+            e = fweights(fload(st, t * R8 + rb), m8)
+            fstore(st, t * R8 + rb, e)
+            s8 = fadd(s8, e)
+        fstore(total, rb, s8)
+        for t in range(n, KEYS):
+            fstore(st, t * R8 + rb, fzero())
 
 
 @njit(**PAR)
@@ -315,6 +335,34 @@ def _cap_and_mask(st, n, t0, first, g, rows, softcap, window, seen):
                     st[t, r] = ninf
 
 
+@register_jitable
+def _fold(o, m, sums, po, pm, ps, rows):
+    """Fold a span's partial softmax (po [rows, hd], row maxima pm, row sums ps) into the
+    running one (o, m, sums), row by row: a span the row saw nothing of (ps 0) leaves it as it
+    was, the first it saw is taken as it is (so a row of one span has one span's bits), a later
+    one rescales both to their common maximum. Every path folds its spans in position order."""
+    for r in range(rows):
+        if ps[r] > 0:
+            if sums[r] > 0:
+                top = max(m[r], pm[r])
+                a, b = exp(m[r] - top), exp(pm[r] - top)
+                for d in range(o.shape[1]):
+                    o[r, d] = o[r, d] * a + po[r, d] * b
+                sums[r], m[r] = sums[r] * a + ps[r] * b, top
+            else:
+                for d in range(o.shape[1]):
+                    o[r, d] = po[r, d]
+                sums[r], m[r] = ps[r], pm[r]
+
+
+@register_jitable
+def _empty(o, m, sums):
+    """A softmax state that has seen no key."""
+    o[:] = 0
+    m[:] = -np.inf
+    sums[:] = 0
+
+
 @njit(**EXACT_PAR)
 def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, window, out):
     """Causal attention of a pass's T query tokens (token i at position past + i) over the
@@ -323,9 +371,10 @@ def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, wi
     QT * g a multiple of 8, zero padding after; transposed, scaled); out [kvh, tiles, RT, hd]
     the normalised result. Parallel over (kv head, tile), the tiles paired long with short.
     Each tile reads the keys its rows can see, chunk by chunk at the positions 0, KEYS,
-    2 * KEYS..., masking the others (_cap_and_mask): a masked key weighs 0 and a chunk a row
-    sees nothing of leaves it as it was, so each row's bits depend on its own keys only
-    (not on T, QT, the tile or the chunks skipped before a window)."""
+    2 * KEYS..., masking the others (_cap_and_mask), one softmax per SPAN of positions, the
+    spans folded in order (_fold): a masked key weighs 0 and a chunk a row sees nothing of
+    leaves it as it was, so each row's bits depend on its own keys only (not on T, QT, the tile
+    or the chunks skipped before a window)."""
     kvh, tiles, hd, RT = qt.shape
     for job in prange(kvh * tiles):
         h, i = job // tiles, job % tiles
@@ -333,11 +382,17 @@ def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, wi
         kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
         st, top = np.empty((KEYS, RT), np.float32), np.empty(RT, np.float32)
         seen = np.empty(KEYS, np.bool_)
-        o, m, sums = np.zeros((RT, hd), np.float32), np.full(RT, -np.inf, np.float32), np.zeros(RT, np.float32)
+        o, m, sums = np.empty((RT, hd), np.float32), np.empty(RT, np.float32), np.empty(RT, np.float32)
+        fo, fm, fs = np.empty((RT, hd), np.float32), np.empty(RT, np.float32), np.empty(RT, np.float32)
+        _empty(o, m, sums)
+        _empty(fo, fm, fs)
         rows = min(T - c * QT, QT) * g  # the tile's real rows
         first, end = past + c * QT, past + min(T, (c + 1) * QT)  # the tile's first position; keys seen
         start = max(0, first - window + 1) // KEYS * KEYS if window > 0 else 0
         for t0 in range(start, end, KEYS):
+            if t0 % SPAN == 0 and t0 > start:  # a span ends
+                _fold(fo, fm, fs, o, m, sums, RT)
+                _empty(o, m, sums)
             n = min(end - t0, KEYS)
             _sourced_rows(k, extra_k, tables, h, t0, n, kc, hd, seen)
             _sourced_rows(v, extra_v, tables, h, t0, n, vc, hd, seen)
@@ -345,10 +400,11 @@ def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, wi
             _cap_and_mask(st, n, t0, first, g, rows, softcap, window, seen)
             _softmax_step(st, n, o, m, sums, top)
             _accumulate(st, vc, o, RT, hd)
+        _fold(fo, fm, fs, o, m, sums, RT)
         for r in range(RT):
-            inv = np.float32(1) / sums[r] if sums[r] > 0 else np.float32(0)
+            inv = np.float32(1) / fs[r] if fs[r] > 0 else np.float32(0)
             for d in range(hd):
-                out[h, c, r, d] = o[r, d] * inv
+                out[h, c, r, d] = fo[r, d] * inv
 
 
 @self_check("base", cost=7.8, fast=True)

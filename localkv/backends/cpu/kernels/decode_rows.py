@@ -4,9 +4,13 @@ other rows of its pass, nor on whether the pass was a decode step or a prompt ch
 
 Each row walks its keys as paged_causal does: chunks of KEYS at the positions 0, KEYS, ...,
 scores on 8 x 8 register tiles (rows in the lanes), the online-softmax step and the FMA
-accumulation in the same order. What differs is which rows share a tile: at each chunk the
-sequences whose block tables hold the same blocks there (the forks of one prompt, requests on
-one system prompt) are scored together, so a shared chunk is read and converted once for all
+accumulation in the same order, one softmax per SPAN of positions and the spans folded in
+position order. The spans are the jobs here (with the kv heads, and runs of sequences when
+there are few spans): a long context's keys are read once a step, split over every thread,
+where a job per kv head left a thread idle (3 kv heads on 2 threads). What differs from
+paged_causal is which rows share a tile: at each chunk the sequences whose block tables hold
+the same blocks there (the forks of one prompt, requests on one system prompt) are scored
+together, so a shared chunk is read and converted once for all
 of them and fills the lanes; the others take a tile each. A row's arithmetic is the same in
 either case, so the sharing changes no bit.
 """
@@ -16,7 +20,17 @@ from numba import njit, prange
 from numba.extending import register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR, self_check
-from localkv.backends.cpu.kernels.attention import KEYS, _accumulate, _rows, _scores, _softmax_step, rload
+from localkv.backends.cpu.kernels.attention import (
+    KEYS,
+    SPAN,
+    _accumulate,
+    _empty,
+    _fold,
+    _rows,
+    _scores,
+    _softmax_step,
+    rload,
+)
 from localkv.backends.cpu.simd.f32x8 import fadd, fload, fma, fsplat_at, fstore, fzero
 
 
@@ -51,98 +65,149 @@ def paged_decode(qt, k, v, tables, lens, parts, out):
     """Attention of B sequences' last tokens: qt [kvh, hd, B * g] their query rows (ordered
     (sequence, head), transposed, scaled), sequence b at position lens[b] - 1 over the first
     lens[b] tokens of its block table tables[b] (int64 [B, blocks]); out [kvh, B * g, hd]
-    normalised. Parallel over (kv head, part of the sequences): `parts` runs of them per head."""
+    normalised. Parallel over (kv head, part of the sequences, SPAN of positions): `parts`
+    runs of sequences per head, each span's partial softmax kept, then folded in position order
+    as the causal kernel folds them (one read of the K/V a step, on every thread at depth)."""
     kvh, hd, rows = qt.shape
-    B, bs = len(lens), k.shape[1]
+    B = len(lens)
+    most = 0
+    for s in range(B):
+        most = max(most, lens[s])
+    spans = -(-most // SPAN)
+    po = np.empty((kvh, spans, rows, hd), np.float32)
+    pm, ps = np.empty((kvh, spans, rows), np.float32), np.empty((kvh, spans, rows), np.float32)
+    for job in prange(kvh * parts * spans):
+        h, p, s = job // (parts * spans), job // spans % parts, job % spans
+        _span(qt, k, v, tables, lens, h, p * B // parts, (p + 1) * B // parts, s, po[h, s], pm[h, s], ps[h, s])
     g = rows // B
     for job in prange(kvh * parts):
         h, p = job // parts, job % parts
-        s0, s1 = p * B // parts, (p + 1) * B // parts
-        R = (s1 - s0) * g  # the job's rows
-        R8 = -(-R // 8) * 8
-        kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
-        # a group's tiles, as contiguous arrays of its own width (views of these buffers)
-        st_buf, gq_buf, go_buf = (
-            np.empty(KEYS * R8, np.float32),
-            np.empty(hd * R8, np.float32),
-            np.empty(R8 * hd, np.float32),
-        )
-        top, gm, gs = np.empty(R8, np.float32), np.empty(R8, np.float32), np.empty(R8, np.float32)
-        o, m, sums = np.zeros((R, hd), np.float32), np.full(R, -np.inf, np.float32), np.zeros(R, np.float32)
-        taken, members = np.zeros(s1 - s0, np.bool_), np.empty(s1 - s0, np.int64)
-        offs = np.empty(KEYS, np.int64)
-        most = 0
-        for s in range(s0, s1):
-            most = max(most, lens[s])
-        for t0 in range(0, most, KEYS):
-            taken[:] = False
-            while True:
-                count = _group(tables, lens, s0, s1, t0, bs, taken, members)
-                if count == 0:
-                    break
-                n = 0
-                for i in range(count):
-                    n = max(n, min(lens[members[i]] - t0, KEYS))
-                _rows(k, tables[members[0]], h, t0, n, kc, hd)
-                r8 = -(-count * g // 8) * 8
-                st, gq = st_buf[: KEYS * r8].reshape((KEYS, r8)), gq_buf[: hd * r8].reshape((hd, r8))
-                go = go_buf[: r8 * hd].reshape((r8, hd))
-                _gather(qt, o, m, sums, members, count, g, h, s0, gq, go, gm, gs)
-                _scores(gq, kc, st, r8, hd)
-                _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
-                if 2 * count * g <= r8:  # lanes mostly padding: the weighted values along hd instead
-                    _accumulate_rows(st, v, tables[members[0]], h, t0, n, go, count * g, offs)
-                else:
-                    _rows(v, tables[members[0]], h, t0, n, vc, hd)
-                    _accumulate(st, vc, go, r8, hd)
-                for i in range(count):
-                    for j in range(g):
-                        r, at = i * g + j, (members[i] - s0) * g + j
-                        for d in range(hd):
-                            o[at, d] = go[r, d]
-                        m[at], sums[at] = gm[r], gs[r]
-        for r in range(R):
+        r0, r1 = p * B // parts * g, (p + 1) * B // parts * g
+        o, m, sums = np.empty((r1 - r0, hd), np.float32), np.empty(r1 - r0, np.float32), np.empty(r1 - r0, np.float32)
+        _empty(o, m, sums)
+        for s in range(spans):
+            _fold(o, m, sums, po[h, s, r0:r1], pm[h, s, r0:r1], ps[h, s, r0:r1], r1 - r0)
+        for r in range(r1 - r0):
             inv = np.float32(1) / sums[r]
             for d in range(hd):
-                out[h, s0 * g + r, d] = o[r, d] * inv
+                out[h, r0 + r, d] = o[r, d] * inv
+
+
+@register_jitable
+def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
+    """Kv head h's partial softmax of sequences s0 .. s1 - 1 over the keys of one span: po
+    [rows, hd], pm, ps [rows] at the rows of those sequences (an empty state for a sequence
+    that does not reach the span)."""
+    kvh, hd, rows = qt.shape
+    B, bs = len(lens), k.shape[1]
+    g = rows // B
+    R = (s1 - s0) * g  # the job's rows
+    R8 = -(-R // 8) * 8
+    kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
+    # a group's tiles, as contiguous arrays of its own width (views of these buffers)
+    st_buf, gq_buf, go_buf = (
+        np.empty(KEYS * R8, np.float32),
+        np.empty(hd * R8, np.float32),
+        np.empty(R8 * hd, np.float32),
+    )
+    top, gm, gs = np.empty(R8, np.float32), np.empty(R8, np.float32), np.empty(R8, np.float32)
+    o, m, sums = po[s0 * g : s1 * g], pm[s0 * g : s1 * g], ps[s0 * g : s1 * g]
+    _empty(o, m, sums)
+    taken, members = np.zeros(s1 - s0, np.bool_), np.empty(s1 - s0, np.int64)
+    held, resident = np.empty(s1 - s0, np.int64), 0  # the group whose state the lanes hold
+    offs = np.empty(KEYS, np.int64)
+    most = 0
+    for s in range(s0, s1):
+        most = max(most, lens[s])
+    for t0 in range(span * SPAN, min(most, (span + 1) * SPAN), KEYS):
+        taken[:] = False
+        while True:
+            count = _group(tables, lens, s0, s1, t0, bs, taken, members)
+            if count == 0:
+                break
+            n = 0
+            for i in range(count):
+                n = max(n, min(lens[members[i]] - t0, KEYS))
+            _rows(k, tables[members[0]], h, t0, n, kc, hd)
+            r8 = -(-count * g // 8) * 8
+            st, gq = st_buf[: KEYS * r8].reshape((KEYS, r8)), gq_buf[: hd * r8].reshape((hd, r8))
+            go = go_buf[: r8 * hd].reshape((r8, hd))
+            if not _holds(held, resident, members, count):  # the lanes change hands
+                _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
+                _gather(qt, o, m, sums, members, count, g, h, s0, gq, go, gm, gs)
+                held[:count], resident = members[:count], count
+            _scores(gq, kc, st, r8, hd)
+            _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
+            if 2 * count * g <= r8:  # lanes mostly padding: the weighted values along hd instead
+                _accumulate_rows(st, v, tables[members[0]], h, t0, n, go, count * g, offs)
+            else:
+                _rows(v, tables[members[0]], h, t0, n, vc, hd)
+                _accumulate(st, vc, go, r8, hd)
+    _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
+
+
+@register_jitable
+def _holds(held, resident, members, count):
+    """The lanes hold the state of this group already (a sequence alone, or the same forks
+    chunk after chunk): no gather and scatter per chunk."""
+    if resident != count:
+        return False
+    for i in range(count):  # noqa: SIM110 (a generator does not compile)
+        if held[i] != members[i]:
+            return False
+    return True
+
+
+@register_jitable
+def _scatter(go_buf, gm, gs, members, count, g, s0, o, m, sums):
+    """_gather's inverse: a group's running state from its lanes (go_buf [r8, hd] flat, gm,
+    gs) back to its rows of o, m, sums."""
+    hd = o.shape[1]
+    for i in range(count):
+        for j in range(g):
+            r, at = i * g + j, (members[i] - s0) * g + j
+            for d in range(hd):
+                o[at, d] = go_buf[r * hd + d]
+            m[at], sums[at] = gm[r], gs[r]
 
 
 @register_jitable
 def _accumulate_rows(st, v, table, h, t0, n, o, rows, offs):
-    """_accumulate's sums for the first `rows` rows of o [r8, hd], with 8 of hd in the lanes
-    and V read from the pool as stored: each value still gains its n weighted values in key
-    order, so its bits are _accumulate's (which adds the chunk's padding keys as + 0: so does
-    the last line here, which only makes a -0 +0)."""
-    bs, kvh, hd = v.shape[1], v.shape[2], o.shape[1]
+    """_accumulate's sums for the first `rows` rows of o [r8, hd] (rows <= r8 / 2), with 16 of
+    hd for 4 rows in registers and V read from the pool as stored, each of its values converted
+    once for the 4: each value still gains its n weighted values in key order, so its bits are
+    _accumulate's (which adds the chunk's padding keys as + 0: so does _store, which only makes
+    a -0 +0). Rows past `rows` up to a multiple of 4 are padding rows of o, summed and unread."""
+    bs, kvh, hd, R8 = v.shape[1], v.shape[2], o.shape[1], st.shape[1]
     for t in range(n):
         offs[t] = (table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h  # the pool rows
-    zero = fzero()
-    for r in range(rows):
-        d0 = 0
-        for d0 in range(0, hd - 63, 64):  # 8 accumulators: FMA latency hidden
-            at = r * hd + d0
-            a0, a1, a2, a3 = fload(o, at), fload(o, at + 8), fload(o, at + 16), fload(o, at + 24)
-            a4, a5, a6, a7 = fload(o, at + 32), fload(o, at + 40), fload(o, at + 48), fload(o, at + 56)
+    pad = n < KEYS
+    for r in range(0, rows, 4):
+        for d in range(0, hd - 8, 16):
+            at = r * hd + d
+            a0, a1, b0, b1 = fload(o, at), fload(o, at + 8), fload(o, at + hd), fload(o, at + hd + 8)
+            c0, c1 = fload(o, at + 2 * hd), fload(o, at + 2 * hd + 8)
+            e0, e1 = fload(o, at + 3 * hd), fload(o, at + 3 * hd + 8)
             for t in range(n):
-                w, b = fsplat_at(st, t * st.shape[1] + r), offs[t]
-                a0, a1 = fma(w, rload(v, b, d0), a0), fma(w, rload(v, b, d0 + 8), a1)
-                a2, a3 = fma(w, rload(v, b, d0 + 16), a2), fma(w, rload(v, b, d0 + 24), a3)
-                a4, a5 = fma(w, rload(v, b, d0 + 32), a4), fma(w, rload(v, b, d0 + 40), a5)
-                a6, a7 = fma(w, rload(v, b, d0 + 48), a6), fma(w, rload(v, b, d0 + 56), a7)
-            pad = n < KEYS
-            fstore(o, at, fadd(a0, zero) if pad else a0)
-            fstore(o, at + 8, fadd(a1, zero) if pad else a1)
-            fstore(o, at + 16, fadd(a2, zero) if pad else a2)
-            fstore(o, at + 24, fadd(a3, zero) if pad else a3)
-            fstore(o, at + 32, fadd(a4, zero) if pad else a4)
-            fstore(o, at + 40, fadd(a5, zero) if pad else a5)
-            fstore(o, at + 48, fadd(a6, zero) if pad else a6)
-            fstore(o, at + 56, fadd(a7, zero) if pad else a7)
-        for d in range(hd // 64 * 64, hd, 8):  # a head size that is not a multiple of 64
-            a = fload(o, r * hd + d)
-            for t in range(n):
-                a = fma(fsplat_at(st, t * st.shape[1] + r), rload(v, offs[t], d), a)
-            fstore(o, r * hd + d, fadd(a, zero) if n < KEYS else a)
+                x0, x1, w = rload(v, offs[t], d), rload(v, offs[t], d + 8), t * R8 + r
+                wa, wb, wc, we = fsplat_at(st, w), fsplat_at(st, w + 1), fsplat_at(st, w + 2), fsplat_at(st, w + 3)
+                a0, a1, b0, b1 = fma(wa, x0, a0), fma(wa, x1, a1), fma(wb, x0, b0), fma(wb, x1, b1)
+                c0, c1, e0, e1 = fma(wc, x0, c0), fma(wc, x1, c1), fma(we, x0, e0), fma(we, x1, e1)
+            for j, (x0, x1) in enumerate(((a0, a1), (b0, b1), (c0, c1), (e0, e1))):
+                _store(o, at + j * hd, x0, pad)
+                _store(o, at + j * hd + 8, x1, pad)
+        if hd % 16:  # the last 8 of a head size that is an odd multiple of 8
+            for j in range(r, r + 4):
+                a = fload(o, j * hd + hd - 8)
+                for t in range(n):
+                    a = fma(fsplat_at(st, t * R8 + j), rload(v, offs[t], hd - 8), a)
+                _store(o, j * hd + hd - 8, a, pad)
+
+
+@register_jitable
+def _store(o, at, a, pad):
+    """o[at : at + 8] = a, plus 0 after a chunk of fewer than KEYS keys (_accumulate_rows)."""
+    fstore(o, at, fadd(a, fzero()) if pad else a)
 
 
 @register_jitable

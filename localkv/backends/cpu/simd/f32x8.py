@@ -288,3 +288,67 @@ def hgather(typingctx, arr, off, idx):
         return context.make_tuple(builder, sig.return_type, out)
 
     return types.UniTuple(F32x8, 2)(arr, off, idx), codegen
+
+
+# exp(x) for x <= 0 (a score less its row maximum), to about 2.4e-7 relative: 2**k from the
+# exponent bits times a degree-6 polynomial of the remainder, x floored at EXP_FLOOR (about 1e-38
+# then, the smallest normal floats, never a subnormal). The one recipe of kernels/attention.exp
+# (one lane) and fexp (8): the same IEEE operations in the same order, so the same bits.
+EXP_FLOOR, LOG2E = -87.0, 1.4426950408889634
+LN2_HI, LN2_LO = 0.693145751953125, 1.428606765330187e-06
+EXP_POLY = (1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0)  # Horner's, highest first
+
+
+def _f(value) -> ir.Constant:
+    return ir.Constant(V8F32, [value] * 8)  # llvmlite rounds a float constant to float32
+
+
+def _gt_select(builder, a, b, yes, no):
+    return builder.select(builder.fcmp_ordered(">", a, b), yes, no)
+
+
+@intrinsic
+def fmax(typingctx, a, b):
+    """Python's max(a, b) lane by lane, as numba computes it: b where b > a, else a."""
+
+    def codegen(context, builder, sig, args):
+        a, b = args
+        return _gt_select(builder, b, a, b, a)
+
+    return F32x8(a, b), codegen
+
+
+def _exp(builder, x):
+    x = _gt_select(builder, _f(EXP_FLOOR), x, _f(EXP_FLOOR), x)
+    k = builder.fadd(builder.fmul(x, _f(LOG2E)), _f(0.5))
+    k = builder.call(
+        cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F32, [V8F32]), "llvm.floor.v8f32"), [k]
+    )
+    r = builder.fsub(builder.fsub(x, builder.fmul(k, _f(LN2_HI))), builder.fmul(k, _f(LN2_LO)))
+    p = _f(EXP_POLY[0])
+    for c in EXP_POLY[1:]:
+        p = builder.fadd(builder.fmul(p, r), _f(c))
+    bits = builder.add(builder.fptosi(k, V8I32), ir.Constant(V8I32, [127] * 8))
+    return builder.fmul(p, builder.bitcast(builder.shl(bits, ir.Constant(V8I32, [23] * 8)), V8F32))
+
+
+@intrinsic
+def fexp(typingctx, x):
+    """kernels/attention.exp on 8 lanes (see EXP_POLY)."""
+
+    def codegen(context, builder, sig, args):
+        return _exp(builder, args[0])
+
+    return F32x8(x), codegen
+
+
+@intrinsic
+def fweights(typingctx, s, m):
+    """exp(s - m) where s > -inf, else 0: a masked key weighs nothing, not exp's floor."""
+
+    def codegen(context, builder, sig, args):
+        s, m = args
+        e = _exp(builder, builder.fsub(s, m))
+        return _gt_select(builder, s, _f(float("-inf")), e, _f(0.0))
+
+    return F32x8(s, m), codegen
