@@ -48,8 +48,8 @@ def test_speculation_flags_reach_the_serve_suite_and_its_command(monkeypatch):
 
     monkeypatch.setattr(serve, "localkv_server", server)
     with pytest.raises(RuntimeError, match="stop here"):
-        serve._localkv(o, "model.gguf", 1, [], concurrent=True)
-    assert seen == [("--spec", "ngram", "--spec-max", "4")]
+        serve._localkv(o, "model.gguf", 1, [], concurrent=True, kv_dtype="f16")
+    assert seen == [("--kv-dtype", "f16", "--spec", "ngram", "--spec-max", "4")]
 
 
 def test_spec_quick_with_a_draft_model(tiny):

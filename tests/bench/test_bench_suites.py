@@ -53,7 +53,7 @@ def test_memory_full_workload_meets_targets():
     rep = memory_suite.run(Options())  # the documented 1,000-request workload: a couple of seconds
     paged, contig = rep.rows[0], rep.rows[1]
     assert paged["utilization"] >= 0.96 and 0.2 <= contig["utilization"] <= 0.4
-    assert [t.ok for t in rep.targets] == [True, True, True]
+    assert [t.ok for t in rep.targets] == [True, True, True, True]  # the last: tokens per GiB, q8_0 vs f16
     assert rep.command == "localkv bench memory"
 
 
