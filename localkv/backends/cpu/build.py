@@ -171,7 +171,7 @@ def _run(jobs: list, progress: bool) -> bool:
     something compiled."""
     import numba
 
-    from localkv.backends.cpu import warmup
+    import localkv.backends.cpu.warmup as warmup
 
     with _absent("scipy.linalg"), tables_deferred():
         results, compiled = warmup.run(jobs, _WORKER, progress, warmup.workers())
