@@ -9,14 +9,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from scipy.stats import chisquare
-from spec.test_speculation import BASE, GREEDY, PROMPT, RNG, engine, run, tokens
+from spec.test_speculation import GREEDY, PROMPT, engine, mixed_requests, run, run_mixed, tokens
 from test_one_answer import models  # noqa: F401 (a fixture)
-from test_scheduler import drain
 
 from localkv.errors import LocalkvError
 from localkv.generation import Generation
 from localkv.sampling import Constraint, Sampler, SamplingParams
-from localkv.scheduler import Scheduler
 from tiny_model import byte_vocab, write_gguf
 
 TARGET = "llama-Q4_1"
@@ -110,17 +108,10 @@ def test_forked_branches_each_draft_with_their_own_sequence(models, narrow):  # 
 
 def test_the_scheduler_mixes_draft_model_and_plain_requests(models, narrow):  # noqa: F811
     path = models(TARGET)
-    prompts = [PROMPT, PROMPT[10:], BASE * 2, RNG.integers(3, 261, 30).tolist()]
-    params = [GREEDY, replace(GREEDY, max_tokens=9), replace(GREEDY, max_tokens=31), GREEDY]
+    prompts, params = mixed_requests()
     alone = [run(engine(path), p, q) for p, q in zip(prompts, params)]
     eng = drafting(path, narrow, prefill_chunk=32)
-    sched = Scheduler(eng, token_budget=40)
-    gens = [Generation(eng, p, q, queued=True) for p, q in zip(prompts, params)]
-    gens.append(Generation(eng, PROMPT, GREEDY, n=2, queued=True))
-    gens.append(Generation(eng, BASE * 2, replace(GREEDY, temperature=0.9, seed=5), queued=True))
-    for g in gens:
-        sched.add(g)
-    drain(sched, gens)
+    gens = run_mixed(eng, prompts, params)
     for i, (g, a) in enumerate(zip(gens, alone)):
         assert g.result.tokens == a.tokens, f"request {i}"
     assert tokens(gens[4].result) == [alone[0].tokens] * 2

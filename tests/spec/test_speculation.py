@@ -70,6 +70,25 @@ def tokens(r) -> list[list[int]]:
     return [b.tokens for b in r.branches]
 
 
+def mixed_requests():
+    """The scheduler tests' requests: (prompts, params) of four greedy ones."""
+    prompts = [PROMPT, PROMPT[10:], BASE * 2, RNG.integers(3, 261, 30).tolist()]
+    return prompts, [GREEDY, replace(GREEDY, max_tokens=9), replace(GREEDY, max_tokens=31), GREEDY]
+
+
+def run_mixed(eng, prompts, params) -> list:
+    """Those requests, a 2-branch fork and a sampled one, through one Scheduler (token budget
+    40) to the end: the Generations."""
+    sched = Scheduler(eng, token_budget=40)
+    gens = [Generation(eng, p, q, queued=True) for p, q in zip(prompts, params)]
+    gens.append(Generation(eng, PROMPT, GREEDY, n=2, queued=True))
+    gens.append(Generation(eng, BASE * 2, replace(GREEDY, temperature=0.9, seed=5), queued=True))
+    for g in gens:
+        sched.add(g)
+    drain(sched, gens)
+    return gens
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_text_is_the_same_with_speculation(models, name, monkeypatch):  # noqa: F811
     """Every architecture: prompt lookup and the oracle's random accept lengths give the text of
@@ -100,18 +119,11 @@ def test_the_scheduler_mixes_speculating_and_plain_requests(models, monkeypatch)
     a small token budget: each greedy one gets its text alone without speculation, drafts were
     verified, and every block comes back."""
     path = models("llama-Q4_1")
-    prompts = [PROMPT, PROMPT[10:], BASE * 2, RNG.integers(3, 261, 30).tolist()]
-    params = [GREEDY, replace(GREEDY, max_tokens=9), replace(GREEDY, max_tokens=31), GREEDY]
+    prompts, params = mixed_requests()
     alone = [run(engine(path), p, q) for p, q in zip(prompts, params)]
     oracle(monkeypatch, {i: p + a.tokens for i, (p, a) in enumerate(zip(prompts, alone))}, seed=4)
     eng = engine(path, spec="ngram", prefill_chunk=32)
-    sched = Scheduler(eng, token_budget=40)
-    gens = [Generation(eng, p, q, queued=True) for p, q in zip(prompts, params)]
-    gens.append(Generation(eng, PROMPT, GREEDY, n=2, queued=True))
-    gens.append(Generation(eng, BASE * 2, replace(GREEDY, temperature=0.9, seed=5), queued=True))
-    for g in gens:
-        sched.add(g)
-    drain(sched, gens)
+    gens = run_mixed(eng, prompts, params)
     for i, (g, a) in enumerate(zip(gens, alone)):
         assert g.result.tokens == a.tokens, f"request {i}"
     assert tokens(gens[4].result) == [alone[0].tokens] * 2
