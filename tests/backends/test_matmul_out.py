@@ -34,7 +34,7 @@ def lanes(matmul_few, w: QStack, x: np.ndarray) -> np.ndarray:
     """x @ W.T by the 8-lane kernel (activation rows in the lanes), whatever len(x)."""
     out = np.empty((-(-len(x) // 8) * 8, w.rows), np.float32)
     ((run,), qt) = w.runs, MARKERS[w.tensors[0].qtype]
-    matmul_few.matmul_lanes(qt, *matmul_few.lanes_inputs(qt, x), run.datas, run.offs, out)
+    matmul_few.matmul_lanes(qt, *matmul_few.lanes_inputs(qt, x, 8), run.datas, run.offs, out)
     return out[: len(x)]
 
 

@@ -36,7 +36,20 @@ from numba.extending import register_jitable
 
 from localkv.backends.cpu.kernels import EXACT, EXACT_PAR, PAR, SER
 from localkv.backends.cpu.quant.formats import act_group, geometry, group, lanes_product, product
-from localkv.backends.cpu.simd.f32x8 import expand, fadd, fload, fma, fmul, fpair, fsplat, fzero, hsum, lane, tofloat
+from localkv.backends.cpu.simd.f32x8 import (
+    expand,
+    fadd,
+    fload,
+    float_of_bits,
+    fma,
+    fmul,
+    fpair,
+    fsplat,
+    fzero,
+    hsum,
+    lane,
+    tofloat,
+)
 from localkv.backends.cpu.simd.u8x32 import at, izero, load32, prefetch
 
 ROW_MAX = 2  # up to this many activation rows take the row path, more the 8-lane path
@@ -51,25 +64,31 @@ def _quantize(x, xq, dx, xs16, gs):
     q = rint(x / d) with d = amax / 127, d stored once per 32 values (dx [R, K/32]);
     xs16 [R, K/16] = d * the sum of each 16 q (what the offsets multiply). A group holding
     inf or nan gets q = 0 and d = nan, so its outputs are nan as in float math (without
-    fastmath here: it would assume there are none)."""
+    fastmath here: it would assume there are none). amax is the largest of the values' bits
+    without the sign (an integer max, which vectorizes where a float max without fastmath
+    does not; bits past +inf's: inf or nan)."""
     R, K = x.shape
+    bits = x.view(np.uint32)
     for r in range(R):
         for g in range(K // gs):
-            amax = np.float32(0)
+            o = gs * g
+            top = np.uint32(0)
             for i in range(gs):
-                amax = max(amax, abs(x[r, gs * g + i]))
-                if x[r, gs * g + i] != x[r, gs * g + i]:
-                    amax = np.float32(np.inf)
-            d = amax / np.float32(127)
-            inv = np.float32(1) / d if amax > 0 else np.float32(0)
-            if amax == np.inf:
+                top = max(top, bits[r, o + i] & np.uint32(0x7FFFFFFF))
+            if top >= np.uint32(0x7F800000):
                 d, inv = np.float32(np.nan), np.float32(0)
-            for i in range(gs):
-                xq[r, gs * g + i] = np.int32(np.rint(x[r, gs * g + i] * inv)) if inv > 0 else 0
+            else:
+                d = float_of_bits(top) / np.float32(127)
+                inv = np.float32(1) / d if top > 0 else np.float32(0)
+            if inv > 0:
+                for i in range(gs):
+                    xq[r, o + i] = np.int32(np.rint(x[r, o + i] * inv))
+            else:
+                xq[r, o : o + gs] = 0
             for k in range(gs // 16):
                 s = 0
                 for i in range(16):
-                    s += xq[r, gs * g + 16 * k + i]
+                    s += xq[r, o + 16 * k + i]
                 xs16[r, gs // 16 * g + k] = d * np.float32(s)
             for k in range(gs // 32):
                 dx[r, gs // 32 * g + k] = d
@@ -159,11 +178,19 @@ def _lanes_step(qt, w, blk, j, g, inp, a, m):
 def walk(step, qt, w, base, inp, ng):
     """The groups of one weight row (from byte base) through step(qt, w, blk, j, g, inp, a, m),
     8 lanes at a time, in the order that fixes the lanes' sums: _row_dot's (group g into
-    accumulator g % 2, in order of g; a K-quant block's 8 groups written out). The 8-lane
-    kernels (lanes: rows in the lanes; matmul_out: outputs in the lanes) share it, so that
-    a lane's float ops are one sequence whichever kernel runs it."""
+    accumulator g % 2, in order of g; a K-quant block's 8 groups written out). The lanes
+    kernels (lanes: rows in the lanes, 8 or 16 of them: walk_from; matmul_out: outputs in the
+    lanes) share it, so that a lane's float ops are one sequence whichever kernel runs it."""
+    a0, a1, m0, m1 = walk_from(step, qt, w, base, inp, ng, fzero())
+    return fadd(fadd(a0, a1), fadd(m0, m1))
+
+
+@register_jitable(_nrt=False)
+def walk_from(step, qt, w, base, inp, ng, z):
+    """walk's four accumulators (a0, a1, m0, m1: its result is (a0 + a1) + (m0 + m1)), each
+    starting at z (F32x8, F32x16, or a tuple of them when step runs several weight rows)."""
     groups, nbytes = geometry(qt)
-    a0, a1, m0, m1 = fzero(), fzero(), fzero(), fzero()
+    a0, a1, m0, m1 = z, z, z, z
     if groups == 1:
         for g in range(0, ng - 1, 2):
             a0, m0 = step(qt, w, base + g * nbytes, 0, g, inp, a0, m0)
@@ -181,7 +208,7 @@ def walk(step, qt, w, base, inp, ng):
             a1, m1 = step(qt, w, blk, 5, g + 5, inp, a1, m1)
             a0, m0 = step(qt, w, blk, 6, g + 6, inp, a0, m0)
             a1, m1 = step(qt, w, blk, 7, g + 7, inp, a1, m1)
-    return fadd(fadd(a0, a1), fadd(m0, m1))
+    return a0, a1, m0, m1
 
 
 @register_jitable
@@ -211,14 +238,16 @@ def _interleave(xq, dx, xs16):
 
 @register_jitable
 def _interleave_into(xq, dx, xs16, xi, dxv, xsa, xsb):
-    """_interleave into given arrays (zero where rows past R go)."""
+    """_interleave into given arrays (zero where rows past R go), for L lanes (8, or 16 for
+    matmul_wide: L = len(dxv) / groups): xi [g][dword][L rows][4 bytes], dxv/xsa/xsb [g][L]."""
     R, K = xq.shape
+    L = dxv.shape[0] // (K // 32)
     for r in range(R):
         for g in range(K // 32):
             for k in range(8):
                 for i in range(4):
-                    xi[256 * g + 32 * k + 4 * r + i] = xq[r, 32 * g + 4 * k + i]
-            dxv[8 * g + r], xsa[8 * g + r], xsb[8 * g + r] = dx[r, g], xs16[r, 2 * g], xs16[r, 2 * g + 1]
+                    xi[32 * L * g + 4 * L * k + 4 * r + i] = xq[r, 32 * g + 4 * k + i]
+            dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = dx[r, g], xs16[r, 2 * g], xs16[r, 2 * g + 1]
 
 
 @njit(**PAR)
@@ -249,16 +278,17 @@ def matmul_few(qt, x, ws, offs, out):
 
 
 @njit(**EXACT_PAR)
-def lanes_inputs(qt, x):
-    """x [R, K] quantized (as matmul_few) and interleaved per block of 8 rows, for matmul_lanes:
-    (xi [blocks, K * 8] int8, dxv, xsa, xsb [blocks, K / 4] float32). Parallel over the blocks
-    (a row's values are its own: the same bits on any split)."""
+def lanes_inputs(qt, x, L):
+    """x [R, K] quantized (as matmul_few) and interleaved per block of L rows (8 for
+    matmul_lanes, 16 for matmul_wide): (xi [blocks, K * L] int8, dxv, xsa, xsb [blocks,
+    K * L / 32] float32). Parallel over the blocks (a row's values are its own: the same bits
+    on any split)."""
     R, K = x.shape
-    ng, nb = K // 32, (R + LANES - 1) // LANES
-    xi, dxv = np.zeros((nb, ng * 256), np.int8), np.zeros((nb, ng * 8), np.float32)
-    xsa, xsb = np.zeros((nb, ng * 8), np.float32), np.zeros((nb, ng * 8), np.float32)
+    ng, nb = K // 32, (R + L - 1) // L
+    xi, dxv = np.zeros((nb, ng * 32 * L), np.int8), np.zeros((nb, ng * L), np.float32)
+    xsa, xsb = np.zeros((nb, ng * L), np.float32), np.zeros((nb, ng * L), np.float32)
     for b in prange(nb):
-        r0, r1 = b * LANES, min(R, (b + 1) * LANES)
+        r0, r1 = b * L, min(R, (b + 1) * L)
         xq, dx, xs16 = quantized(x[r0:r1], act_group(qt))
         _interleave_into(xq, dx, xs16, xi[b], dxv[b], xsa[b], xsb[b])
     return xi, dxv, xsa, xsb
@@ -268,15 +298,16 @@ def lanes_inputs(qt, x):
 def matmul_lanes(qt, xi, dxv, xsa, xsb, ws, offs, out):
     """matmul_few's 8-lane arithmetic for any number of rows (lanes_inputs' blocks of 8; out
     [8 * blocks, outputs]): a row's outputs are one lane of its block whatever the row count,
-    so a token row gets the same bits in a pass of 1 row or of 512 (cpu.py's one answer). Each
-    weight row is read once and multiplied into every block while it is in L1."""
+    so a token row gets the same bits in a pass of 1 row or of 512 (cpu.py's one answer). A
+    block's activations stay in L1 while a work chunk's weight rows pass over them (weight row
+    by block, the other way round, read every block from L2 for each row: 1.2x slower)."""
     nb, ng = xi.shape[0], xi.shape[1] // 256
     counts = chunks(ws)
     for c in prange(counts[0] + counts[1] + counts[2]):
         i, n0, n1, col = chunk(ws, offs, counts, c)
         w = ws[i]
-        for n in range(n0, n1):
-            for b in range(nb):
+        for b in range(nb):
+            for n in range(n0, n1):
                 v = walk(_lanes_step, qt, w, n * w.shape[1], (xi[b], dxv[b], xsa[b], xsb[b]), ng)
                 for r in range(LANES):
                     out[b * LANES + r, col + n] = lane(v, r)

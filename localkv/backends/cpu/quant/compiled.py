@@ -17,10 +17,16 @@ from localkv.backends.cpu.kernels.matmul_few import quantize_cols as _quantize_c
 from localkv.backends.cpu.kernels.matmul_few import quantize_rows as _quantize_rows
 from localkv.backends.cpu.kernels.matmul_out import matmul_out as _matmul_out
 from localkv.backends.cpu.kernels.matmul_out import out_rows
+from localkv.backends.cpu.kernels.matmul_wide import LANES as WIDE_LANES
+from localkv.backends.cpu.kernels.matmul_wide import chosen as _wide_chosen
+from localkv.backends.cpu.kernels.matmul_wide import matmul_wide as _matmul_wide
 from localkv.backends.cpu.kernels.superblock import ROWS as SUPER_ROWS
 from localkv.backends.cpu.kernels.superblock import TYPES as SUPER_TYPES
 from localkv.backends.cpu.kernels.superblock import matmul_rows as _matmul_super_rows
 from localkv.backends.cpu.kernels.superblock import matmul_super as _matmul_super
+from localkv.backends.cpu.kernels.superblock_lanes import biased as _biased
+from localkv.backends.cpu.kernels.superblock_lanes import lane_sums as _lane_sums
+from localkv.backends.cpu.kernels.superblock_lanes import matmul_super_lanes as _matmul_super_lanes
 from localkv.backends.cpu.quant.formats import MARKERS
 from localkv.backends.cpu.quant.tensor import QStack, sample_weight
 from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group, block_size
@@ -37,26 +43,38 @@ def few(run, x: np.ndarray, out: np.ndarray):
 
 def every_row(run, x: np.ndarray, out: np.ndarray):
     """few() for any number of rows in one arithmetic per row, whatever the count: Q4_K and Q6_K
-    by super-blocks in integers (superblock.matmul_rows), the other block types by the 8-lane
-    kernel (a tail of up to out_rows rows past its blocks of 8, or a pass of so few, by
-    matmul_out: the same bits with outputs in the lanes, faster for so few; a 1 + 8 verify pass
-    is then one block and one row, not two blocks), the float kernel (a dot per row) for the
-    others."""
+    by super-blocks in integers (superblock.matmul_rows; whole blocks of 16 rows by its lanes
+    form, superblock_lanes, where matmul_wide is chosen), the other block types by the 8-lane
+    kernel (whole blocks of 16 by matmul_wide where chosen; a tail of up to out_rows rows past
+    the blocks of 8, or a pass of so few, by matmul_out: the same bits with outputs in the
+    lanes, faster for so few; a 1 + 8 verify pass is then one block and one row), the float
+    kernel (a dot per row) for the others. Every part gives a row the same bits."""
     qt = MARKERS[run.qtype]
     if run.qtype in SUPER_TYPES:
-        _matmul_super_rows(qt, x, run.datas, run.offs, out)
+        wide = len(x) - len(x) % WIDE_LANES if _WIDE else 0  # whole blocks of 16: the lanes kernel's
+        if wide:
+            xi, dxv, _, _ = _lanes_inputs(_GROUP_MARKERS[activation_group(run.qtype)], x[:wide], WIDE_LANES)
+            _matmul_super_lanes(qt, _biased(xi), dxv, _lane_sums(xi), run.datas, run.offs, out)
+        if wide < len(x):
+            _matmul_super_rows(qt, x[wide:], run.datas, run.offs, out[wide:])
     elif run.qtype in BLOCK_TYPES:
-        R, tail = len(x), len(x) % OUT_LANES
+        R = len(x)
+        wide = R - R % WIDE_LANES if _WIDE else 0  # whole blocks of 16: matmul_wide's
+        tail = (R - wide) % OUT_LANES
         lanes = R - tail if tail <= out_rows(run.qtype) else R  # a short tail: matmul_out's
-        if lanes:
-            xl = _lanes_inputs(_GROUP_MARKERS[activation_group(run.qtype)], x[:lanes])
-            _matmul_lanes(qt, *xl, run.datas, run.offs, out)
+        group = _GROUP_MARKERS[activation_group(run.qtype)]
+        if wide:
+            _matmul_wide(qt, *_lanes_inputs(group, x[:wide], WIDE_LANES), run.datas, run.offs, out)
+        if lanes > wide:
+            xl = _lanes_inputs(group, x[wide:lanes], OUT_LANES)
+            _matmul_lanes(qt, *xl, run.datas, run.offs, out[wide:])
         if lanes < R:
             _matmul_out(qt, x[lanes:], run.datas, run.offs, out[lanes:])
     else:
         matmul_few_float(qt, x, run.datas, run.offs, out)
 
 
+_WIDE = _wide_chosen()  # blocks of 16 rows go to matmul_wide (same bits, faster with AVX-512 VNNI)
 # lanes_inputs reads only the activations' group from its type: one build (one compile on an
 # empty cache, one load at a start) serves every block type of a group
 _GROUP_MARKERS = {activation_group(t): MARKERS[t] for t in reversed(BLOCK_TYPES)}  # the first type of each
@@ -110,9 +128,9 @@ def check(qtype: str) -> bool:
             return False
     rng = np.random.default_rng(3)
     (run,) = QStack(ws).runs
-    for rows in (1, 2, 3, 8):
+    for rows in (1, 2, 3, 8) + ((17,) if _WIDE and qtype in BLOCK_TYPES else ()):  # 17: 16 in the lanes + 1
         x = rng.standard_normal((rows, dense[0].shape[1]), dtype=np.float32)
-        one = np.empty((8, ws[0].rows + ws[1].rows), np.float32)  # the lanes kernel writes 8 rows
+        one = np.empty((24, ws[0].rows + ws[1].rows), np.float32)  # the lanes kernel writes 8 rows
         every_row(run, x, one)
         one = one[: len(x)]
         if not all(np.array_equal(one[r : r + 1], _one_row(run, x[r : r + 1], one.shape[1])) for r in range(rows)):

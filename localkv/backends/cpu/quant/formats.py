@@ -233,8 +233,13 @@ def _k_scale_min(w, o, j):
     return sc, (at(w, o + j + 4) >> 4) | ((at(w, o + j) >> 6) << 4)
 
 
+@register_jitable(_nrt=False)
+def _q4_k_u(w, blk, j):
+    return band(shr(load32(w, blk + 16 + 32 * (j >> 1)), 4 * (j & 1)), 15)
+
+
 def _q4_k(qt, w, blk, j):
-    u = band(shr(load32(w, blk + 16 + 32 * (j >> 1)), 4 * (j & 1)), 15)
+    u = _q4_k_u(w, blk, j)
     sc, mn = _k_scale_min(w, blk + 4, j)
     s, m = half(w, blk) * np.float32(sc), -half(w, blk + 2) * np.float32(mn)
     return u, s, s, m, m
@@ -248,17 +253,50 @@ def _q5_k(qt, w, blk, j):
     return u, s, s, m, m
 
 
-def _q6_k(qt, w, blk, j):
+@register_jitable(_nrt=False)
+def _q6_k_u(w, blk, j):
     h, r = j >> 2, j & 3
     lo = band(shr(load32(w, blk + 64 * h + 32 * (r & 1)), 4 * (r >> 1)), 15)
     hi = band(shr(load32(w, blk + 128 + 32 * h), 2 * r), 3)
+    return bor(lo, shl(hi, 4))
+
+
+@register_jitable(_nrt=False)
+def _q6_k_scale(w, blk, k):
+    """The signed 8-bit scale of Q6_K's 16-value sub-block k."""
+    return (at(w, blk + 192 + k) ^ 128) - 128
+
+
+def _q6_k(qt, w, blk, j):
     d = half(w, blk + 208)
-    sa = d * np.float32((at(w, blk + 192 + 2 * j) ^ 128) - 128)
-    sb = d * np.float32((at(w, blk + 193 + 2 * j) ^ 128) - 128)
-    return bor(lo, shl(hi, 4)), sa, sb, np.float32(-32) * sa, np.float32(-32) * sb
+    sa, sb = d * np.float32(_q6_k_scale(w, blk, 2 * j)), d * np.float32(_q6_k_scale(w, blk, 2 * j + 1))
+    return _q6_k_u(w, blk, j), sa, sb, np.float32(-32) * sa, np.float32(-32) * sb
 
 
 _DECODERS = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
 }  # fmt: skip
+
+
+def k_ints(qt, w, blk, j):
+    """Group j of a Q4_K or Q6_K super-block in integers, as the super-block products use it:
+    (u, the integer scales of its two 16-value halves, the integer factors of their
+    activation sums): Q4_K's 6-bit scale and min twice, Q6_K's two signed scales twice."""
+
+
+@overload(k_ints, jit_options={"_nrt": False})
+def _k_ints(qt, w, blk, j):
+    if qt.qname == "Q4_K":
+
+        def q4k(qt, w, blk, j):
+            sc, mn = _k_scale_min(w, blk + 4, j)
+            return _q4_k_u(w, blk, j), sc, sc, mn, mn
+
+        return q4k
+
+    def q6k(qt, w, blk, j):
+        sa, sb = _q6_k_scale(w, blk, 2 * j), _q6_k_scale(w, blk, 2 * j + 1)
+        return _q6_k_u(w, blk, j), sa, sb, sa, sb
+
+    return q6k

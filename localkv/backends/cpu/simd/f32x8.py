@@ -10,12 +10,14 @@ from numba.extending import intrinsic
 from localkv.backends.cpu.simd.vec import (
     F32,
     FAST,
+    FLOATS,
     I8,
     I16,
     I32,
     V8F32,
     V8I32,
     F32x8,
+    F32x16,
     I32x8,
     features,
     function,
@@ -54,10 +56,16 @@ def fpair(typingctx, a, b):
 
 @intrinsic
 def tofloat(typingctx, v):
-    def codegen(context, builder, sig, args):
-        return builder.sitofp(args[0], V8F32)
+    """An I32x8 or I32x16 as floats (the lane ops below take either width, the 8-lane and the
+    16-lane kernels one sequence of ops per lane)."""
+    if v not in FLOATS:
+        return None
+    out = FLOATS[v]
 
-    return F32x8(v), codegen
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], out.llvm_type)
+
+    return out(v), codegen
 
 
 @intrinsic
@@ -66,19 +74,31 @@ def fma(typingctx, a, b, c):
     fast-math flags: with them LLVM may reassociate or contract each inlined copy of a kernel
     its own way, and one row's sums would then depend on the code path that computed them."""
 
+    if not _floats(a, b, c):
+        return None
+    vt = a.llvm_type
+
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F32, [V8F32] * 3), "llvm.fma.v8f32")
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * 3), f"llvm.fma.v{vt.count}f32")
         return builder.call(fn, list(args))
 
-    return F32x8(a, b, c), codegen
+    return a(a, b, c), codegen
 
 
 @intrinsic
 def fmul(typingctx, a, b):
+    if not _floats(a, b):
+        return None
+
     def codegen(context, builder, sig, args):
         return builder.fmul(args[0], args[1])
 
-    return F32x8(a, b), codegen
+    return a(a, b), codegen
+
+
+def _floats(*ts) -> bool:
+    """All of ts one float vector type (F32x8 or F32x16)."""
+    return ts[0] in (F32x8, F32x16) and all(t == ts[0] for t in ts)
 
 
 @intrinsic
@@ -106,10 +126,24 @@ def hsum(typingctx, v):
 
 @intrinsic
 def fadd(typingctx, a, b):
+    if not _floats(a, b):
+        return None
+
     def codegen(context, builder, sig, args):
         return builder.fadd(args[0], args[1])
 
-    return F32x8(a, b), codegen
+    return a(a, b), codegen
+
+
+@intrinsic
+def fsub(typingctx, a, b):
+    if not _floats(a, b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+
+    return a(a, b), codegen
 
 
 @intrinsic
@@ -150,7 +184,7 @@ def fjoin(typingctx, a, b):
 
 @intrinsic
 def lane(typingctx, v, i):
-    """Lane i of an F32x8."""
+    """Lane i of an F32x8 or F32x16."""
 
     def codegen(context, builder, sig, args):
         return builder.extract_element(args[0], args[1])
@@ -213,10 +247,12 @@ def bload(typingctx, arr, off):
 
 @intrinsic
 def fstore(typingctx, arr, off, v):
-    """arr[off:off+8] = v (a float32 array)."""
+    """arr[off:off+8] = v (a float32 array; off:off+16 for an F32x16)."""
+    if v not in (F32x8, F32x16):
+        return None
 
     def codegen(context, builder, sig, args):
-        builder.store(args[2], ptr(context, builder, sig.args[0], args[0], args[1], V8F32), align=4)
+        builder.store(args[2], ptr(context, builder, sig.args[0], args[0], args[1], v.llvm_type), align=4)
         return context.get_dummy_value()
 
     return types.none(arr, off, v), codegen

@@ -45,6 +45,17 @@ def load32(typingctx, arr, off):
 
 
 @intrinsic
+def store32(typingctx, arr, off, v):
+    """arr[off:off + 32] = the 32 bytes of v (a uint8 array)."""
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], ptr(context, builder, sig.args[0], args[0], args[1], V32I8), align=1)
+        return context.get_dummy_value()
+
+    return types.none(arr, off, v), codegen
+
+
+@intrinsic
 def nibbles(typingctx, arr, off):
     """The 16 bytes at arr[off:] as 32 values: their low nibbles, then their high nibbles."""
 
@@ -106,7 +117,7 @@ def izero(typingctx):
     return I32x8(), codegen
 
 
-def _dot_codegen(context, small: bool):
+def dot_builder(context, small: bool):
     """The builder function of `dot` for the CPU numba compiles for. small: every u < 128."""
     feats = features(context)
     if _has_vnni(context):
@@ -153,7 +164,7 @@ def _dot_codegen(context, small: bool):
 def _dot_typer(small: bool):
     def typer(typingctx, acc, u, s):
         def codegen(context, builder, sig, args):
-            return _dot_codegen(context, small)(builder, *args)
+            return dot_builder(context, small)(builder, *args)
 
         return I32x8(acc, u, s), codegen
 
@@ -212,7 +223,7 @@ def _lanes_typer(small: bool):
         def codegen(context, builder, sig, args):
             u, xi, off = args
             words = builder.bitcast(u, V8I32)
-            dot_impl = _dot_codegen(context, small)
+            dot_impl = dot_builder(context, small)
             out = []
             for half_ in range(2):
                 acc = ir.Constant(V8I32, [0] * 8)

@@ -1,4 +1,4 @@
-"""The vector types of the kernels (U8x32, I32x8, F32x8; wide's F32x16) and the LLVM IR
+"""The vector types of the kernels (U8x32, I32x8, F32x8, I32x16, F32x16) and the LLVM IR
 helpers every SIMD module here builds on: element addresses, broadcasts, the CPU features
 numba compiles for, and declarations of LLVM's own intrinsics.
 
@@ -13,11 +13,12 @@ from numba.extending import models, register_model
 
 I8, I16, I32, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 V8I32, V8F32, V32I8 = ir.VectorType(I32, 8), ir.VectorType(F32, 8), ir.VectorType(I8, 32)
+V16I32, V16F32 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
 FAST = ("fast",)
 
 
 class Vec(types.Type):
-    """An LLVM vector held in registers: U8x32, I32x8, F32x8 or F32x16."""
+    """An LLVM vector held in registers: U8x32, I32x8, F32x8, I32x16 or F32x16."""
 
     def __init__(self, name: str, llvm_type):
         self.llvm_type = llvm_type
@@ -33,6 +34,9 @@ class _VecModel(models.PrimitiveModel):
 U8x32 = Vec("U8x32", V32I8)
 I32x8 = Vec("I32x8", V8I32)
 F32x8 = Vec("F32x8", V8F32)
+I32x16 = Vec("I32x16", V16I32)
+F32x16 = Vec("F32x16", V16F32)
+FLOATS = {I32x8: F32x8, I32x16: F32x16}  # an integer vector type -> the float one of its lanes
 
 
 def ptr(context, builder, arrty, arr, off, vec_type=None):

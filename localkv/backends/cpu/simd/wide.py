@@ -20,13 +20,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from localkv.backends.cpu.simd.vec import F32, FAST, I8, I16, I32, Vec, features, function, ptr, splat
+from localkv.backends.cpu.simd.vec import F32, FAST, I8, I16, I32, F32x16, features, function, ptr, splat
 
 _V64I8, _V32I8, _V16I8 = ir.VectorType(I8, 64), ir.VectorType(I8, 32), ir.VectorType(I8, 16)
 _V32I16, _V16I16, _V8I16 = ir.VectorType(I16, 32), ir.VectorType(I16, 16), ir.VectorType(I16, 8)
 _V16I32, _V8I32, _V16F32 = ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(F32, 16)
-
-F32x16 = Vec("F32x16", _V16F32)
 
 
 def _mask(values):

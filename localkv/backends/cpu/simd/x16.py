@@ -1,0 +1,182 @@
+"""Sixteen lanes: what the 16-row lanes kernel (kernels/matmul_wide) needs beyond f32x8's lane
+ops, which take F32x16 as well as F32x8: a zero, a broadcast, a load, and the 16-row product
+of a decoded group of 32 weights.
+
+With AVX-512 VNNI the product is one vpdpbusd on a 512-bit register per 4 weights, 16
+activation rows at once: half the instructions of two 8-lane products. Elsewhere each 512-bit
+product runs as two of u8x32's 256-bit ones (the same integers: every path is exact), so the
+kernel compiles and agrees on any CPU; kernels/matmul_wide says where it is chosen. Offsets
+as in vec (elements of the arrays given, C-contiguous, nothing bounds-checked).
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from localkv.backends.cpu.simd.u8x32 import dot_builder
+from localkv.backends.cpu.simd.vec import I8, I32, V8I32, V16F32, V16I32, F32x16, I32x16, features, function, ptr, splat
+
+_V64I8 = ir.VectorType(I8, 64)
+
+
+def has_vnni512(feats: str) -> bool:
+    """Whether LLVM features `feats` ("+avx512vnni,...") give the one-instruction product."""
+    return "+avx512vnni" in feats and "+avx512bw" in feats
+
+
+@intrinsic
+def zero16(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(V16F32, [0.0] * 16)
+
+    return F32x16(), codegen
+
+
+@intrinsic
+def splat16(typingctx, s):
+    def codegen(context, builder, sig, args):
+        return splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), V16F32)
+
+    return F32x16(s), codegen
+
+
+@intrinsic
+def load16(typingctx, arr, off):
+    """16 floats at arr[off:] (a float32 array)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.load(ptr(context, builder, sig.args[0], args[0], args[1], V16F32), align=4)
+
+    return F32x16(arr, off), codegen
+
+
+def _halves_dot(context, small: bool):
+    """The 512-bit product as two 256-bit `dot`s (u8x32's, for the CPU numba compiles for)."""
+    dot = dot_builder(context, small)
+    lo, hi = (ir.Constant(V8I32, list(range(k, k + 8))) for k in (0, 8))
+    lo_b, hi_b = (ir.Constant(ir.VectorType(I32, 32), list(range(k, k + 32))) for k in (0, 32))
+
+    def two(builder, acc, u, s):
+        parts = []
+        for m, mb in ((lo, lo_b), (hi, hi_b)):
+            a = builder.shuffle_vector(acc, acc, m)
+            uh, sh = (builder.shuffle_vector(v, v, mb) for v in (u, s))
+            parts.append(dot(builder, a, uh, sh))
+        return builder.shuffle_vector(parts[0], parts[1], ir.Constant(V16I32, list(range(16))))
+
+    return two
+
+
+def _product(context, small: bool):
+    if has_vnni512(features(context)):
+
+        def vnni(builder, acc, u, s):
+            fn = function(builder, "llvm.x86.avx512.vpdpbusd.512", V16I32, [V16I32] * 3)
+            return builder.call(fn, [acc, builder.bitcast(u, V16I32), builder.bitcast(s, V16I32)])
+
+        return vnni
+    return _halves_dot(context, small)
+
+
+def _lanes16_typer(small: bool):
+    def typer(typingctx, u, xi, off):
+        """The 16-row product of one group: (pa, pb), lane r = the dot of values 0-15 (pa) or
+        16-31 (pb) of u with row r of the activations, which xi holds at off as [8 dwords][16
+        rows][4 bytes] (int8): u8x32.lanes_dot's integers, 16 rows at a time."""
+
+        def codegen(context, builder, sig, args):
+            u, xi, off = args
+            words = builder.bitcast(u, V8I32)
+            product = _product(context, small)
+            out = []
+            for half_ in range(2):
+                accs = [ir.Constant(V16I32, [0] * 16)] * 2  # two chains of products: half the latency
+                for k in range(4 * half_, 4 * half_ + 4):
+                    b = builder.bitcast(builder.shuffle_vector(words, words, ir.Constant(V16I32, [k] * 16)), _V64I8)
+                    at = builder.add(off, ir.Constant(off.type, 64 * k))
+                    x = builder.load(ptr(context, builder, sig.args[1], xi, at, _V64I8), align=1)
+                    accs[k % 2] = product(builder, accs[k % 2], b, x)
+                out.append(builder.add(accs[0], accs[1]))
+            return context.make_tuple(builder, sig.return_type, out)
+
+        return types.UniTuple(I32x16, 2)(u, xi, off), codegen
+
+    return typer
+
+
+lanes_dot16 = intrinsic(_lanes16_typer(False))
+lanes_dot16_7 = intrinsic(_lanes16_typer(True))  # every u < 128
+
+
+# ---------------------------------------------------------------- integer lanes (exact)
+
+
+@intrinsic
+def izero16(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(V16I32, [0] * 16)
+
+    return I32x16(), codegen
+
+
+@intrinsic
+def iload16(typingctx, arr, off):
+    """16 int32 at arr[off:] (an int32 array)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.load(ptr(context, builder, sig.args[0], args[0], args[1], V16I32), align=4)
+
+    return I32x16(arr, off), codegen
+
+
+@intrinsic
+def imadd16(typingctx, acc, a, k, b, j):
+    """acc + a * k + b * j lane by lane, k and j integers (int32 arithmetic: exact while the
+    sums stay inside int32, as the K-quants' do)."""
+
+    def codegen(context, builder, sig, args):
+        acc, a, k, b, j = args
+        sk = splat(builder, context.cast(builder, k, sig.args[2], types.int32), V16I32)
+        sj = splat(builder, context.cast(builder, j, sig.args[4], types.int32), V16I32)
+        return builder.add(acc, builder.add(builder.mul(a, sk), builder.mul(b, sj)))
+
+    return I32x16(acc, a, k, b, j), codegen
+
+
+@intrinsic
+def iadd16(typingctx, a, b):
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+
+    return I32x16(a, b), codegen
+
+
+@intrinsic
+def half_dot16(typingctx, xu, xoff, wd, woff):
+    """The 16 rows' dots of 16 weights with their activations: lane r = sum over i < 16 of
+    xu[xoff + 64 (i // 4) + 4 r + i % 4] (unsigned: the activations plus 128) times
+    wd[woff + i] (signed: the decoded weights, each broadcast from memory to all lanes). With
+    VNNI each 4 weights cost one vpdpbusd reading them straight from memory, no shuffle."""
+
+    def codegen(context, builder, sig, args):
+        xu, xoff, wd, woff = args
+        product = _product(context, False)
+        accs = [ir.Constant(V16I32, [0] * 16)] * 2  # two chains: half the latency
+        for k in range(4):
+            at = builder.add(woff, ir.Constant(woff.type, 4 * k))
+            word = builder.load(ptr(context, builder, sig.args[2], wd, at, I32), align=1)
+            wv = builder.bitcast(splat(builder, word, V16I32), _V64I8)
+            at = builder.add(xoff, ir.Constant(xoff.type, 64 * k))
+            x = builder.load(ptr(context, builder, sig.args[0], xu, at, _V64I8), align=1)
+            accs[k % 2] = product(builder, accs[k % 2], x, wv)
+        return builder.add(accs[0], accs[1])
+
+    return I32x16(xu, xoff, wd, woff), codegen
+
+
+@intrinsic
+def isplat16(typingctx, k):
+    def codegen(context, builder, sig, args):
+        return splat(builder, context.cast(builder, args[0], sig.args[0], types.int32), V16I32)
+
+    return I32x16(k), codegen

@@ -1,0 +1,90 @@
+"""The 16-row lanes kernel (kernels/matmul_wide) gives each activation row the bits the 8-lane
+kernel (matmul_lanes) gives it: np.array_equal for every block type, on activations whose
+float products round (large positive dots) and with an inf (its group nan in both), with
+weight counts that leave a partial work chunk; and a pass of any row count (whole blocks of
+16 here, then blocks of 8, then matmul_out's tail) gives each row the bits of a pass of 8."""
+
+import numpy as np
+import pytest
+
+from localkv.backends.cpu import build, quant
+from localkv.backends.cpu.quant.formats import MARKERS
+from localkv.backends.cpu.quant.tensor import QStack, sample_weight
+from localkv.backends.cpu.quant.types import BLOCK_TYPES, block_size
+
+LANE_TYPES = [t for t in BLOCK_TYPES if t not in ("Q4_K", "Q6_K")]  # those two: superblock_lanes
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert build.load(BLOCK_TYPES), {t: quant.why_not(t) for t in BLOCK_TYPES}
+    from localkv.backends.cpu.kernels import matmul_few, matmul_wide
+
+    return matmul_few, matmul_wide
+
+
+def weights(qtype: str) -> QStack:
+    """Matrices of 37 (two chunks of 16 and a tail of 5), 5 and 3 rows, of an odd number of blocks."""
+    values = block_size(qtype)[0]
+    cols = 5 * 32 if values == 32 else 3 * values
+    return QStack(tuple(sample_weight(qtype, rows, cols, seed) for rows, seed in ((37, 1), (5, 2), (3, 3))))
+
+
+def by_lanes(matmul_few, kernel, lanes: int, w: QStack, x: np.ndarray) -> np.ndarray:
+    """x @ W.T by a lanes kernel taking blocks of `lanes` rows, whatever len(x)."""
+    out = np.full((-(-len(x) // lanes) * lanes, w.rows), -1, np.float32)
+    ((run,), qt) = w.runs, MARKERS[w.tensors[0].qtype]
+    kernel(qt, *matmul_few.lanes_inputs(qt, x, lanes), run.datas, run.offs, out)
+    return out[: len(x)]
+
+
+def activations(rng, rows: int, cols: int, positive: bool) -> np.ndarray:
+    x = rng.uniform(0.5, 1, (rows, cols)) if positive else rng.standard_normal((rows, cols))
+    return (x * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", LANE_TYPES)
+def test_each_row_of_16_gets_the_8_lane_bits(kernels, qtype):
+    matmul_few, matmul_wide = kernels
+    w, rng = weights(qtype), np.random.default_rng(5)
+    for rows, positive in ((16, False), (16, True), (40, True)):
+        x = activations(rng, rows, w.cols, positive)
+        x[3, 7] = np.inf
+        wide = by_lanes(matmul_few, matmul_wide.matmul_wide, 16, w, x)
+        assert np.isnan(wide[3]).all() and np.isfinite(wide[4]).all()
+        assert np.array_equal(wide, by_lanes(matmul_few, matmul_few.matmul_lanes, 8, w, x), equal_nan=True), rows
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_K"])
+def test_a_pass_of_any_row_count_gives_each_row_the_bits_of_one_block(kernels, qtype):
+    """16k + 8j + t rows: matmul_wide, matmul_lanes and matmul_out each take a part, where the
+    CPU has AVX-512 VNNI (elsewhere the wide kernel is not chosen, and this holds the same)."""
+    matmul_few, _ = kernels
+    w, rng = weights(qtype), np.random.default_rng(9)
+    for rows in (15, 16, 17, 25, 26, 33, 50):
+        x = activations(rng, rows, w.cols, True)
+        want = np.concatenate([by_lanes(matmul_few, matmul_few.matmul_lanes, 8, w, x[r : r + 1]) for r in range(rows)])
+        assert np.array_equal(quant.matmul_rows(x, w), want), rows
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_super_block_lanes_kernel_gives_each_row_the_row_kernels_bits(kernels, qtype):
+    """kernels/superblock_lanes (16 rows in the lanes, weights decoded to bytes, activations
+    biased by 128) against superblock.matmul_rows, called directly: any CPU compiles it."""
+    from localkv.backends.cpu.kernels import superblock, superblock_lanes
+
+    matmul_few, _ = kernels
+    w, rng = weights(qtype), np.random.default_rng(13)
+    ((run,), qt) = w.runs, MARKERS[qtype]
+    for positive in (False, True):
+        x = activations(rng, 32, w.cols, positive)
+        x[20, 300] = np.inf
+        want = np.empty((32, w.rows), np.float32)
+        superblock.matmul_rows(qt, x, run.datas, run.offs, want)
+        xi, dxv, _, _ = matmul_few.lanes_inputs(qt, x, 16)
+        got = np.full((32, w.rows), -1, np.float32)
+        superblock_lanes.matmul_super_lanes(
+            qt, superblock_lanes.biased(xi), dxv, superblock_lanes.lane_sums(xi), run.datas, run.offs, got
+        )
+        assert np.isnan(got[20]).all()
+        assert np.array_equal(got, want, equal_nan=True)
