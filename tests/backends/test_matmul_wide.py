@@ -88,3 +88,27 @@ def test_the_super_block_lanes_kernel_gives_each_row_the_row_kernels_bits(kernel
         )
         assert np.isnan(got[20]).all()
         assert np.array_equal(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_amx_int8_kernel_gives_each_row_the_row_kernels_bits(kernels, qtype):
+    """kernels/superblock_amx (integer dots on AMX tiles, each weight times its scale split in
+    two bytes) against superblock.matmul_rows, on a CPU with AMX-INT8."""
+    from localkv.backends.cpu.kernels import superblock, superblock_amx
+
+    if not superblock_amx.chosen():
+        pytest.skip("no AMX-INT8 here (or Linux refused the tile state)")
+    matmul_few, _ = kernels
+    w, rng = weights(qtype), np.random.default_rng(17)
+    ((run,), qt) = w.runs, MARKERS[qtype]
+    for positive in (False, True):
+        x = activations(rng, 48, w.cols, positive)
+        x[20, 300] = np.inf
+        x[33] = -x[33]  # large negative sums: the signed side of every product
+        want = np.empty((48, w.rows), np.float32)
+        superblock.matmul_rows(qt, x, run.datas, run.offs, want)
+        xi, dxv, _, _ = matmul_few.lanes_inputs(qt, x, 16)
+        got = np.full((48, w.rows), -1, np.float32)
+        superblock_amx.matmul_super_amx(qt, xi, dxv, *superblock_amx.prepared_sums(qt, xi), run.datas, run.offs, got)
+        assert np.isnan(got[20]).all()
+        assert np.array_equal(got, want, equal_nan=True)

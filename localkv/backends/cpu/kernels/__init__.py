@@ -13,6 +13,7 @@ the backend runs without numba):
   under the one-answer rule);
 - matmul_wide: matmul_lanes' bits for 16 activation rows in 512-bit lanes (prefill with
   AVX-512 VNNI); superblock_lanes: the same for Q4_K and Q6_K (superblock.matmul_rows' bits);
+  superblock_amx: those bits again with the integer dots on AMX-INT8 tiles;
 - superblock: Q4_K and Q6_K, a 256-value super-block at a time in integers (matmul_rows: any
   row count, one answer; matmul_super: one or two rows, the fast paths);
 - float_few: the decode matmuls of F32 / F16 / BF16 weights (float FMAs);

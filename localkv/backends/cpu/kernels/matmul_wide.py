@@ -15,13 +15,14 @@ compiles and agrees too (its products then run as two 256-bit ones), but is not 
 """
 
 import llvmlite.binding as llvm
+import numpy as np
 from numba import njit, prange
 from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR
-from localkv.backends.cpu.kernels.matmul_few import PREFETCH, chunk, chunks, walk_from
+from localkv.backends.cpu.kernels.matmul_few import CHUNK, PREFETCH, chunk, chunks, walk_from
 from localkv.backends.cpu.quant.formats import group
-from localkv.backends.cpu.simd.f32x8 import fadd, fma, fmul, lane, tofloat
+from localkv.backends.cpu.simd.f32x8 import fadd, fma, fmul, fstore, tofloat
 from localkv.backends.cpu.simd.u8x32 import prefetch
 from localkv.backends.cpu.simd.x16 import has_vnni512, lanes_dot16, lanes_dot16_7, load16, splat16, zero16
 
@@ -56,6 +57,16 @@ def _wide_step(qt, w, blk, j, g, inp, a, m):
     return a, fadd(m, fma(splat16(ma), load16(xsa, 16 * g), fmul(splat16(mb), load16(xsb, 16 * g))))
 
 
+@register_jitable(_nrt=False)
+def transpose16(vb, tb):
+    """tb = the 16 x 16 floats of vb transposed (both small, in L1: moves, no rounding). Writing
+    a chunk's outputs to out a column at a time (a scalar store per token row, each to another
+    cache line) cost a quarter of a prefill matmul's time."""
+    for t in range(LANES):
+        for r in range(LANES):
+            tb[LANES * t + r] = vb[LANES * r + t]
+
+
 @njit(**EXACT_PAR)
 def matmul_wide(qt, xi, dxv, xsa, xsb, ws, offs, out):
     """matmul_lanes for lanes_inputs(qt, x, 16)'s blocks (out [16 * blocks, outputs]): row r's
@@ -67,10 +78,12 @@ def matmul_wide(qt, xi, dxv, xsa, xsb, ws, offs, out):
     for c in prange(counts[0] + counts[1] + counts[2]):
         i, n0, n1, col = chunk(ws, offs, counts, c)
         w = ws[i]
+        vb, tb = np.empty(LANES * CHUNK, np.float32), np.empty(LANES * CHUNK, np.float32)
         for b in range(nb):
             inp = (xi[b], dxv[b], xsa[b], xsb[b])
             for n in range(n0, n1):
                 a0, a1, m0, m1 = walk_from(_wide_step, qt, w, n * w.shape[1], inp, ng, zero16())
-                v = fadd(fadd(a0, a1), fadd(m0, m1))
-                for r in range(LANES):
-                    out[b * LANES + r, col + n] = lane(v, r)
+                fstore(vb, LANES * (n - n0), fadd(fadd(a0, a1), fadd(m0, m1)))
+            transpose16(vb, tb)  # out's rows are tokens: each takes the chunk's outputs in one store
+            for r in range(LANES):
+                out[b * LANES + r, col + n0 : col + n1] = tb[LANES * r : LANES * r + n1 - n0]

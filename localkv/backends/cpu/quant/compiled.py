@@ -24,6 +24,9 @@ from localkv.backends.cpu.kernels.superblock import ROWS as SUPER_ROWS
 from localkv.backends.cpu.kernels.superblock import TYPES as SUPER_TYPES
 from localkv.backends.cpu.kernels.superblock import matmul_rows as _matmul_super_rows
 from localkv.backends.cpu.kernels.superblock import matmul_super as _matmul_super
+from localkv.backends.cpu.kernels.superblock_amx import chosen as _amx_int8_chosen
+from localkv.backends.cpu.kernels.superblock_amx import matmul_super_amx as _matmul_super_amx
+from localkv.backends.cpu.kernels.superblock_amx import prepared_sums as _prepared_sums
 from localkv.backends.cpu.kernels.superblock_lanes import biased as _biased
 from localkv.backends.cpu.kernels.superblock_lanes import lane_sums as _lane_sums
 from localkv.backends.cpu.kernels.superblock_lanes import matmul_super_lanes as _matmul_super_lanes
@@ -54,7 +57,10 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
         wide = len(x) - len(x) % WIDE_LANES if _WIDE else 0  # whole blocks of 16: the lanes kernel's
         if wide:
             xi, dxv, _, _ = _lanes_inputs(_GROUP_MARKERS[activation_group(run.qtype)], x[:wide], WIDE_LANES)
-            _matmul_super_lanes(qt, _biased(xi), dxv, _lane_sums(xi), run.datas, run.offs, out)
+            if _AMX_INT8:
+                _matmul_super_amx(qt, xi, dxv, *_prepared_sums(qt, xi), run.datas, run.offs, out)
+            else:
+                _matmul_super_lanes(qt, _biased(xi), dxv, _lane_sums(xi), run.datas, run.offs, out)
         if wide < len(x):
             _matmul_super_rows(qt, x[wide:], run.datas, run.offs, out[wide:])
     elif run.qtype in BLOCK_TYPES:
@@ -75,6 +81,7 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
 
 
 _WIDE = _wide_chosen()  # blocks of 16 rows go to matmul_wide (same bits, faster with AVX-512 VNNI)
+_AMX_INT8 = _WIDE and _amx_int8_chosen()  # and Q4_K / Q6_K's to superblock_amx (same bits)
 # lanes_inputs reads only the activations' group from its type: one build (one compile on an
 # empty cache, one load at a start) serves every block type of a group
 _GROUP_MARKERS = {activation_group(t): MARKERS[t] for t in reversed(BLOCK_TYPES)}  # the first type of each

@@ -97,6 +97,19 @@ def tile_dot(typingctx, c, a, b):
     return types.void(c, a, b), codegen
 
 
+@intrinsic(prefer_literal=True)
+def tile_dot_u8i8(typingctx, c, a, b):
+    """Tile c (int32) += tile a (unsigned bytes) times tile b (signed bytes, in 4-byte groups):
+    tdpbusd. Integer sums: exact."""
+    if not _literal(c, a, b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _call(builder, "llvm.x86.tdpbusd", [_tile(s) for s in sig.args])
+
+    return types.void(c, a, b), codegen
+
+
 @intrinsic
 def float_bits(typingctx, x):
     """The bits of a float32 as a uint32."""

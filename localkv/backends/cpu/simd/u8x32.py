@@ -56,6 +56,24 @@ def store32(typingctx, arr, off, v):
 
 
 @intrinsic
+def scaled_bytes(typingctx, u, ka, kb, bias):
+    """u's values times ka (values 0-15) or kb (16-31), plus bias, as two U8x32: the low bytes
+    and the high bytes of those int16 (callers keep them inside 0..65535)."""
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(I16, 32)
+        k = [context.cast(builder, a, t, types.int16) for a, t in zip(args[1:], sig.args[1:])]
+        halves = ir.Constant(ir.VectorType(I32, 32), list(range(16)) + list(range(48, 64)))
+        ks = builder.shuffle_vector(splat(builder, k[0], v16), splat(builder, k[1], v16), halves)
+        e = builder.add(builder.mul(builder.zext(args[0], v16), ks), splat(builder, k[2], v16))
+        lo = builder.trunc(e, V32I8)
+        hi = builder.trunc(builder.lshr(e, ir.Constant(v16, [8] * 32)), V32I8)
+        return context.make_tuple(builder, sig.return_type, [lo, hi])
+
+    return types.UniTuple(U8x32, 2)(u, ka, kb, bias), codegen
+
+
+@intrinsic
 def nibbles(typingctx, arr, off):
     """The 16 bytes at arr[off:] as 32 values: their low nibbles, then their high nibbles."""
 

@@ -180,3 +180,40 @@ def isplat16(typingctx, k):
         return splat(builder, context.cast(builder, args[0], sig.args[0], types.int32), V16I32)
 
     return I32x16(k), codegen
+
+
+@intrinsic
+def istore16(typingctx, arr, off, v):
+    """arr[off:off + 16] = v (an int32 array)."""
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], ptr(context, builder, sig.args[0], args[0], args[1], V16I32), align=4)
+        return context.get_dummy_value()
+
+    return types.none(arr, off, v), codegen
+
+
+@intrinsic
+def pairs_dot16(typingctx, acc, arr, off, word):
+    """acc + per lane the dot of the two int16 at arr[off + lane] (an int32 array, each word
+    two int16) with the two int16 of `word` (vpdpwssd, word broadcast; exact: the products and
+    their sums stay inside int32 for the K-quants' activation sums and scales)."""
+
+    def codegen(context, builder, sig, args):
+        acc, arr, off, word = args
+        v = builder.load(ptr(context, builder, sig.args[1], arr, off, V16I32), align=4)
+        wv = splat(builder, context.cast(builder, word, sig.args[3], types.int32), V16I32)
+        if "+avx512vnni" in features(context):
+            fn = function(builder, "llvm.x86.avx512.vpdpwssd.512", V16I32, [V16I32] * 3)
+            return builder.call(fn, [acc, v, wv])
+        v32 = ir.VectorType(ir.IntType(16), 32)
+        a, b = (
+            builder.sext(builder.bitcast(v, v32), ir.VectorType(I32, 32)),
+            builder.sext(builder.bitcast(wv, v32), ir.VectorType(I32, 32)),
+        )
+        p = builder.mul(a, b)
+        even = builder.shuffle_vector(p, p, ir.Constant(V16I32, list(range(0, 32, 2))))
+        odd = builder.shuffle_vector(p, p, ir.Constant(V16I32, list(range(1, 32, 2))))
+        return builder.add(acc, builder.add(even, odd))
+
+    return I32x16(acc, arr, off, word), codegen
