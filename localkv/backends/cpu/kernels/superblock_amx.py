@@ -1,14 +1,14 @@
 """superblock.matmul_rows (Q4_K and Q6_K) for whole blocks of 16 activation rows on Intel AMX's
 int8 tiles: the same bits for every row, the integer dots on the tile unit.
 
-Why: a prefill pass of a K-quant model is almost all super-block products, and the integer
-dots of each group are exact however they are summed. tdpbusd multiplies 16 weight rows by
-16 activation rows over 32 (Q4_K's group) or 16 (Q6_K's half) values in one instruction, the
-unsigned weights (decoded once per work chunk into bytes, superblock_lanes._decode) by the
-signed activations (lanes_inputs(qt, x, 16)'s blocks are already the tile's layout: 4 bytes of
-each of 16 rows per 64-byte tile row). Each group's tile of dots is stored and multiplied by
-the group's integer scale on 16 lanes; the offsets' integer sums are superblock_lanes' (the
-activations' integer sums times the integer mins); then superblock._step's float ops per
+Why: a prefill pass of a K-quant model is almost all super-block products, and a super-block's
+integer sum is exact however it is computed. Each weight, times its half's integer scale (plus
+BIAS, so that Q6_K's signed scales give an unsigned value), is split into two unsigned bytes
+(_decode, once per work chunk); tdpbusd then multiplies 16 weight rows by 16 activation rows
+(lanes_inputs(qt, x, 16)'s blocks are already the tiles' layout: 4 bytes of each of 16 rows per
+64-byte tile row) 64 values at a time with no per-group scaling left: four products per digit
+give a super-block's scaled sum, low byte + 256 x high byte, less BIAS x the activations' sum.
+The offsets' integer sums are vpdpwssd on int16 pairs; then superblock._step's float ops per
 lane, so a row gets matmul_rows' bits (tests/backends/test_matmul_wide.py). Unlike AMX's bf16
 prefill (kernels/amx, the fast paths), nothing is rounded.
 

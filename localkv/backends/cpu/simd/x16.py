@@ -183,17 +183,6 @@ def isplat16(typingctx, k):
 
 
 @intrinsic
-def istore16(typingctx, arr, off, v):
-    """arr[off:off + 16] = v (an int32 array)."""
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], ptr(context, builder, sig.args[0], args[0], args[1], V16I32), align=4)
-        return context.get_dummy_value()
-
-    return types.none(arr, off, v), codegen
-
-
-@intrinsic
 def pairs_dot16(typingctx, acc, arr, off, word):
     """acc + per lane the dot of the two int16 at arr[off + lane] (an int32 array, each word
     two int16) with the two int16 of `word` (vpdpwssd, word broadcast; exact: the products and
