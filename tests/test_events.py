@@ -4,14 +4,13 @@ and the usages sum to the request's. Also ServeOptions' one check of the server'
 
 import pytest
 
-from localkv.config import EngineConfig
+from localkv.config import EngineConfig, ServeOptions
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
 from localkv.events import Delta, Finished, Usage
 from localkv.generation import Generation
 from localkv.sampling import SamplingParams
 from localkv.scheduler import Scheduler
-from localkv.serve.options import ServeOptions
 from localkv.serve.runner import Runner
 from tiny_model import write_gguf
 

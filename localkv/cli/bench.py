@@ -4,8 +4,6 @@ import sys
 
 import typer
 
-from localkv import bench
-from localkv.bench import peer, report
 from localkv.cli.options import engine_options
 from localkv.config import EngineConfig
 from localkv.errors import LocalkvError
@@ -81,10 +79,13 @@ def bench_command(
 
     Each suite prints what it measured, the hardware and load, the command that reproduces it, and
     the targets it checks. --vs llama.cpp runs llama-cpp-python on the same work in the same run."""
+    from localkv import bench  # the lab loads only when a bench runs, not with every command
+    from localkv.bench import report
+    from localkv.bench.options import Options
+
     _check(suite, vs=vs, output=output, plot=plot, quick=quick, n_prompt=n_prompt, n_gen=n_gen, reps=repetitions)
     url = _check_url(url, suite, vs)
     depths = _depths(n_depth, suite, quick)
-    from localkv.bench.options import Options  # the engine's code loads only when a bench runs
 
     opts = Options(
         engine=engine,
@@ -110,6 +111,8 @@ def bench_command(
 
 def _check(suite: str, *, vs, output: str, plot, quick: bool, n_prompt: int, n_gen: int, reps: int | None):
     """Every bad argument, before the engine loads, so the error comes at once."""
+    from localkv.bench import peer, report
+
     check_suite(suite)
     peer.check_vs(vs)
     report.check_output(output)
@@ -153,6 +156,8 @@ def _depths(text: str | None, suite: str, quick: bool) -> tuple[int, ...]:
 
 
 def check_suite(suite: str):
+    from localkv import bench
+
     names = (*bench.SUITES, "all")
     if suite not in names:
         raise LocalkvError(f"unknown bench suite {suite!r}: use one of {', '.join(names)}")
@@ -162,8 +167,11 @@ def _say(msg: str):
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
-def _write(rep: report.Report, output: str, plot: str | None, first: bool):
-    """One suite's report as it finishes (json: all of them at the end), and its charts."""
+def _write(rep, output: str, plot: str | None, first: bool):
+    """One suite's report (a bench.report.Report) as it finishes (json: all of them at the end),
+    and its charts."""
+    from localkv.bench import report
+
     if output == "md":
         sys.stdout.write(("" if first else "\n") + report.format_md(rep))
     elif output == "csv":

@@ -6,8 +6,7 @@ import typer
 
 from localkv.cli.app import err
 from localkv.cli.options import engine_options
-from localkv.config import PREFILL_CHUNK, EngineConfig
-from localkv.serve.options import ServeOptions
+from localkv.config import PREFILL_CHUNK, EngineConfig, ServeOptions
 
 D = ServeOptions()  # the flags' defaults
 

@@ -19,14 +19,13 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from localkv.config import EngineConfig
+from localkv.config import EngineConfig, ServeOptions
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
 from localkv.events import Delta, Event, Failed
 from localkv.generation import Generation
 from localkv.scheduler import Scheduler
 from localkv.serve.metrics import Counters, Snapshot
-from localkv.serve.options import ServeOptions
 
 
 class QueueFull(LocalkvError):

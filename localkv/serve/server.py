@@ -17,10 +17,9 @@ import threading
 
 import uvicorn
 
-from localkv.config import EngineConfig
+from localkv.config import EngineConfig, ServeOptions
 from localkv.errors import LocalkvError
 from localkv.serve.app import create_app
-from localkv.serve.options import ServeOptions
 from localkv.serve.runner import Runner
 
 

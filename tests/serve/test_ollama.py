@@ -9,10 +9,9 @@ import ollama
 import openai
 import pytest
 
-from localkv.config import EngineConfig
+from localkv.config import EngineConfig, ServeOptions
 from localkv.serve.ollama import keep_alive
 from localkv.serve.openai import ApiError
-from localkv.serve.options import ServeOptions
 from localkv.serve.server import BackgroundServer
 from tiny_model import write_gguf
 

@@ -16,9 +16,8 @@ import numpy as np
 import openai
 import pytest
 
-from localkv.config import EngineConfig
+from localkv.config import EngineConfig, ServeOptions
 from localkv.serve.metrics import parse
-from localkv.serve.options import ServeOptions
 from localkv.serve.runner import Runner
 from localkv.serve.server import BackgroundServer
 from tiny_model import write_gguf

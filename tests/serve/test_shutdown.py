@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from serve_process import COMPLETIONS, ServeProcess, final_event, read_stream, temp_files
 
+from localkv.config import ServeOptions
 from localkv.errors import LocalkvError
 from localkv.kv.disk_store import DiskStore
 from localkv.serve.metrics import parse
-from localkv.serve.options import ServeOptions
 from tiny_model import write_gguf
 
 RNG = np.random.default_rng(5)

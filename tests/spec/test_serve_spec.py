@@ -4,9 +4,8 @@ accepted and rejected, and /metrics counters of drafted and accepted tokens."""
 import httpx
 import pytest
 
-from localkv.config import EngineConfig
+from localkv.config import EngineConfig, ServeOptions
 from localkv.serve.metrics import parse
-from localkv.serve.options import ServeOptions
 from localkv.serve.server import BackgroundServer
 from tiny_model import write_gguf
 
