@@ -91,7 +91,7 @@ from cupyx.profiler import benchmark
 
 from localkv.backends import cuda_quant
 from localkv.backends.cuda_attention import paged_decode
-from localkv.backends.quant import QTensor
+from localkv.backends.cpu.quant import QTensor
 
 report = sys.argv[1]
 dev = cp.cuda.Device()
@@ -189,7 +189,7 @@ else
   for dev in cuda cpu; do
     limit=100
     [ "$dev" = cpu ] && limit=60
-    timeout "$limit" localkv bench speed --device "$dev" -m smollm2-135m -p 512 -n 128 -r 2 -o json \
+    timeout "$limit" "$PY" -m localkv bench speed --device "$dev" -m smollm2-135m -p 512 -n 128 -r 2 -o json \
       > "$REPORT/e2e_$dev.json" 2> "$REPORT/e2e_$dev.log"
     echo "- $dev: exit $? (e2e_$dev.json, e2e_$dev.log; 124: timed out)" >> "$REPORT/report.md"
   done

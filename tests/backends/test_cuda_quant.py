@@ -43,11 +43,11 @@ def cols_for(qtype: str) -> int:
     return 160 if qtype in BLOCK[:5] else 768
 
 
-def _check_product(got, x, w_ref, out_dtype):
-    """got [R, N] against x [R, K] @ w_ref.T in float64 (see the module docstring)."""
+def _check_product(got, x, w_ref, out_dtype, slack=0.0):
+    """got [R, N] against x [R, K] @ w_ref.T in float64 (see the module docstring), plus slack."""
     xf = x.astype(np.float64)
     ref = xf @ w_ref.T
-    bound = 4e-6 * (np.abs(xf) @ np.abs(w_ref).T)
+    bound = 4e-6 * (np.abs(xf) @ np.abs(w_ref).T) + slack
     if out_dtype == np.float16:
         bound = bound + ULP16 * np.abs(ref)
     got = np.asarray(got, np.float64)
@@ -95,7 +95,9 @@ def test_many_rows_go_through_fp16_tiles(cp, cq, emulated, monkeypatch, qtype):
     got = cq.matmul(cp.asarray(x), cq.upload(w)).get()
     assert LAUNCHED[f"dequant_f16_{qtype.lower()}"] == before + 4 * emulated  # 37 rows in tiles of 10
     w16 = reference(w).astype(np.float16).astype(np.float64)  # the tile's one rounding
-    _check_product(got, x, w16, np.float16)
+    # a GPU's dequantizer may land a value 1 fp16 step from w16 (a tie rounded through fp32)
+    tie = ULP16 * (np.abs(x.astype(np.float64)) @ np.abs(w16).T)
+    _check_product(got, x, w16, np.float16, slack=tie)
 
 
 def test_stacks_fuse_runs_of_one_type(cp, cq):
