@@ -8,6 +8,7 @@ convention for tokens that text can never produce, so a grammar cannot spell `<|
 text; the model's stop tokens are its end-of-sequence tokens, allowed once the grammar accepts.
 """
 
+import copy
 import json
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
@@ -22,7 +23,31 @@ from localkv.sampling import Constraint
 # readable JSON with no free whitespace: a small model given flexible whitespace can spend its
 # whole reply on spaces and newlines; a schema's own "x-guidance" options override these
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-ANY_OBJECT = {"type": "object"}
+
+# A JSON number ends by grammar. llguidance writes an unbounded integer or number as any count of
+# digits, and a small model can ramble digits until -n runs out; numbers the schema leaves
+# unbounded are given bounds here, in a copy of the schema, because llguidance (1.9) has no
+# option for digit counts (x-guidance sets only whitespace, separators and escapes) while its
+# minimum/maximum become range regexes of a fixed digit count, and its multipleOf admits no more
+# decimals than its own. A bound of the user's own is kept as given, however wide.
+# - |integer| <= 2^53 - 1, JavaScript's Number.MAX_SAFE_INTEGER (16 digits): every integer up to it
+#   is exact in a double, the number JSON readers parse into. llguidance reads bounds as doubles,
+#   so 10^16 - 1 would round to 10^16 and let a 17th digit through.
+# - a number: the same integer part, no exponent (llguidance drops it under two bounds), and at
+#   most 8 decimals (multipleOf 1e-8): 8 keep prices, percentages and coordinates to the
+#   millimetre, and 10^8 times a digit stays within the 32-bit arithmetic of llguidance's
+#   multipleOf; a double holds only 15-17 significant digits in all, so more say nothing.
+SAFE_INTEGER = 2**53 - 1
+DECIMALS = 1e-8
+
+# any JSON object (--format json); its values, at any depth, get the same bounded numbers
+_ANY = {"$ref": "#/$defs/value"}
+_VALUE = {
+    "type": ["null", "boolean", "number", "string", "array", "object"],
+    "items": _ANY,
+    "additionalProperties": _ANY,
+}
+ANY_OBJECT = {"type": "object", "additionalProperties": _ANY, "$defs": {"value": _VALUE}}
 
 _TOKENIZERS: "WeakKeyDictionary[Tokenizer, llg.LLTokenizer]" = WeakKeyDictionary()
 
@@ -35,7 +60,10 @@ def grammar_text(c: Constraint) -> str:
             schema = ANY_OBJECT if c.kind == "json" else json.loads(c.text)
             if not isinstance(schema, dict):
                 raise LocalkvError(f"invalid JSON schema{where}: expected a JSON object, got {type(schema).__name__}")
-            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            # as text: llguidance refuses a dict holding an integer wider than 64 bits (a bound of
+            # 10^20) and reads the same number in text as a double
+            text = json.dumps(bounded_numbers(schema))
+            return llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         return llg.grammar_from("regex" if c.kind == "regex" else "grammar", c.text)
     except json.JSONDecodeError as e:
         raise LocalkvError(
@@ -43,6 +71,52 @@ def grammar_text(c: Constraint) -> str:
         ) from None
     except ValueError as e:
         raise LocalkvError(f"invalid {c.kind.replace('_', ' ')}{where}: {first_line(e)}") from None
+
+
+def bounded_numbers(schema: dict) -> dict:
+    """A copy of a JSON Schema whose integers and numbers, wherever they are, have the bounds
+    above on each side the schema leaves open (the caller's schema is not changed)."""
+    out = copy.deepcopy(schema)
+    _bound(out)
+    return out
+
+
+# where subschemas sit, in the keywords llguidance reads; not `not`, where a bound would widen
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "additionalProperties", "anyOf", "oneOf", "allOf")
+
+
+def _bound(s) -> None:
+    if not isinstance(s, dict):
+        return
+    for key in _SCHEMA_MAPS:
+        if isinstance(s.get(key), dict):
+            for sub in s[key].values():
+                _bound(sub)
+    for key in _SUBSCHEMAS:
+        for sub in s[key] if isinstance(s.get(key), list) else [s.get(key)]:
+            _bound(sub)
+    types = s.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    if not types & {"integer", "number"} or "const" in s or "enum" in s:
+        return  # not a number, or one of a fixed few
+    low, high = _limit(s, "minimum", "exclusiveMinimum"), _limit(s, "maximum", "exclusiveMaximum")
+    # a side of the user's own stays; the other is bounded, unless their bound lies beyond it
+    if low is None and (high is None or high >= -SAFE_INTEGER):
+        s["minimum"] = -SAFE_INTEGER
+    if high is None and (low is None or low <= SAFE_INTEGER):
+        s["maximum"] = SAFE_INTEGER
+    if "number" in types and "multipleOf" not in s:
+        s["multipleOf"] = DECIMALS
+
+
+def _limit(s: dict, inclusive: str, exclusive: str) -> float | None:
+    """The schema's own bound on one side (a draft-4 `exclusiveMinimum: true` is no bound)."""
+    for key in (inclusive, exclusive):
+        v = s.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v
+    return None
 
 
 def check(c: Constraint, tok: Tokenizer | None = None) -> str:
