@@ -126,12 +126,17 @@ NUMBERS = {
 D16 = "1234567890123456"  # 16 digits, under 2^53 - 1 = 9007199254740991
 
 
-def digits_after(tok: Tokenizer, c: Constraint, text: str, chars: str = "0123456789") -> bool:
-    """Whether the grammar lets one of chars (a digit) follow text."""
+def walked(tok: Tokenizer, c: Constraint, text: str):
+    """A matcher that took text."""
     m = Grammar.compile(c, tok).matcher()
     for t in tok.encode(text, special=False):
         m.accept(t)
-    allowed = m.allowed()
+    return m
+
+
+def digits_after(tok: Tokenizer, c: Constraint, text: str, chars: str = "0123456789") -> bool:
+    """Whether the grammar lets one of chars (a digit) follow text."""
+    allowed = walked(tok, c, text).allowed()
     return any(allowed[tok.encode(d, special=False)[0]] for d in chars)
 
 
@@ -143,48 +148,40 @@ def obj(value: dict) -> dict:
     return {"type": "object", "properties": {"a": value}, "required": ["a"]}
 
 
-@pytest.mark.parametrize(
-    "c,before",
-    [
-        (schema(NUMBERS), '{"n": '),
-        (schema(NUMBERS), '{"n": -'),
-        (schema(NUMBERS), '{"n": 1, "x": '),
-        (schema(NUMBERS), '{"n": 1, "x": -'),
-        (schema({"type": "array", "items": {"type": "integer"}}), "[1, "),
-        (schema({"type": "array", "prefixItems": [{"type": "number"}]}), "["),
-        (schema(obj({"type": "object", "properties": {"b": {"type": "integer"}}})), '{"a": {"b": '),
-        (schema(obj({"anyOf": [{"type": "string"}, {"type": "integer"}]})), '{"a": '),
-        (schema(obj({"oneOf": [{"type": "string"}, {"type": "number"}]})), '{"a": '),
-        (schema({"allOf": [obj({"type": "integer"})]}), '{"a": '),
-        (schema(obj({"$ref": "#/$defs/n"}) | {"$defs": {"n": {"type": "integer"}}}), '{"a": '),
-        (schema(obj({"$ref": "#/definitions/n"}) | {"definitions": {"n": {"type": "number"}}}), '{"a": '),
-        (schema({"type": "object", "additionalProperties": {"type": "number"}}), '{"k": '),
-        (schema(obj({"type": ["integer", "null"]})), '{"a": '),
-        (schema(obj({"type": "integer", "minimum": 0})), '{"a": '),  # one side the user's, the other ours
-        (schema(obj({"type": "number", "exclusiveMaximum": 0})), '{"a": -'),
-        (Constraint("json"), '{"k": [{"j": '),  # any JSON object: numbers at any depth
-    ],
-    ids=[
-        "integer",
-        "negative",
-        "number",
-        "negative-number",
-        "items",
-        "prefixItems",
-        "nested",
-        "anyOf",
-        "oneOf",
-        "allOf",
-        "$defs",
-        "definitions",
-        "additionalProperties",
-        "type-list",
-        "minimum-0",
-        "exclusiveMaximum-0",
-        "json",
-    ],
-)
-def test_an_unbounded_number_ends_after_16_digits(byte_tok, c, before):
+# where a number may sit, and the text before it
+PLACES = {
+    "integer": (schema(NUMBERS), '{"n": '),
+    "negative": (schema(NUMBERS), '{"n": -'),
+    "number": (schema(NUMBERS), '{"n": 1, "x": '),
+    "negative-number": (schema(NUMBERS), '{"n": 1, "x": -'),
+    "items": (schema({"type": "array", "items": {"type": "integer"}}), "[1, "),
+    "prefixItems": (schema({"type": "array", "prefixItems": [{"type": "number"}]}), "["),
+    "nested": (schema(obj({"type": "object", "properties": {"b": {"type": "integer"}}})), '{"a": {"b": '),
+    "anyOf": (schema(obj({"anyOf": [{"type": "string"}, {"type": "integer"}]})), '{"a": '),
+    "oneOf": (schema(obj({"oneOf": [{"type": "string"}, {"type": "number"}]})), '{"a": '),
+    "allOf": (schema({"allOf": [obj({"type": "integer"})]}), '{"a": '),
+    "$defs": (schema(obj({"$ref": "#/$defs/n"}) | {"$defs": {"n": {"type": "integer"}}}), '{"a": '),
+    "definitions": (schema(obj({"$ref": "#/definitions/n"}) | {"definitions": {"n": {"type": "number"}}}), '{"a": '),
+    "additionalProperties": (schema({"type": "object", "additionalProperties": {"type": "number"}}), '{"k": '),
+    "type-list": (schema(obj({"type": ["integer", "null"]})), '{"a": '),
+    "minimum-0": (schema(obj({"type": "integer", "minimum": 0})), '{"a": '),  # one side the user's, one ours
+    "exclusiveMaximum-0": (schema(obj({"type": "number", "exclusiveMaximum": 0})), '{"a": -'),
+    # open places: where the schema takes any value
+    "other-property": (schema(NUMBERS), '{"n": 1, "x": 2, "k": [{"j": '),
+    "any-property": (schema(obj({"description": "anything"})), '{"a": ['),
+    "true-items": (schema({"type": "array", "items": True}), "["),
+    "no-items": (schema({"type": "array", "prefixItems": [{"type": "string"}]}), '["s", '),
+    "no-type": (schema({"properties": {"a": {"type": "string"}}}), ""),  # a number is valid here
+    "no-type-other": (schema({"properties": {"a": {"type": "string"}}}), '{"b": '),
+    "json": (Constraint("json"), '{"k": [{"j": '),  # --format json: any depth
+    # allOf of two open objects: llguidance cannot intersect their open places, the fields stay bounded
+    "allOf-open": (schema({"allOf": [obj({"type": "integer"}), {"type": "object"}]}), '{"a": '),
+}
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_an_unbounded_number_ends_after_16_digits(byte_tok, place):
+    c, before = PLACES[place]
     assert digits_after(byte_tok, c, before + D16[:15])
     assert not digits_after(byte_tok, c, before + D16)  # only what closes the number
 
@@ -221,6 +218,14 @@ def test_a_wider_bound_of_the_schemas_own_is_kept(byte_tok, value, before, digit
 def test_a_bound_beyond_ours_leaves_the_other_side_open(byte_tok):
     """minimum 10^17 with our maximum would be no number at all: the schema's side wins."""
     assert digits_after(byte_tok, schema(obj({"type": "integer", "minimum": 10**17})), '{"a": ' + "1" * 30)
+
+
+def test_a_multipleof_that_cannot_join_the_decimals_cap_is_kept_exact(byte_tok):
+    """llguidance joins two multipleOf by their least common multiple in 32 bits: 99.5 and the
+    cap's 1e-8 would overflow into a grammar that takes no multiple of 99.5 at all."""
+    c = schema(obj({"allOf": [{"type": "number", "multipleOf": 99.5}, {"type": "number"}]}))
+    assert walked(byte_tok, c, '{"a": 199}').accepting and walked(byte_tok, c, '{"a": -99.5}').accepting
+    assert digits_after(byte_tok, c, '{"a": 199' + "0" * 12) and not digits_after(byte_tok, c, '{"a": 199' + "0" * 13)
 
 
 def test_the_callers_schema_is_not_changed(byte_tok):
