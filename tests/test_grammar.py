@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from localkv.errors import LocalkvError
-from localkv.grammar import SAFE_INTEGER, Grammar, bounded_numbers, check
+from localkv.grammar import Grammar, check
+from localkv.json_numbers import SAFE_INTEGER, bounded_numbers
 from localkv.model.tokenizer import Tokenizer
 from localkv.sampling import Constraint, Sampler, SamplingParams
 from resources import script
