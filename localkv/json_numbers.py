@@ -17,12 +17,14 @@ from dataclasses import dataclass
 # - |integer| <= 2^53 - 1, JavaScript's Number.MAX_SAFE_INTEGER (16 digits): every integer up to it
 #   is exact in a double, the number JSON readers parse into. llguidance reads bounds as doubles,
 #   so 10^16 - 1 would round to 10^16 and let a 17th digit through.
-# - a number: the same integer part, no exponent (llguidance drops it under two bounds), and at
-#   most 8 decimals (multipleOf 1e-8): 8 keep prices, percentages and coordinates to the
-#   millimetre, and 10^8 times a digit stays within the 32-bit arithmetic of llguidance's
-#   multipleOf; a double holds only 15-17 significant digits in all, so more say nothing.
+# - a number: a whole number as above, or one under 10^8 with at most 8 decimals (multipleOf
+#   1e-8): 16 significant digits either way, and no exponent (llguidance drops it under two
+#   bounds). 8 decimals keep prices, percentages and coordinates to the millimetre, and 10^8
+#   times a digit stays within the 32-bit arithmetic of llguidance's multipleOf.
 SAFE_INTEGER = 2**53 - 1
 DECIMALS = 1e-8
+FRACTION = 1e8  # a number with decimals: |x| < 10^8, so 8 + 8 digits
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 # Any JSON value, numbers bounded as above at any depth: what an open place of a schema holds (a
 # property or item of any type, an object's other properties, an array's other items) and
@@ -106,15 +108,39 @@ class _Rewrite:
             s["items"] = self.bound(True)  # after prefixItems, if any
         if not types & {"integer", "number"} or "const" in s or "enum" in s:
             return s  # not a number, or one of a fixed few
-        low, high = _limit(s, "minimum", "exclusiveMinimum"), _limit(s, "maximum", "exclusiveMaximum")
-        # a side of the user's own stays; the other is bounded, unless their bound lies beyond it
-        if low is None and (high is None or high >= -SAFE_INTEGER):
-            s["minimum"] = -SAFE_INTEGER
-        if high is None and (low is None or low <= SAFE_INTEGER):
-            s["maximum"] = SAFE_INTEGER
-        if "number" in types and "multipleOf" not in s and self.decimals:
-            s["multipleOf"] = DECIMALS
-        return s
+        if "number" in types and "multipleOf" not in s and "anyOf" not in s and self.decimals:
+            return _whole_or_fraction(s, types)
+        return _bounded(s, SAFE_INTEGER)
+
+
+def _bounded(s: dict, limit: float) -> dict:
+    """s bounded to [-limit, limit] on each side it leaves open, in place: a side of the user's
+    own stays, and the other stays open too where their bound lies beyond it."""
+    low, high = _limit(s, "minimum", "exclusiveMinimum"), _limit(s, "maximum", "exclusiveMaximum")
+    if low is None and (high is None or high >= -limit):
+        s["minimum"] = -limit
+    if high is None and (low is None or low <= limit):
+        s["maximum"] = limit
+    return s
+
+
+def _whole_or_fraction(s: dict, types: set) -> dict:
+    """A number as one of: a whole number of up to 16 digits (2^53 - 1), or one under 10^8 with
+    up to 8 decimals: at most 16 significant digits either way, what a double holds. The
+    schema's own bounds hold in both; where they leave no room under 10^8, whole numbers only."""
+    bounds = {k: s.pop(k) for k in _BOUNDS if k in s}
+    others = sorted(types - {"integer", "number"})
+    whole = _bounded({"type": "integer"} | bounds, SAFE_INTEGER)
+    fraction = {"type": "number"} | bounds | {"multipleOf": DECIMALS}
+    low, high = _limit(fraction, "minimum", "exclusiveMinimum"), _limit(fraction, "maximum", "exclusiveMaximum")
+    fits = (low is None or low < FRACTION) and (high is None or high > -FRACTION)
+    if low is None:
+        fraction["exclusiveMinimum"] = -FRACTION
+    if high is None:
+        fraction["exclusiveMaximum"] = FRACTION
+    s.pop("type", None)
+    s["anyOf"] = ([{"type": others}] if others else []) + [whole] + ([fraction] if fits else [])
+    return s
 
 
 def _limit(s: dict, inclusive: str, exclusive: str) -> float | None:

@@ -187,11 +187,14 @@ def test_an_unbounded_number_ends_after_16_digits(byte_tok, place):
     assert not digits_after(byte_tok, c, before + D16)  # only what closes the number
 
 
-def test_a_number_has_at_most_8_decimals_and_no_exponent(byte_tok):
-    c = schema(NUMBERS)
-    assert digits_after(byte_tok, c, '{"n": 1, "x": ' + D16 + ".1234567")
-    assert not digits_after(byte_tok, c, '{"n": 1, "x": ' + D16 + ".12345678")
-    assert not digits_after(byte_tok, c, '{"n": 1, "x": 1.5', "eE")
+def test_a_number_has_at_most_16_significant_digits_and_no_exponent(byte_tok):
+    """A whole number of up to 16 digits, or one under 10^8 with up to 8 decimals."""
+    c, x = schema(NUMBERS), '{"n": 1, "x": '
+    assert digits_after(byte_tok, c, x + D16[:8] + ".1234567")
+    assert not digits_after(byte_tok, c, x + D16[:8] + ".12345678")
+    assert digits_after(byte_tok, c, x + D16[:8], ".") and not digits_after(byte_tok, c, x + D16[:9], ".")
+    assert digits_after(byte_tok, c, x + "-" + D16[:8], ".") and not digits_after(byte_tok, c, x + "-" + D16[:9], ".")
+    assert not digits_after(byte_tok, c, x + "1.5", "eE") and not digits_after(byte_tok, c, x + "15", "eE")
 
 
 def test_the_bound_is_the_largest_integer_a_double_holds_exactly(byte_tok):
@@ -261,3 +264,8 @@ def test_schema_on_real_vocabularies(recipe, vocabularies, tmp_path):
     g = Grammar.compile(Constraint("json_schema", json.dumps(SCHEMA)), tok)
     for seed in range(3):
         assert valid(json.loads(sample(tok, g, seed)))
+
+
+def test_a_numbers_own_bounds_beyond_10_to_the_8_leave_whole_numbers(byte_tok):
+    c = schema(obj({"type": "number", "minimum": 10**9}))
+    assert digits_after(byte_tok, c, '{"a": 1' + "0" * 14) and not digits_after(byte_tok, c, '{"a": 1' + "0" * 9, ".")
