@@ -1,6 +1,6 @@
 """DRY ("Don't Repeat Yourself"): the penalty against a brute-force reading of llama.cpp's rule on
 random histories (breakers and windows included), the documented values, the breaker mask, the
-parameters' checks."""
+parameters' checks, and the fields of the OpenAI and Ollama APIs."""
 
 import math
 
@@ -13,6 +13,8 @@ from localkv.dry import DEFAULT_BREAKERS, apply_dry, breaker_mask, max_exponent
 from localkv.errors import LocalkvError
 from localkv.model.tokenizer import Tokenizer
 from localkv.sampling import Sampler, SamplingParams
+from localkv.serve import ollama, openai
+from localkv.serve.openai import ApiError
 
 VOCAB = 10  # the rows' size; histories also hold ids past it (a model's padded rows)
 BREAK = 9  # the token the crafted histories use as a breaker ("\n")
@@ -217,3 +219,40 @@ def test_the_log_records_dry_only_when_it_is_on():
 )
 def test_lookback_is_the_widest_window_a_penalty_reads(kw, lookback):
     assert SamplingParams(**kw).lookback == lookback
+
+
+# ------------------------------------------------------------------ the APIs' fields
+
+DRY_FIELDS = {"dry_multiplier": 0.8, "dry_base": 2, "dry_allowed_length": 3, "dry_penalty_last_n": 256}
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+def test_openai_fields_reach_the_sampling_values():
+    ask = openai.parse_chat({"messages": HELLO, **DRY_FIELDS})
+    assert {k: ask.values[k] for k in DRY_FIELDS} == DRY_FIELDS
+    assert "dry_multiplier" not in openai.parse_chat({"messages": HELLO}).values
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("dry_multiplier", -1),
+        ("dry_multiplier", "high"),
+        ("dry_base", 0.5),
+        ("dry_allowed_length", 1.5),
+        ("dry_allowed_length", -1),
+        ("dry_penalty_last_n", -2),
+    ],
+)
+def test_openai_refuses_bad_values_with_a_400_naming_the_field(field, value):
+    with pytest.raises(ApiError) as e:
+        openai.parse_chat({"messages": HELLO, field: value})
+    assert e.value.status == 400 and e.value.param == field
+
+
+def test_ollama_options_reach_the_sampling_values_and_refuse_bad_ones():
+    call = ollama.parse_chat({"model": "m", "messages": HELLO, "options": DRY_FIELDS}, print)
+    assert {k: call.ask.values[k] for k in DRY_FIELDS} == DRY_FIELDS
+    with pytest.raises(ApiError) as e:
+        ollama.parse_chat({"model": "m", "messages": HELLO, "options": {"dry_base": 0.5}}, print)
+    assert e.value.status == 400 and "dry_base" in e.value.message
