@@ -70,6 +70,7 @@ class Generation:
         engine.check_fits(len(prompt_ids), self.params.max_tokens, n, queued)  # queued: for a shared scheduler
         c = self.params.constraint  # a bad grammar fails here, before any work
         self.grammar = _compile(c, engine.tokenizer) if c is not None else None
+        self.breakers = engine.tokenizer.breaker_mask(self.params.dry_sequence_breakers) if self.params.dry else None
         self.on_progress = on_progress
         self.first_choice = first_choice
         self.engine, self.n, self.prompt = engine, n, list(prompt_ids)
@@ -252,7 +253,7 @@ class Generation:
         seqs = [root] + [eng.fork(root) for _ in range(self.n - 1)]
         for i, seq in enumerate(seqs):
             matcher = self.grammar.matcher() if self.grammar is not None else None  # each branch its own
-            b = Branch(i, seq, Sampler(self.params.for_branch(i), matcher), eng.tokenizer.streamer())
+            b = Branch(i, seq, Sampler(self.params.for_branch(i), matcher, 0, self.breakers), eng.tokenizer.streamer())
             b.spec = speculation.for_branch(self.result.spec, eng, b.sampler, self.stop_ids, len(self.prompt))
             b.stops = StopScanner(self.params.stop)
             b.peak_active_tokens = eng.policy.active_tokens(seq)
@@ -387,10 +388,8 @@ def _history(tokens: list[int], end: int, p: SamplingParams):
     as the penalties look (the list itself when end is its length)."""
     if end == len(tokens):
         return tokens
-    if not p.penalized:
-        return ()
-    start = 0 if p.repeat_last_n < 0 else max(0, end - p.repeat_last_n)
-    return tokens[start:end]
+    n = p.lookback
+    return tokens[0 if n < 0 else max(0, end - n) : end] if n else ()
 
 
 def _compile(constraint, tokenizer):

@@ -1,12 +1,13 @@
 """Token sampling as llama.cpp and Ollama users know it: a grammar mask, repetition penalties
-over the branch's recent tokens, top-k, temperature, top-p, min-p and a seeded draw; and the
-log-probabilities of what was drawn.
+over the branch's recent tokens and DRY (dry.py), top-k, temperature, top-p, min-p and a seeded
+draw; and the log-probabilities of what was drawn.
 
-The order, one pass per token: mask -> penalties -> top-k -> temperature -> top-p -> min-p ->
-draw. Log-probabilities are the log-softmax of the row after the mask and the penalties, at
-temperature 1 and before any truncation: what the model, so constrained and penalized, thinks of
-every token (OpenAI's and llama-server's default reading), finite for every token the grammar
-allows and the same whatever the temperature, so a greedy run still reports them.
+The order, one pass per token: mask -> penalties -> DRY -> top-k -> temperature -> top-p ->
+min-p -> draw (llama.cpp's default chain has penalties, then DRY). Log-probabilities are the
+log-softmax of the row after the mask and the penalties (DRY's too), at temperature 1 and
+before any truncation: what the model, so constrained and penalized, thinks of every token
+(OpenAI's and llama-server's default reading), finite for every token the grammar allows and
+the same whatever the temperature, so a greedy run still reports them.
 """
 
 import math
@@ -16,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from localkv.dry import DEFAULT_BREAKERS, apply_dry
 from localkv.errors import LocalkvError
 
 CONSTRAINT_KINDS = ("json", "json_schema", "grammar", "regex")
@@ -59,15 +61,22 @@ class SamplingParams:
     repeat_last_n: int = 64  # how many recent tokens (prompt included) the penalties look at; -1 = all, 0 = off
     presence_penalty: float = 0.0  # subtracted once from the logit of every recent token
     frequency_penalty: float = 0.0  # subtracted per occurrence among the recent tokens
+    dry_multiplier: float = 0.0  # DRY (dry.py): how hard a token that continues a repeat is hit; 0 = off
+    dry_base: float = 1.75  # DRY's penalty grows by this factor per repeated token past the allowed length
+    dry_allowed_length: int = 2  # DRY: repeats up to this long go unpenalized
+    dry_penalty_last_n: int = -1  # how many recent tokens (prompt included) DRY looks at; -1 = all, 0 = off
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS  # a token with one in its text ends a repeat
     stop: tuple[str, ...] = ()  # strings that end the reply; not part of it
     logprobs: int | None = None  # record each token's log-probability and this many top alternatives
     constraint: Constraint | None = None  # structured output (grammar.py)
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        for name in ("stop", "dry_sequence_breakers"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                object.__setattr__(self, name, (v,))
+            elif not isinstance(v, tuple):
+                object.__setattr__(self, name, tuple(v or ()))
 
     def validate(self) -> "SamplingParams":
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -85,6 +94,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise LocalkvError(f"invalid {name.replace('_', ' ')} {getattr(self, name)}: must be a finite number")
+        self._validate_dry()
         if self.seed is not None and self.seed < 0:
             raise LocalkvError(f"invalid seed {self.seed}: must be >= 0")
         if self.max_tokens < 1:
@@ -99,11 +109,41 @@ class SamplingParams:
                 raise LocalkvError("--ignore-eos does not go with a constrained output: the end token ends the match")
         return self
 
+    def _validate_dry(self) -> None:
+        if not (self.dry_multiplier >= 0 and math.isfinite(self.dry_multiplier)):
+            raise LocalkvError(f"invalid DRY multiplier {self.dry_multiplier}: must be a finite number >= 0 (0 = off)")
+        if not (self.dry_base >= 1 and math.isfinite(self.dry_base)):
+            raise LocalkvError(f"invalid DRY base {self.dry_base}: must be a finite number >= 1")
+        if self.dry_allowed_length < 0:
+            raise LocalkvError(f"invalid DRY allowed length {self.dry_allowed_length}: must be >= 0")
+        if self.dry_penalty_last_n < -1:
+            raise LocalkvError(
+                f"invalid DRY penalty-last-n {self.dry_penalty_last_n}: must be >= 0, or -1 for all tokens"
+            )
+        if any(not isinstance(s, str) or not s for s in self.dry_sequence_breakers):
+            raise LocalkvError("invalid DRY sequence breaker: must be a non-empty string")
+
+    @property
+    def repeats(self) -> bool:
+        """Whether a repetition penalty (repeat, presence, frequency) changes a logit."""
+        active = self.repeat_penalty != 1 or self.presence_penalty or self.frequency_penalty
+        return bool(active) and self.repeat_last_n != 0
+
+    @property
+    def dry(self) -> bool:
+        """Whether DRY changes a logit."""
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
     @property
     def penalized(self) -> bool:
         """Whether any penalty changes a logit."""
-        active = self.repeat_penalty != 1 or self.presence_penalty or self.frequency_penalty
-        return bool(active) and self.repeat_last_n != 0
+        return self.repeats or self.dry
+
+    @property
+    def lookback(self) -> int:
+        """How many recent tokens the penalties read: -1 all, 0 none."""
+        spans = [n for n, on in ((self.repeat_last_n, self.repeats), (self.dry_penalty_last_n, self.dry)) if on]
+        return -1 if -1 in spans else max(spans, default=0)
 
     def for_branch(self, i: int) -> "SamplingParams":
         """Branch i of a fork samples with seed + i: reproducible, and not the same reply n times."""
@@ -113,8 +153,10 @@ class SamplingParams:
         """What the conversation log records with a reply."""
         keys = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens")
         d = {f: getattr(self, f) for f in keys}
-        if self.penalized:
+        if self.repeats:
             d |= {f: getattr(self, f) for f in _PENALTIES}
+        if self.dry:
+            d |= {f: getattr(self, f) for f in _DRY} | {"dry_sequence_breakers": list(self.dry_sequence_breakers)}
         if self.stop:
             d["stop"] = list(self.stop)
         if self.constraint is not None:
@@ -123,6 +165,7 @@ class SamplingParams:
 
 
 _PENALTIES = ("repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty")
+_DRY = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,11 +246,19 @@ class Sampler:
     and is advanced by the token drawn. With params.logprobs set, `last` holds the drawn token's
     TokenLogprob after each call."""
 
-    def __init__(self, params: SamplingParams, matcher: Matcher | None = None, stream: int = 0):
+    def __init__(
+        self,
+        params: SamplingParams,
+        matcher: Matcher | None = None,
+        stream: int = 0,
+        breakers: np.ndarray | None = None,
+    ):
         """stream: another random stream of the same seed (a draft model's draws are made apart
-        from the target's: the acceptance rule needs them independent)."""
+        from the target's: the acceptance rule needs them independent). breakers: DRY's sequence
+        breakers, a bool per token id (the tokenizer's breaker_mask; None: no token breaks)."""
         params.validate()
         self.p = params
+        self.breakers = breakers
         seed = params.seed if params.seed is None or not stream else [params.seed, stream]
         self.rng = np.random.default_rng(seed)
         self.matcher = matcher
@@ -252,16 +303,18 @@ class Sampler:
     def adjusted(
         self, logits: np.ndarray, history: Sequence[int] = (), allowed: np.ndarray | None = None
     ) -> np.ndarray:
-        """The row after the grammar mask (`allowed`) and the penalties; logits itself when
-        neither applies."""
+        """The row after the grammar mask (`allowed`), the penalties and DRY; logits itself when
+        none applies."""
         p = self.p
-        window = recent(history, p.repeat_last_n) if p.penalized else ()
-        if allowed is None and len(window) == 0:
+        window = recent(history, p.repeat_last_n) if p.repeats else ()
+        dry = recent(history, p.dry_penalty_last_n) if p.dry else ()
+        if allowed is None and len(window) == 0 and len(dry) < 2:
             return logits
         row = np.array(logits, dtype=np.float32)
         if allowed is not None:
             apply_mask(row, allowed)
         apply_penalties(row, window, p.repeat_penalty, p.presence_penalty, p.frequency_penalty)
+        apply_dry(row, dry, p.dry_multiplier, p.dry_base, p.dry_allowed_length, self.breakers)
         return row
 
     def _draw(self, logits: np.ndarray, cand: np.ndarray | None, draft: int | None = None, q: Law | None = None) -> int:

@@ -18,7 +18,8 @@ from localkv.sampling import SamplingParams
 HELP = """\
 /system TEXT    set the system prompt (a new branch from the root)
 /set KEY VALUE  temperature top_p top_k min_p repeat_penalty repeat_last_n
-                presence_penalty frequency_penalty max_tokens seed stop evict budget
+                presence_penalty frequency_penalty dry_multiplier dry_base
+                dry_allowed_length dry_penalty_last_n max_tokens seed stop evict budget
                 kv_dtype (f16 f32 q8_0 q4_0, or K:V as q8_0:q4_0: a new engine)
                 (/set stop "###" "User:" sets stop strings; /set stop none clears them)
 /fork [ID]      branch at the message picked in the tree (or ID)
@@ -39,13 +40,26 @@ SAMPLING_KEYS = (
     "repeat_last_n",
     "presence_penalty",
     "frequency_penalty",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
     "max_tokens",
     "seed",
     "stop",
 )
 ENGINE_KEYS = ("evict", "budget", "kv_dtype")  # settings of the engine: a new one is built
 SETTINGS = (*SAMPLING_KEYS, *ENGINE_KEYS)
-FLOATS = ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "dry_multiplier",
+    "dry_base",
+)
 _DEFAULTS = SamplingParams()
 SHOWN = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # always in /set's summary
 ALIASES = {"?": "help", "exit": "bye", "quit": "bye", "tree": "branches"}

@@ -168,6 +168,32 @@ SAMPLING_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         ("--frequency-penalty",),
         _model_default("Subtracted from a recent token's logit per occurrence.", "frequency_penalty"),
     ),
+    "dry_multiplier": (
+        float | None,
+        None,
+        ("--dry-multiplier",),
+        _model_default(
+            "DRY: penalize tokens that would continue a repeated sequence; 0 = off, 0.8 is usual.", "dry_multiplier"
+        ),
+    ),
+    "dry_base": (
+        float | None,
+        None,
+        ("--dry-base",),
+        _model_default("DRY: the penalty grows by this factor per repeated token (>= 1).", "dry_base"),
+    ),
+    "dry_allowed_length": (
+        int | None,
+        None,
+        ("--dry-allowed-length",),
+        _model_default("DRY: repeats up to this many tokens go unpenalized.", "dry_allowed_length"),
+    ),
+    "dry_penalty_last_n": (
+        int | None,
+        None,
+        ("--dry-penalty-last-n",),
+        _model_default("Recent tokens (prompt included) DRY looks at; -1 = all, 0 = off.", "dry_penalty_last_n"),
+    ),
     "seed": (
         int | None,
         None,

@@ -26,6 +26,10 @@ MODEL_SAMPLING = (
     "repeat_last_n",
     "presence_penalty",
     "frequency_penalty",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
 )
 
 

@@ -20,8 +20,10 @@ from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
+from localkv import dry
 from localkv.errors import ModelError
 from localkv.model import chat_template
 from localkv.model.pretokenize import bpe_model, pre_name
@@ -77,6 +79,7 @@ class Tokenizer:
         self.bos_id, self.eos_id, self.add_bos, self.add_eos = bos_id, eos_id, add_bos, add_eos
         self.chat_template = chat_template
         self.stop_ids: set[int] = set(stop_ids)
+        self._breaker_masks: dict[tuple[str, ...], np.ndarray] = {}
 
     # ---- construction -------------------------------------------------------------
 
@@ -223,6 +226,14 @@ class Tokenizer:
 
     def streamer(self, skip_special: bool = False) -> TokenStreamer:
         return TokenStreamer(self, skip_special)
+
+    def breaker_mask(self, breakers: tuple[str, ...]) -> np.ndarray:
+        """DRY's sequence breakers as a bool per token id, computed once per breaker set: a scan
+        of the whole vocabulary is too slow for every request."""
+        mask = self._breaker_masks.get(breakers)
+        if mask is None:
+            mask = self._breaker_masks[breakers] = dry.breaker_mask(self._token_bytes, breakers)
+        return mask
 
     # ---- chat ---------------------------------------------------------------------
 

@@ -45,6 +45,10 @@ SAMPLING = {  # option: (lowest, highest, integer)
     "repeat_last_n": (-1, None, True),
     "presence_penalty": (None, None, False),
     "frequency_penalty": (None, None, False),
+    "dry_multiplier": (0, None, False),
+    "dry_base": (1, None, False),
+    "dry_allowed_length": (0, None, True),
+    "dry_penalty_last_n": (-1, None, True),
 }
 KNOWN = LOAD_OPTIONS | set(NEUTRAL) | set(SAMPLING) | {"mirostat_tau", "mirostat_eta", "seed", "stop"}
 KNOWN |= {"num_predict", "num_ctx"}

@@ -3,7 +3,8 @@ an Ask (sampling values for SamplingParams, the prompt or the chat), and the err
 
 A field localkv cannot honour yet (logit_bias, echo, the old `functions`, ...) is refused with
 a 400 that names it, never ignored; tools are read by localkv/toolcalls/spec.py. Extensions of
-llama-server's and vLLM's: top_k, min_p, repeat_penalty, ignore_eos.
+llama-server's and vLLM's: top_k, min_p, repeat_penalty, ignore_eos, and llama-server's DRY
+fields (dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n).
 """
 
 import json
@@ -15,6 +16,12 @@ from localkv.toolcalls.spec import Choice, Tool, ToolError, read_choice, read_to
 
 MAX_N = 128  # choices per request (OpenAI's limit)
 MAX_STOP = 16  # stop strings per request
+DRY = {
+    "dry_multiplier": (0, False),
+    "dry_base": (1, False),
+    "dry_allowed_length": (0, True),
+    "dry_penalty_last_n": (-1, True),
+}
 
 
 class ApiError(Exception):
@@ -159,6 +166,7 @@ def _sampling(body: dict) -> dict:
         "repeat_penalty": number(body, "repeat_penalty", 0, None),
         "presence_penalty": number(body, "presence_penalty", -2, 2),
         "frequency_penalty": number(body, "frequency_penalty", -2, 2),
+        **{name: number(body, name, lo, None, integer) for name, (lo, integer) in DRY.items()},
         "seed": number(body, "seed", 0, None, integer=True),
         "stop": _stop(body),
         "ignore_eos": flag(body, "ignore_eos") or None,

@@ -65,7 +65,7 @@ def for_branch(mode: str, engine, sampler: Sampler, stop_ids: frozenset, prompt_
         return Speculator.ngram(cfg.spec_max, cfg.spec_ngram_min, cfg.spec_ngram_max)
     if mode != "draft":
         return None
-    own = Sampler(replace(sampler.p, logprobs=None), stream=1)
+    own = Sampler(replace(sampler.p, logprobs=None), stream=1, breakers=sampler.breakers)
     return Speculator.drafting(cfg.spec_max, DraftModel(engine.draft, own, sampler, stop_ids, prompt_len))
 
 

@@ -49,7 +49,17 @@ def test_help_says_which_defaults_come_from_the_model(monkeypatch, capsys):
     rc, out, _ = cli(monkeypatch, capsys, "run", "--help")
     flat = " ".join(out.split())
     assert rc == 0 and "[default: model default (see `localkv show`), else 0.8]" in flat
-    for flag in ("--min-p", "--repeat-penalty", "--repeat-last-n", "--presence-penalty", "--frequency-penalty"):
+    for flag in (
+        "--min-p",
+        "--repeat-penalty",
+        "--repeat-last-n",
+        "--presence-penalty",
+        "--frequency-penalty",
+        "--dry-multiplier",
+        "--dry-base",
+        "--dry-allowed-length",
+        "--dry-penalty-last-n",
+    ):
         assert flag in out
     assert all(f in out for f in ("--stop", "--logprobs", "--schema", "--grammar", "--format", "--ctx"))
 
@@ -78,6 +88,20 @@ def test_run_records_the_model_defaults_and_the_flags(catalogued, private_home, 
     with ConversationStore(private_home / "conversations.db") as s:
         reply = s.latest_leaf(s.latest_conversation())
     assert reply.sampling["temperature"] == 0.3 and reply.sampling["min_p"] == 0.1 and reply.sampling["top_k"] == 5
+
+
+def test_dry_flags_reach_the_sampling_params(tiny, private_home, monkeypatch, capsys):
+    dry = ["--dry-multiplier", "0.8", "--dry-base", "2", "--dry-allowed-length", "3", "--dry-penalty-last-n", "256"]
+    rc, _, err = cli(monkeypatch, capsys, "run", "-m", tiny, "--kv-mem", "8MiB", "-n", "8", "-t", "0", *dry, "hi")
+    assert (rc, err) == (0, "")
+    with ConversationStore(private_home / "conversations.db") as s:
+        got = s.latest_leaf(s.latest_conversation()).sampling
+    assert {k: got[k] for k in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n")} == {
+        "dry_multiplier": 0.8,
+        "dry_base": 2.0,
+        "dry_allowed_length": 3,
+        "dry_penalty_last_n": 256,
+    }
 
 
 def test_logprobs_in_run_json(tiny, monkeypatch, capsys):
@@ -132,6 +156,10 @@ def test_format_json(tiny, monkeypatch, capsys):
         (["--grammar", "BAD"], "invalid grammar in"),
         (["--min-p", "2"], "invalid min-p"),
         (["--repeat-penalty", "-1"], "invalid repeat penalty"),
+        (["--dry-multiplier", "-0.5"], "invalid DRY multiplier -0.5"),
+        (["--dry-base", "0.9"], "invalid DRY base 0.9"),
+        (["--dry-allowed-length", "-1"], "invalid DRY allowed length -1"),
+        (["--dry-penalty-last-n", "-2"], "invalid DRY penalty-last-n -2"),
         (["--logprobs", "99"], "invalid logprobs 99"),
         (["--stop", ""], "invalid stop string"),
         (["--ctx", "1"], "invalid --ctx 1"),

@@ -272,3 +272,5 @@ def test_a_catalog_entry_with_an_unknown_sampling_key_is_refused(table):
     with pytest.raises(ModelError, match=f"unknown {table} key\\(s\\) tempreature"):
         CatalogEntry.from_toml({"name": "x", "source": src, table: {"tempreature": 0.5}})
     assert CatalogEntry.from_toml({"name": "x", "source": src, table: {"repeat_penalty": 1.1}})
+    dry = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1}
+    assert getattr(CatalogEntry.from_toml({"name": "x", "source": src, table: dry}), table) == dry

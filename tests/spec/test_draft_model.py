@@ -66,6 +66,20 @@ def test_the_target_as_its_own_draft_accepts_everything(models):  # noqa: F811
     check_draft_pool(eng)
 
 
+def test_a_draft_model_samples_with_dry_as_the_target_does(models):  # noqa: F811
+    """The target as its own draft under DRY: the draft's sampler penalizes as the target's does
+    (the same breakers, the same history), so every drafted token is accepted."""
+    path = models(TARGET)
+    params = replace(GREEDY, dry_multiplier=0.8, dry_allowed_length=1)
+    want = run(engine(path), params=params)
+    eng = drafting(path, str(path.path))
+    got = run(eng, params=params)
+    assert tokens(got) == tokens(want)
+    s = got.speculation()
+    assert s["drafted"] > 0 and s["accepted"] == s["drafted"]
+    check_draft_pool(eng)
+
+
 def test_a_draft_that_disagrees_is_rejected_and_rolled_back(models, other):  # noqa: F811
     """Rejections at various positions, the text still the target's."""
     path = models(TARGET)

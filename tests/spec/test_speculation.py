@@ -16,7 +16,7 @@ from test_scheduler import drain
 
 from localkv.config import EngineConfig
 from localkv.engine import Engine
-from localkv.generation import Generation
+from localkv.generation import Generation, _history
 from localkv.kv.evict import EvictConfig
 from localkv.sampling import Constraint, SamplingParams
 from localkv.scheduler import Scheduler
@@ -130,6 +130,29 @@ def test_the_scheduler_mixes_speculating_and_plain_requests(models, monkeypatch)
     assert eng.stats.drafted > eng.stats.accepted > 0
     eng.pool.check([])
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_dry_reads_only_the_verified_history_so_speculation_keeps_the_text(models, monkeypatch):  # noqa: F811
+    """DRY's penalty at a position depends on the tokens picked before it only: greedy text with
+    DRY on is the same with prompt lookup and with the oracle's drafts, rejected at any position."""
+    path = models("llama-Q4_1")
+    params = replace(GREEDY, max_tokens=40, dry_multiplier=0.8, dry_allowed_length=1)
+    want = run(engine(path), params=params)
+    assert want.tokens != run(engine(path), params=replace(params, dry_multiplier=0)).tokens  # DRY bites
+    assert tokens(run(engine(path, spec="ngram"), params=params)) == tokens(want)
+    oracle(monkeypatch, {0: PROMPT + want.tokens}, seed=7)
+    got = run(engine(path, spec="ngram", spec_max=5), params=params)
+    assert tokens(got) == tokens(want)
+    s = got.speculation()
+    assert 0 < s["accepted"] < s["drafted"]
+
+
+def test_a_verified_positions_history_reaches_as_far_back_as_dry_looks():
+    toks = list(range(200))
+    dry = replace(GREEDY, dry_multiplier=0.8)
+    assert _history(toks, 150, dry) == toks[:150]  # DRY's default window: the whole context
+    assert _history(toks, 150, replace(dry, dry_penalty_last_n=100, repeat_penalty=1.1)) == toks[50:150]
+    assert _history(toks, 150, GREEDY) == ()
 
 
 def test_a_grammar_sees_only_accepted_tokens(models, monkeypatch):  # noqa: F811

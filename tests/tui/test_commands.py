@@ -315,7 +315,8 @@ def test_set_kv_dtype_rebuilds_the_engine_with_that_pool(line, kv_dtype):
         (
             "/set bogus 1",
             "unknown setting 'bogus': use one of temperature, top_p, top_k, min_p, repeat_penalty, repeat_last_n, "
-            "presence_penalty, frequency_penalty, max_tokens, seed, stop, evict, budget, kv_dtype",
+            "presence_penalty, frequency_penalty, dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n, "
+            "max_tokens, seed, stop, evict, budget, kv_dtype",
         ),
         ("/set temperature", "/set temperature needs a value"),
         ("/set top_k many", "invalid top_k 'many': expected a number"),
