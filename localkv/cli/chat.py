@@ -33,7 +33,7 @@ def chat(
     turn = plan_turn(True, cont, cid, None, system, "")  # unknown ids fail here, before the model loads
     # the default model is pulled here, with its progress bar on stderr, before the UI takes the screen
     eng = Engine(engine, progress=sys.stderr.isatty())
-    params = sampling.resolve(eng.path, chat=True)  # the model's catalog (and chat) defaults under the flags given
+    params = sampling.resolve(eng.path)  # the model's catalog defaults under the flags given
     ui = ChatApp(
         eng, turn.store, conversation=turn.conversation_id, leaf=turn.parent_id, system=system, sampling=params
     )

@@ -95,13 +95,10 @@ def show(
             print(f"    {role:<18}{t['text']} ({t['id']})")
         print(f"    {'control tokens':<18}{info['control_tokens']}")
     defaults = info["sampling_defaults"]
-    print("\n  sampling defaults (catalog; flags override)" if defaults else "\n  sampling defaults: localkv's own")
+    where = "run, fork, chat and serve; flags and request fields override"
+    print(f"\n  sampling defaults ({'catalog' if defaults else 'localkv'}'s, for {where})")
     for k, v in defaults.items():
-        print(f"    {k:<18}{v}")
-    if chat := info.get("chat_defaults"):
-        print("\n  in `localkv chat`, also")
-        for k, v in chat.items():
-            print(f"    {k:<18}{v}")
+        print(f"    {k + ' ':<18}{v}")
     if info.get("chat_template"):
         print("\n  chat template")
         print("\n".join("    " + line for line in info["chat_template"].splitlines()))

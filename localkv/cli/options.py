@@ -259,8 +259,8 @@ class Sampling:
 
     values: dict
 
-    def resolve(self, model: str | Path | None, chat: bool = False) -> SamplingParams:
-        return sampling_for(model, self.values, chat)
+    def resolve(self, model: str | Path | None) -> SamplingParams:
+        return sampling_for(model, self.values)
 
 
 def sampling_choice(values: dict) -> Sampling:

@@ -30,6 +30,7 @@ MODEL_SAMPLING = (
     "dry_base",
     "dry_allowed_length",
     "dry_penalty_last_n",
+    "dry_sequence_breakers",
 )
 
 
@@ -55,7 +56,6 @@ class CatalogEntry:
     license: str = ""
     aliases: list[str] = field(default_factory=list)
     sampling: dict = field(default_factory=dict)  # the model's own sampling defaults (MODEL_SAMPLING keys)
-    chat: dict = field(default_factory=dict)  # over those, in `localkv chat` only (MODEL_SAMPLING keys)
 
     @classmethod
     def from_toml(cls, d: dict) -> "CatalogEntry":
@@ -70,9 +70,8 @@ class CatalogEntry:
             raise ModelError(
                 f'catalog entry {name}: [source] needs hf = "hf:OWNER/REPO/FILE.gguf" or package, version and member'
             )
-        for table in ("sampling", "chat"):
-            if bad := set(getattr(e, table)) - set(MODEL_SAMPLING):
-                raise ModelError(f"catalog entry {e.name}: unknown {table} key(s) {', '.join(sorted(bad))}")
+        if bad := set(e.sampling) - set(MODEL_SAMPLING):
+            raise ModelError(f"catalog entry {e.name}: unknown sampling key(s) {', '.join(sorted(bad))}")
         return e
 
     @property
@@ -181,12 +180,12 @@ def display_name(model: str | Path | None, fallback: str) -> str:
     return e.name if e is not None else fallback
 
 
-def sampling_for(model: str | Path | None, values: dict | None = None, chat: bool = False) -> SamplingParams:
+def sampling_for(model: str | Path | None, values: dict | None = None) -> SamplingParams:
     """How a reply from this model is sampled: SamplingParams' defaults, then the model's catalog
-    defaults (and its [chat] ones in `localkv chat`), then `values` (flags, /set, a request's
-    fields; None means not given). The one place CLI, TUI and server resolve sampling once the
-    model is known."""
+    defaults, then `values` (flags, /set, a request's fields; None means not given). The one
+    place CLI, TUI and server resolve sampling once the model is known: every command and both
+    APIs start from the same defaults."""
     e = entry_for(model)
     given = {k: v for k, v in (values or {}).items() if v is not None}
-    base = (e.sampling | (e.chat if chat else {})) if e else {}
+    base = e.sampling if e else {}
     return SamplingParams(**(base | given)).validate()

@@ -56,7 +56,6 @@ def describe(spec: str | None) -> dict:
         out["description"] = e.description
         out["license"] = out.get("license") or e.license
     out["sampling_defaults"] = dict(e.sampling) if e else {}
-    out["chat_defaults"] = dict(e.chat) if e else {}  # over those, in `localkv chat`
     return out
 
 

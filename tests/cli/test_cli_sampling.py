@@ -225,16 +225,12 @@ def test_the_bar_waits_for_a_prefill_expected_to_be_long():
 # ------------------------------------------------------------------ the real model
 
 
-def test_the_catalog_gives_smollm2_its_cards_sampling():
+def test_the_catalog_gives_smollm2_its_cards_sampling_and_dry():
     p = sampling_for("smollm2-135m")
     assert (p.temperature, p.top_p) == (0.2, 0.9) and p.top_k == SamplingParams().top_k
-    assert p.repeat_penalty == 1.0  # run, fork and serve: a penalty over the prompt's tokens misleads it
-
-
-def test_chat_adds_the_catalogs_chat_defaults_under_the_flags():
-    p = sampling_for("smollm2-135m", chat=True)
-    assert (p.temperature, p.top_p, p.repeat_penalty) == (0.2, 0.9, 1.15)
-    assert sampling_for("smollm2-135m", {"repeat_penalty": 1.0}, chat=True).repeat_penalty == 1.0
+    assert p.repeat_penalty == 1.0  # a penalty over the prompt's tokens breaks copying and fixing tasks
+    assert p.dry_multiplier == 0.8 and "\n" not in p.dry_sequence_breakers  # poems loop across lines
+    assert sampling_for("smollm2-135m", {"dry_multiplier": 0.0}).dry_multiplier == 0.0
 
 
 PERSON = {

@@ -266,11 +266,13 @@ def test_list_models_shows_pypi_and_hub_files(home, entry):
     ]
 
 
-@pytest.mark.parametrize("table", ["sampling", "chat"])
-def test_a_catalog_entry_with_an_unknown_sampling_key_is_refused(table):
+def test_a_catalog_entry_with_an_unknown_sampling_key_is_refused():
     src = {"hf": "hf:o/r/f-Q4_K_M.gguf"}
-    with pytest.raises(ModelError, match=f"unknown {table} key\\(s\\) tempreature"):
-        CatalogEntry.from_toml({"name": "x", "source": src, table: {"tempreature": 0.5}})
-    assert CatalogEntry.from_toml({"name": "x", "source": src, table: {"repeat_penalty": 1.1}})
+    with pytest.raises(ModelError, match="unknown sampling key\\(s\\) tempreature"):
+        CatalogEntry.from_toml({"name": "x", "source": src, "sampling": {"tempreature": 0.5}})
+    assert CatalogEntry.from_toml({"name": "x", "source": src, "sampling": {"repeat_penalty": 1.1}})
     dry = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1}
-    assert getattr(CatalogEntry.from_toml({"name": "x", "source": src, table: dry}), table) == dry
+    dry["dry_sequence_breakers"] = [":", "*"]
+    assert CatalogEntry.from_toml({"name": "x", "source": src, "sampling": dry}).sampling == dry
+    with pytest.raises(TypeError):  # a [chat] table of its own is gone: one set of defaults
+        CatalogEntry.from_toml({"name": "x", "source": src, "chat": {"repeat_penalty": 1.1}})
