@@ -24,6 +24,7 @@ import pytest
 from test_scheduler import drain
 
 from localkv.backends.cpu import build
+from localkv.backends.cpu.threads import CoreShare
 from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.generation import Generation
@@ -115,7 +116,8 @@ def engine(model: Model, **kw) -> Engine:
     kw.setdefault("disk_cache", False)
     kw.setdefault("ctx", 1024)
     kw.setdefault("block_size", 16)
-    return Engine(EngineConfig(model=model.path, threads=2, **kw))
+    kw.setdefault("threads", 2)
+    return Engine(EngineConfig(model=model.path, **kw))
 
 
 def kv_rows(eng: Engine, seq: Sequence, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,8 +129,8 @@ def kv_rows(eng: Engine, seq: Sequence, n: int) -> tuple[np.ndarray, np.ndarray]
     return k.copy(), v.copy()
 
 
-def prefill(path, chunk: int, tokens=PROMPT):
-    eng = engine(path, prefill_chunk=chunk, prefix_cache=False)
+def prefill(path, chunk: int, tokens=PROMPT, **kw):
+    eng = engine(path, prefill_chunk=chunk, prefix_cache=False, **kw)
     seq = Sequence(list(tokens))
     logits = eng.prefill(seq).copy()
     return logits, *kv_rows(eng, seq, len(tokens))
@@ -157,6 +159,33 @@ def test_chunk_size_changes_no_logit_and_no_kv_row(models, name):
         assert_same(k, ref_k, f"{name}: K rows at chunk {chunk}")
         assert_same(v, ref_v, f"{name}: V rows at chunk {chunk}")
         assert_same(logits, ref_logits, f"{name}: last-token logits at chunk {chunk}")
+
+
+# ---------------------------------------------------------------- thread count
+
+
+def fixed_threads(eng: Engine, n: int) -> Engine:
+    """The engine on exactly n threads: CoreShare would give a thread up while other processes
+    (a parallel test run) hold a core, and the two runs must differ in their count."""
+    eng.backend._cores = CoreShare(n, machine=lambda: None)
+    return eng
+
+
+@pytest.mark.parametrize("name", ["llama-Q4_1", "llama-Q4_K", "llama3-Q8_0", "gemma2-Q8_0@q8_0"])
+def test_the_thread_count_changes_no_logit_and_no_kv_row(models, name):
+    """Prefill in passes of 1, 16 and 512 rows, then greedy decoding: one thread or two, the same
+    bits (each output value has one reduction order, whatever thread computes it)."""
+    path = models(name)
+    for chunk in (1, 16, 512):
+        runs = []
+        for n in (1, 2):
+            eng = fixed_threads(engine(path, prefill_chunk=chunk, prefix_cache=False, threads=n), n)
+            seq = Sequence(list(PROMPT))
+            runs.append((eng.prefill(seq).copy(), *kv_rows(eng, seq, len(PROMPT))))
+        for what, got, want in zip(("logits", "K rows", "V rows"), runs[0], runs[1]):
+            assert_same(got, want, f"{name}: {what} at chunk {chunk}, 1 thread vs 2")
+    one, two = (generate(fixed_threads(engine(path, prefix_cache=False, threads=n), n), PROMPT) for n in (1, 2))
+    assert_same_run(one, two, f"{name}: decoding on 1 thread vs 2")
 
 
 # ---------------------------------------------------------------- cold vs warm
