@@ -254,14 +254,23 @@ class Engine:
         they are checked (a corrupt entry is dropped by read) before being trusted."""
         if not self.disk or not seq.hashable:
             return
-        fp, name, bs = self.model_config.fingerprint, self.model_config.name, self.block_size
-        for i in range(n_cached // bs, min(n_prompt // bs, len(seq.block_hashes))):
-            h, toks = seq.block_hashes[i], tuple(seq.tokens[i * bs : (i + 1) * bs])
-            if self.disk.contains(fp, h) and self.disk.read(fp, h, toks) is not None:
-                continue
-            bid = seq.block_table[i]
-            if not self.disk.put(fp, name, h, toks, self.pool.k[:, bid], self.pool.v[:, bid]):
-                break  # disabled (unwritable, full): the warning says why
+        fp, name, bs, disk = self.model_config.fingerprint, self.model_config.name, self.block_size, self.disk
+        blocks = min(n_prompt // bs, len(seq.block_hashes))
+        with disk.prefix():
+            for i in range(blocks):
+                h, toks = seq.block_hashes[i], tuple(seq.tokens[i * bs : (i + 1) * bs])
+                if i < n_cached // bs or (disk.contains(fp, h) and disk.read(fp, h, toks) is not None):
+                    disk.keep(fp, h)
+                    continue
+                bid = seq.block_table[i]
+                if not disk.put(fp, name, h, toks, self.pool.k[:, bid], self.pool.v[:, bid]):
+                    blocks = i  # disabled (unwritable) or full: a warning says which
+                    break
+        if disk.full and disk.warning is None:
+            disk.warning = (
+                f"disk cache full ({format_size(disk.max_bytes)}): it keeps the first {blocks * bs} of this "
+                f"prompt's {n_prompt} tokens (`--disk-cache-size` or `localkv cache clear` make room)"
+            )
 
     # ------------------------------------------------------------ requests
 

@@ -69,6 +69,8 @@ class DiskStore:
         self.warning: str | None = None  # set once when writes fail; the CLI prints it
         self.cleared_bytes = 0  # bytes freed by the last clear()
         self._total: int | None = None  # running byte total: one scan per process, then tracked
+        self._kept: set[Path] | None = None  # a prompt's entries while it is written (prefix())
+        self.full = False  # the last prefix() found no room for all of its blocks
         self._lock = threading.Lock()  # reads may run on two threads
 
     def path(self, fingerprint: str, h: int) -> Path:
@@ -141,6 +143,23 @@ class DiskStore:
 
     # ----------------------------------------------------------------- write
 
+    @contextlib.contextmanager
+    def prefix(self):
+        """A prompt's blocks are put (or kept) within, first block first. A prefix is reusable
+        only from its start, so none of them is evicted to make room for a later one: a block
+        that finds no room, even with every other entry evicted by least recent use, is not
+        written, and `full` is set (put returns False); the blocks before it stay."""
+        self._kept, self.full = set(), False
+        try:
+            yield
+        finally:
+            self._kept = None
+
+    def keep(self, fingerprint: str, h: int):
+        """Within prefix(): an entry already stored that the prompt starts with is kept too."""
+        if self._kept is not None:
+            self._kept.add(self.path(fingerprint, h))
+
     def put(self, fingerprint: str, model_name: str, h: int, tokens, k: np.ndarray, v: np.ndarray) -> bool:
         """Store one block (k, v: [layers, block_size, kv_heads, head_dim]) unless present; a
         block holding NaN or Inf is not stored. Never raises for I/O: a failure disables
@@ -149,7 +168,9 @@ class DiskStore:
         if k.shape != v.shape or k.ndim != 4 or k.shape[1] != len(tokens):
             raise ValueError(f"k {k.shape} and v {v.shape} must both be [layers, {len(tokens)}, heads, dim]")
         path = self.path(fingerprint, h)
-        if self.disabled or (real_dirs(path) and self._holds(path)):  # never look through a symlink
+        if self.disabled or (self.full and self._kept is not None):  # the prefix ended at its last block
+            return False
+        if real_dirs(path) and self._holds(path):  # never look through a symlink
             return False
         if self.format.quantized:  # the pool's bytes as they are: never requantized
             if k.dtype != self.dtype or v.dtype != self.dtype:
@@ -182,11 +203,21 @@ class DiskStore:
             if not self._write_or_make_room(path, chunks, keep_existing=True):
                 return False
         except OSError as e:
-            self._disable(e)
+            if e.errno in _NO_SPACE and self._kept:  # full of the prompt's own first blocks
+                self.full = True
+            else:
+                self._disable(e)
             return False
         self._total += sum(len(c) for c in chunks)
+        if self._kept is not None:
+            self._kept.add(path)
         if self._total > self.max_bytes:
             self._enforce_cap()
+            if self._kept is not None and self._total > self.max_bytes:  # nothing but the prompt is left
+                self._kept.discard(path)
+                self._drop(path)
+                self.full = True
+                return False
         return True
 
     def _holds(self, path: Path) -> bool:
@@ -276,6 +307,8 @@ class DiskStore:
             for e in sorted(entries, key=lambda e: e.mtime):
                 if total <= down_to:
                     break
+                if self._kept is not None and e.path in self._kept:
+                    continue  # a prompt's first blocks, being written: see prefix()
                 if unlink(e.path):
                     removed += 1
                 total -= e.size

@@ -648,3 +648,21 @@ def test_cache_folders_and_files_are_private(tmp_path):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
     for f in (p, tmp_path / "kvcache" / "stats.json", tmp_path / "kvcache" / ".stats.lock"):
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+def test_a_full_disk_keeps_a_prompts_first_blocks_over_its_tail(tmp_path, monkeypatch):
+    """Within prefix(), a disk full of the prompt's own blocks ends the prompt there: older
+    entries make way, the prompt's first blocks are never evicted for a later one, and the
+    store stays enabled (it is full, not broken)."""
+    store = DiskStore(tmp_path)
+    for seed in (300, 301):
+        put(store, seed)
+        os.utime(store.path(FP, block(seed)[0]), (1_000_000 + seed, 1_000_000 + seed))
+    size = entries(tmp_path)[0].stat().st_size
+    Disk(tmp_path, int(size * 5.5), monkeypatch)
+    with store.prefix():
+        written = [put(store, seed) for seed in range(310, 320)]
+    k = written.index(False)  # the disk's room, less the lowered cap's margin (_shrink)
+    assert k >= 3 and not any(written[k:]) and store.full and not store.disabled
+    assert [s for s in range(310, 320) if store.contains(FP, block(s)[0])] == list(range(310, 310 + k))
+    assert not store.contains(FP, block(300)[0]) and not store.contains(FP, block(301)[0])

@@ -141,3 +141,24 @@ def test_no_cache_disables_both_tiers(tiny):
         Generation(eng, PROMPT, replace(GREEDY, max_tokens=4, ignore_eos=True)).run().cached_tokens == 0
         and eng.disk is None
     )
+
+
+LONG = list(map(int, np.random.default_rng(4).integers(3, 261, 200)))  # 12 full blocks
+
+
+def test_a_tier_too_small_for_a_prompt_keeps_its_first_blocks_and_says_so_once(tiny):
+    """A prefix is reusable only from its start: a full tier keeps the prompt's first blocks and
+    drops other entries by least recent use, never the prompt's own; one warning line."""
+    eng = engine(tiny)
+    Generation(eng, PROMPT[:40], replace(GREEDY, max_tokens=2, ignore_eos=True)).run()  # 2 older entries
+    entry = sum(r["bytes"] for r in eng.disk.ls()) // eng.disk.stats()["entries"]
+    small = engine(tiny, disk_cache_size=int(entry * 7.5))  # 7 entries fit: the tier is full at 7
+    Generation(small, LONG, replace(GREEDY, max_tokens=2, ignore_eos=True)).run()
+    assert small.disk.full and not small.disk.disabled
+    warning = small.disk.warning
+    assert warning.startswith("disk cache full") and "first 112 of this prompt's 200 tokens" in warning
+    assert small.disk.stats()["entries"] == 7, "both older entries gave way to the prompt's first blocks"
+    again = engine(tiny, disk_cache_size=int(entry * 7.5))
+    r = Generation(again, LONG, replace(GREEDY, max_tokens=2, ignore_eos=True)).run()
+    assert r.cached_tokens == 112 and again.stats.disk_hits == 112  # every block that fit, from the start
+    assert again.disk.warning is not None and again.disk.warning.count("\n") == 0
