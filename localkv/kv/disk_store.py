@@ -31,8 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from localkv import kv_format
-from localkv.home import STALE_AGE, NotRegularFile, home, open_regular, private_dir
-from localkv.kv.disk_entry import MAX_HEAD, Damaged, all_finite, decode, encode, holds_entry, read_file, read_header
+from localkv.home import STALE_AGE, home, private_dir
+from localkv.kv import disk_counters as counters
+from localkv.kv.disk_entry import Damaged, all_finite, decode, encode, holds_entry, read_file, read_header
 from localkv.kv.disk_files import TMP, make_dirs, orphan, real_dirs, unlink, write_atomic
 from localkv.kv.evict.protocol import to_host
 
@@ -324,39 +325,13 @@ class DiskStore:
             return
         try:
             private_dir(self.root)
-            with self._locked():
-                c = self._counters()
+            with counters.locked(self.root):
+                c = counters.read(self.root)
                 c["query_tokens"] += int(query_tokens)
                 c["hit_tokens"] += int(hit_tokens)
                 self._write_or_make_room(self.root / "stats.json", [json.dumps(c).encode()])
         except OSError as e:
             self._disable(e)
-
-    @contextlib.contextmanager
-    def _locked(self):
-        try:
-            import fcntl
-        except ImportError:  # no flock (Windows): a lost update under a race is tolerable
-            yield
-            return
-        lock = self.root / ".stats.lock"
-        try:
-            fd = open_regular(lock, os.O_WRONLY | os.O_CREAT)
-        except NotRegularFile:  # a FIFO or link in its place: ours to replace
-            unlink(lock)
-            fd = open_regular(lock, os.O_WRONLY | os.O_CREAT)
-        if fd is None:
-            raise FileNotFoundError(f"cannot make {lock}")
-        with open(fd, "wb") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            yield
-
-    def _counters(self) -> dict:
-        try:
-            c = json.loads(read_file(self.root / "stats.json", MAX_HEAD) or b"{}")
-            return {k: int(c.get(k, 0)) for k in ("hit_tokens", "query_tokens")}
-        except (OSError, ValueError, TypeError, AttributeError, RecursionError, Damaged):
-            return {"hit_tokens": 0, "query_tokens": 0}
 
     def _rows(self) -> list[tuple[dict, bool]]:
         """(row, valid) for every entry; a damaged one is shown by its folder and file name."""
@@ -405,7 +380,7 @@ class DiskStore:
             "max_bytes": self.max_bytes,
             "models": ms,
             "damaged": damaged,
-            **self._counters(),
+            **counters.read(self.root),
         }
 
     def clear(self, model: str | None = None) -> int:
