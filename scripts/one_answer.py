@@ -8,8 +8,7 @@
 
     python scripts/one_answer.py [-m MODEL] [--prompts 20] [-n 32]
 
-Exit status 0 when every answer agrees, 1 when not. Set LOCALKV_FAST_PATHS=1 to measure the
-cut-dependent paths instead.
+Exit status 0 when every answer agrees, 1 when not.
 """
 
 import argparse

@@ -19,7 +19,6 @@ class Capabilities:
     """The optional abilities of a backend, fixed by its code (so no defaults: a backend states
     each one)."""
 
-    shared_prefix: bool  # shared_prefix_decode, frozen_tails: single-token sequences score a common prefix once
     batched_decode: bool  # decode, decode_batch: one call per layer for many single-token sequences
     quant_weights: bool  # computes on QTensor/QStack weights (others get model.weights.dense_weights)
     kv_dtypes: tuple[str, ...]  # the K/V row formats (kv_format names) EngineConfig.kv_dtype may choose
@@ -111,12 +110,3 @@ class Backend(Protocol):
 
     def decode(self, q, k_layer, v_layer, batch, scale: float) -> Any:
         """Attention of B sequences of one query token each (q [B, H, hd]) through a decode_batch."""
-
-    # caps.shared_prefix
-
-    def frozen_tails(self, tails) -> Any:
-        """[(frozen tail table, tokens)] per sequence after a shared prefix, made once per forward pass."""
-
-    def shared_prefix_decode(self, q, k_layer, v_layer, prefix_table, tails, scale: float) -> Any:
-        """Decode attention of B sequences (q [B, H, hd]) whose tables all begin with prefix_table:
-        the prefix scored once for all, each tail on its own, merged; as paged_attention per sequence."""

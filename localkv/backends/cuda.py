@@ -35,7 +35,7 @@ import numpy as np
 
 import localkv.backends.cpu as cpu
 import localkv.backends.cuda_quant as cuda_quant
-from localkv.backends.base import Capabilities, missing_ability
+from localkv.backends.base import Capabilities
 from localkv.backends.cpu.quant import QStack, QTensor
 from localkv.backends.cuda_attention import DecodeBatch, paged_attention, paged_decode
 from localkv.backends.cuda_kernels import F16, F32, THREADS, compile_all, dev, elem_strides, grid1d, kernel
@@ -208,7 +208,6 @@ class CudaBackend:
     act_dtype = act_dtype
     kv_dtype = kv_dtype
     caps = Capabilities(
-        shared_prefix=False,
         batched_decode=True,
         quant_weights=True,  # cuda_quant
         kv_dtypes=("f16", "q8_0", "q4_0"),  # the rows the CUDA kernels write and read (cuda_kernels.KV_FORMATS)
@@ -250,11 +249,3 @@ class CudaBackend:
     def decode(q, k_layer, v_layer, batch: DecodeBatch, scale: float):
         """One paged_decode launch for the batch's sequences (one query token each)."""
         return paged_decode(q, k_layer, v_layer, batch.tables, batch.lens, scale, batch.max_ctx)
-
-    @staticmethod
-    def frozen_tails(tails):
-        raise missing_ability("CUDA", "frozen_tails", "shared_prefix")
-
-    @staticmethod
-    def shared_prefix_decode(q, k_layer, v_layer, prefix_table, tails, scale: float):
-        raise missing_ability("CUDA", "shared_prefix_decode", "shared_prefix")

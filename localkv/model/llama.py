@@ -91,39 +91,20 @@ class Llama:
         self.rope.ensure(n)
         self.rope_local.ensure(n)
 
-    def _plan(self, spans: list[Span], block_size: int) -> "AttentionPlan":
+    def _plan(self, spans: list[Span]) -> "AttentionPlan":
         """How this pass's attention runs, worked out once for every layer: the single-token
         spans (decodes, also those that share a step with other requests' prompt chunks) in one
-        batched call, over their common prefix when they have one; every other span (and every
-        span of an architecture whose attention needs options) through its own table."""
+        batched call; every other span (and every span of an architecture whose attention needs
+        options) through its own table."""
         backend = self.backend
         single = [sp for sp in spans if sp.length == 1 and sp.extras is None] if self.plain_attention else []
-        shared = self._shared_prefix(single, block_size)
-        batch = self._decode_batch(single) if shared is None and single else None
-        if shared is None and batch is None:
+        batch = self._decode_batch(single) if single else None
+        if batch is None:
             single = []
         batched = {id(sp) for sp in single}
         others = [(sp, backend.frozen_table(sp.block_table)) for sp in spans if id(sp) not in batched]
         rows = backend.xp.asarray([sp.start for sp in single]) if single and others else None
-        return AttentionPlan(rows, shared, batch, others)
-
-    def _shared_prefix(self, spans: list[Span], block_size: int):
-        """(prefix table, [(tail table, tail tokens)]) when the single-token spans share leading
-        full blocks (the forks of one prompt, requests with one system prompt); else None."""
-        if len(spans) < 2 or not self.backend.caps.shared_prefix:
-            return None
-        first = spans[0].block_table
-        p = min(len(sp.block_table) for sp in spans)
-        for sp in spans[1:]:
-            same = np.flatnonzero(sp.block_table[:p] != first[:p])
-            p = int(same[0]) if len(same) else p
-        p = min(p, min((sp.n_ctx - 1) // block_size for sp in spans))  # prefix blocks are full, tails non-empty
-        if p < 1:
-            return None
-        freeze = self.backend.frozen_table
-        return freeze(first[:p]), self.backend.frozen_tails(
-            [(freeze(sp.block_table[p:]), sp.n_ctx - p * block_size) for sp in spans]
-        )
+        return AttentionPlan(rows, batch, others)
 
     def forward(
         self,
@@ -147,7 +128,7 @@ class Llama:
         rope_local = (
             rope if self.rope_local is self.rope else (self.rope_local.cos[positions], self.rope_local.sin[positions])
         )
-        plan = self._plan(spans, pool.block_size)
+        plan = self._plan(spans)
         for i in range(cfg.n_layers):
             h = backend.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
             q, k, v = self._qkv(h, i, *(rope_local if i in self.local else rope))
@@ -199,8 +180,6 @@ class Llama:
         return attn
 
     def _batched(self, q, kl, vl, plan: "AttentionPlan"):
-        if plan.shared is not None:  # a common prefix, scored once for all its queries
-            return self.backend.shared_prefix_decode(q, kl, vl, *plan.shared, self.scale)
         return self.backend.decode(q, kl, vl, plan.batch, self.scale)  # one launch for all
 
     def _attend(self, i: int, q, kl, vl, spans: list[tuple[Span, object]], attn):
@@ -236,9 +215,9 @@ class Llama:
 @dataclass(slots=True)
 class AttentionPlan:
     """Llama._plan's answer. rows: where the batched spans' rows are in the pass (None when
-    they are all of it); shared or batch: how they run; others: (span, frozen table) each."""
+    they are all of it); batch: the backend's decode_batch of them; others: (span, frozen
+    table) each."""
 
     rows: object
-    shared: tuple | None
     batch: object
     others: list

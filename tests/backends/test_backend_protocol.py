@@ -20,7 +20,6 @@ P = inspect.Parameter
 ATTENTION_OPTIONS = {"softcap", "window", "head_tables"}
 # the methods of an optional ability, by the Capabilities flag that says whether a backend has them
 ABILITIES = {
-    "shared_prefix": ("frozen_tails", "shared_prefix_decode"),
     "batched_decode": ("decode_batch", "decode"),
     "quant_weights": (),  # prepare_weights takes QTensor/QStack weights as they are
 }
@@ -99,7 +98,7 @@ def test_capabilities_are_complete(backend):
     for f in dataclasses.fields(Capabilities):
         assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name
     with pytest.raises(dataclasses.FrozenInstanceError):
-        caps.shared_prefix = not caps.shared_prefix
+        caps.batched_decode = not caps.batched_decode
     flags = {f.name for f in dataclasses.fields(Capabilities) if f.type in (bool, "bool")}
     assert flags == set(ABILITIES), "every boolean ability names its methods in ABILITIES"
     assert all(isinstance(getattr(caps, f), bool) for f in flags)

@@ -42,38 +42,14 @@ def kernels():
     return cpu_kernels
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("rows,n", [(3, 16), (8, 160), (17, 33), (24, 2000)])
-def test_paged_partial_matches_numpy(kernels, rows, n, dtype):
-    """The forks' shared-prefix attention read through a shuffled block table, f16 or f32 pool."""
-    rng = np.random.default_rng(rows + n)
-    kvh, hd, bs = 3, 64, 16
-    blocks = -(-n // bs)
-    k, v = (rng.standard_normal((blocks + 5, bs, kvh, hd)).astype(dtype) for _ in range(2))
-    table = rng.permutation(blocks + 5)[:blocks]
-    q = rng.standard_normal((kvh, rows, hd), dtype=np.float32) * 0.2
-    kk, vv = (a[table].reshape(-1, kvh, hd)[:n].astype(np.float32).transpose(1, 0, 2) for a in (k, v))
-    s = q @ kk.transpose(0, 2, 1)
-    m = s.max(-1, keepdims=True)
-    e = np.exp(s - m)
-    out, got_m, got_l = kernels.paged_partial(q, k, v, table, n)
-    np.testing.assert_allclose(got_m, m, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(got_l, e.sum(-1, keepdims=True), rtol=1e-4)
-    np.testing.assert_allclose(out, e @ vv, rtol=1e-4, atol=1e-3)
-
-
 def test_off_switch(monkeypatch):
     monkeypatch.setenv("LOCALKV_CPU_KERNELS", "0")
     assert "LOCALKV_CPU_KERNELS=0" in build._numba()
 
 
-@pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("fast", [False, True])
-def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch, amx, fast):
-    """Decode passes run on the kernels with BLAS on one thread. Prefill passes give BLAS the
-    engine's threads when it multiplies them (the fast paths without AMX), and keep it on one
-    when the AMX kernels or the one-answer kernels do (whether this CPU has AMX or not: only
-    the thread settings are read)."""
+def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch):
+    """Every pass, decode or prefill, runs its matmuls and attention on the kernels on the
+    engine's threads, with BLAS on one."""
     import numba
     from threadpoolctl import threadpool_info
 
@@ -85,46 +61,15 @@ def test_blas_on_one_thread_while_kernels_run(tiny, kernels, monkeypatch, amx, f
         return {i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"}
 
     backend = Engine(EngineConfig(model=tiny, threads=2)).backend
-    monkeypatch.setattr(backend, "prefill_amx", amx)
-    monkeypatch.setattr(build, "FAST_PATHS", fast)
-    backend.begin_forward(1)
-    assert blas_threads() == {1}
-    backend.begin_forward(ops_numpy.KERNEL_ROWS + 1)  # prefill
-    blas = fast and not amx
-    assert blas_threads() == ({2} if blas else {1})
-    assert numba.get_num_threads() == (1 if blas else min(2, numba_threads()))
-
-
-@pytest.mark.skipif(numba_threads() < 2, reason="needs numba to have two threads")
-def test_a_prefill_pass_gives_a_large_causal_attention_every_thread(tiny, kernels, monkeypatch):
-    """In a BLAS pass the kernels run on one thread, except a causal attention of
-    PARALLEL_CAUSAL multiply-adds or more, which takes the engine's threads and gives them back."""
-    import numba
-
-    from localkv.backends.cpu import threads as cpu_threads
-
-    monkeypatch.setattr(cpu_threads, "INTERVAL", 1e9)  # the engine's 2 threads, whatever else runs here
-    seen = []
-    monkeypatch.setattr(build.state.attention, "paged_causal", lambda *a: seen.append(numba.get_num_threads()))
-    backend = Engine(EngineConfig(model=tiny, threads=2)).backend
-    monkeypatch.setattr(backend, "prefill_amx", False)  # BLAS multiplies the pass (the fast paths)
-    monkeypatch.setattr(build, "FAST_PATHS", True)
-    backend.begin_forward(ops_numpy.KERNEL_ROWS + 1)
-    kv = np.zeros((32, 16, 4, 64), np.float16)  # 512 tokens of 4 kv heads
-    shapes = ((16, 512), (4, 32), (16, 512))  # 2^27 multiply-adds, 2^17, 2^27
-    assert 512 * 256 * 16 * 64 >= cpu_kernels.PARALLEL_CAUSAL > 32 * 16 * 4 * 64
-    for heads, tokens in shapes:
-        q = np.zeros((tokens, heads, 64), np.float32)
-        cpu_kernels.causal_attention(q, kv, kv, np.arange(tokens // 16), tokens, 0.125)
-    assert seen == [2, 1, 2] and numba.get_num_threads() == 1
-    backend.begin_forward(1)  # a decode pass: every kernel on the engine's threads
-    cpu_kernels.causal_attention(np.zeros((64, 4, 64), np.float32), kv, kv, np.arange(4), 64, 0.125)
-    assert seen[-1] == 2
+    for rows in (1, 33, 512):  # a decode step, prefill passes
+        backend.begin_forward(rows)
+        assert blas_threads() == {1}
+        assert numba.get_num_threads() == min(2, numba_threads())
 
 
 def test_decode_same_with_and_without_kernels(tiny, kernels, monkeypatch):
-    """Greedy text and the logits of every step agree whether the matmuls (and the fork's
-    prefix scores) run on the kernels or on numpy/BLAS."""
+    """Greedy text and the logits of every step agree whether the matmuls (and the forks'
+    batched decode attention) run on the kernels or on numpy/BLAS."""
 
     def run():
         eng = Engine(EngineConfig(model=tiny, block_size=8, prefix_cache=False))
@@ -158,8 +103,8 @@ def test_decode_same_with_and_without_kernels(tiny, kernels, monkeypatch):
 @pytest.mark.parametrize("t,past", [(1, 40), (5, 0), (64, 0), (100, 37), (130, 300)])
 @pytest.mark.parametrize("with_mass", [False, True])
 def test_prefill_attention_same_with_and_without_kernels(kernels, monkeypatch, t, past, with_mass):
-    """The causal mask + row max kernel gives paged_attention's numpy result (blocks of
-    Q_BLOCK queries, a short last block, keys before the chunk, extra keys, h2o's mass)."""
+    """With extra keys or h2o's mass (the numpy attention, one query at a time) the result is
+    the same with the kernels on (their element-wise ops) and off."""
     rng = np.random.default_rng(t + past)
     kvh, g, hd, bs = 3, 3, 64, 16
     n_ctx = past + t
@@ -249,11 +194,9 @@ def test_kernels_off_gives_the_same_tokens(tiny):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("parallel", [False, True])
-def test_decode_attention_matches_paged_attention(kernels, monkeypatch, dtype, parallel):
+def test_decode_attention_matches_paged_attention(kernels, dtype):
     """One kernel call for B single-token sequences (tables in any block order, ragged
     lengths, an f16 pool read as its bits) gives paged_attention's result for each."""
-    monkeypatch.setattr(cpu_kernels, "PARALLEL_ATTENTION", 0 if parallel else 1 << 62)
     rng = np.random.default_rng(7)
     kvh, g, hd, bs, nb = 3, 3, 64, 16, 40
     kl, vl = (rng.standard_normal((nb, bs, kvh, hd)).astype(dtype) for _ in range(2))
@@ -288,32 +231,8 @@ def test_threads_leave_the_cores_other_processes_keep_busy():
     assert CoreShare(1).threads() == 1
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_paged_tails_match_numpy(kernels, dtype):
-    """Each sequence's own tokens after a shared prefix, tails of different lengths (requests
-    that joined at different steps), read through padded block tables."""
-    rng = np.random.default_rng(7)
-    kvh, g, hd, bs = 3, 3, 64, 16
-    lens = np.array([1, 17, 40, 16], np.int64)
-    k, v = (rng.standard_normal((20, bs, kvh, hd)).astype(dtype) for _ in range(2))
-    perm = rng.permutation(20)
-    tables = np.zeros((len(lens), 3), np.int64)
-    for b, n in enumerate(lens):
-        nb = -(-int(n) // bs)
-        tables[b, :nb] = perm[3 * b : 3 * b + nb]
-    q = rng.standard_normal((kvh, len(lens), g, hd), dtype=np.float32) * 0.2
-    out, m, s = kernels.paged_tails(q, k, v, tables, lens)
-    for b, n in enumerate(lens):
-        kk, vv = (a[tables[b]].reshape(-1, kvh, hd)[:n].astype(np.float32).transpose(1, 0, 2) for a in (k, v))
-        sc = q[:, b] @ kk.transpose(0, 2, 1)
-        e = np.exp(sc - sc.max(-1, keepdims=True))
-        np.testing.assert_allclose(m[:, b], sc.max(-1, keepdims=True), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(s[:, b], e.sum(-1, keepdims=True), rtol=1e-4)
-        np.testing.assert_allclose(out[:, b], e @ vv, rtol=1e-4, atol=1e-3)
-
-
 CAUSAL_CASES = [(37, 0, 3, 64), (100, 250, 4, 64), (1, 40, 3, 64), (70, 5, 1, 128), (512, 0, 3, 64)]
-CAUSAL_CASES += [(18, 2000, 3, 64), (9, 30, 4, 64), (32, 7, 3, 64)]  # short: two parts after 256+, else tiles of 8
+CAUSAL_CASES += [(18, 2000, 3, 64), (9, 30, 4, 64), (32, 7, 3, 64)]  # short passes: tiles of 8
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -333,21 +252,19 @@ def test_causal_kernel_matches_numpy(kernels, monkeypatch, dtype, T, past, g, hd
 
 
 def test_heads_not_a_multiple_of_8_take_numpy(kernels, monkeypatch):
-    """The attention kernels load 8 values of a head at a time: a head of 12 runs prefill,
-    batched decode and the shared-prefix decode in numpy, with the same result as kernels off."""
+    """The attention kernels load 8 values of a head at a time: a head of 12 runs prefill and
+    batched decode in numpy, with the same result as kernels off."""
     rng = np.random.default_rng(3)
     kvh, g, hd, bs, nb = 2, 3, 12, 16, 12
     kl, vl = (rng.standard_normal((nb, bs, kvh, hd)).astype(np.float16) for _ in range(2))
-    prefix, lens = np.arange(4), [70, 75]  # 4 shared blocks, then one block each
+    lens = [70, 75]  # 4 shared blocks, then one block each
     tables = [np.array([0, 1, 2, 3, 4 + b]) for b in range(2)]
     q = rng.standard_normal((2, kvh * g, hd), dtype=np.float32)
-    tails = [(t[4:], n - 64) for t, n in zip(tables, lens)]
 
     def run():
         return (
             ops_numpy.paged_attention(q[:1].repeat(5, 0), kl, vl, tables[0], 70, 0.125),
             ops_numpy.decode(q, kl, vl, ops_numpy.DecodeBatch(tables, lens), 0.125),
-            ops_numpy.shared_prefix_decode(q, kl, vl, prefix, tails, 0.125),
         )
 
     on = run()
@@ -356,7 +273,7 @@ def test_heads_not_a_multiple_of_8_take_numpy(kernels, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("quant_type", ["F32", "Q4_1"])  # BLAS's prefill, and the block kernels' (AMX's where it runs)
+@pytest.mark.parametrize("quant_type", ["F32", "Q4_1"])  # the float kernel, and the block kernels
 def test_a_run_compiles_nothing_after_the_start(tmp_path, quant_type):
     """Engine() loads every build a run's kernels need (the array kinds the model passes, an f16
     pool): a prompt, its decode steps and 4 forked branches compile or load nothing more.
@@ -386,9 +303,6 @@ def test_a_run_compiles_nothing_after_the_start(tmp_path, quant_type):
     on, start, after = json.loads(out.stdout.strip().splitlines()[-1])
     assert on and start
     assert after == start, sorted(set(map(tuple, after)) - set(map(tuple, start)))
-    if not build.FAST_PATHS:  # nor does it load (or compile, on an empty cache) the fast paths' kernels
-        fast = {"paged_prefix", "_decode_attention", "paged_tails", "matmul_few", "quantize_rows", "quantize_cols"}
-        assert not fast & {name for name, _ in start}, sorted(fast & {name for name, _ in start})
 
 
 def test_cached_kernels_load_without_numbas_compiler_tables(kernels):

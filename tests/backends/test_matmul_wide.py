@@ -4,6 +4,9 @@ float products round (large positive dots) and with an inf (its group nan in bot
 weight counts that leave a partial work chunk; and a pass of any row count (whole blocks of
 16 here, then blocks of 8, then matmul_out's tail) gives each row the bits of a pass of 8."""
 
+import platform
+import sys
+
 import numpy as np
 import pytest
 
@@ -112,3 +115,17 @@ def test_the_amx_int8_kernel_gives_each_row_the_row_kernels_bits(kernels, qtype)
         superblock_amx.matmul_super_amx(qt, xi, dxv, *superblock_amx.prepared_sums(qt, xi), run.datas, run.offs, got)
         assert np.isnan(got[20]).all()
         assert np.array_equal(got, want, equal_nan=True)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="AMX is x86-64 Linux's")
+def test_amx_switch_and_a_cpu_without_amx_int8(kernels, monkeypatch):
+    """LOCALKV_AMX=0 and a CPU without AMX-INT8 leave the tile kernel unchosen, with why."""
+    import llvmlite.binding as llvm
+
+    from localkv.backends.cpu.kernels import superblock_amx
+
+    monkeypatch.setenv("LOCALKV_AMX", "0")
+    assert superblock_amx.enable() == "LOCALKV_AMX=0" and not superblock_amx.chosen()
+    monkeypatch.delenv("LOCALKV_AMX")
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {"avx512f": True, "amx-tile": True})
+    assert superblock_amx.enable() == "the CPU has no AMX-INT8" and not superblock_amx.chosen()

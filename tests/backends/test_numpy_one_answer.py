@@ -16,11 +16,10 @@ from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group
 
 @pytest.fixture
 def numpy_path(monkeypatch):
-    """The kernels off for this test, whether or not they loaded; the fast paths off."""
+    """The kernels off for this test, whether or not they loaded."""
     monkeypatch.setattr(quant, "active", lambda qtype: False)
     monkeypatch.setattr(cpu_backend.cpu_kernels, "active", lambda: False)
     monkeypatch.setattr(cpu_attention.cpu_kernels, "attends", lambda head_dim: False)
-    monkeypatch.setattr(cpu_backend.build, "FAST_PATHS", False)
 
 
 CUTS = [(0, 1), (5, 1), (39, 1), (3, 2), (0, 16), (7, 16), (2, 17), (11, 29)]  # (first row, rows)

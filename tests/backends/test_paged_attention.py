@@ -70,53 +70,6 @@ def test_rope_rotates_halves_and_keeps_norm():
     assert y[1, 0, 0] == pytest.approx(a * np.cos(1) - b * np.sin(1), rel=1e-5)
 
 
-@pytest.mark.parametrize(
-    "block_size,prefix_blocks,tails",
-    [(4, 3, [1, 5, 9]), (16, 2, [3, 16, 17, 40]), (8, 1, [1, 1]), (16, 4, [21] * 8), (4, 2, [4, 4, 4])],
-)  # lockstep: batched
-def test_shared_prefix_decode_equals_per_sequence_attention(block_size, prefix_blocks, tails):
-    rng = np.random.default_rng(block_size + len(tails))
-    H, kvh, hd, nb = 9, 3, 8, 40
-    kl = rng.standard_normal((nb, block_size, kvh, hd)).astype(np.float32)
-    vl = rng.standard_normal((nb, block_size, kvh, hd)).astype(np.float32)
-    ids = rng.permutation(nb)
-    prefix, rest = ids[:prefix_blocks], list(ids[prefix_blocks:])
-    q = rng.standard_normal((len(tails), H, hd)).astype(np.float32)
-    tail_specs, want = [], []
-    for b, n in enumerate(tails):
-        own = np.array([rest.pop() for _ in range(-(-n // block_size))])
-        tail_specs.append((own, n))
-        table = np.concatenate([prefix, own])
-        want.append(ops.paged_attention(q[b : b + 1], kl, vl, table, prefix_blocks * block_size + n, 0.3)[0])
-    got = ops.shared_prefix_decode(q, kl, vl, prefix, tail_specs, 0.3)
-    np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5)
-    # as the model passes them: frozen tables, the lockstep tails stacked once
-    frozen = ops.frozen_tails([(ops.frozen_table(t), n) for t, n in tail_specs])
-    assert (frozen.stacked is not None) == (len(set(tails)) == 1)
-    got = ops.shared_prefix_decode(q, kl, vl, ops.frozen_table(prefix), frozen, 0.3)
-    np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5)
-
-
-def test_plain_tails_are_stacked_when_read():
-    """A list of plain tables changed in place between calls is stacked again each call."""
-    rng = np.random.default_rng(11)
-    bs, H, kvh, hd, nb = 4, 6, 2, 8, 12
-    kl = rng.standard_normal((nb, bs, kvh, hd)).astype(np.float32)
-    vl = rng.standard_normal((nb, bs, kvh, hd)).astype(np.float32)
-    q = rng.standard_normal((2, H, hd)).astype(np.float32)
-    prefix = np.array([0, 1])
-    tails = [(np.array([2, 3]), 6), (np.array([4, 5]), 6)]
-    for _ in range(2):
-        want = [
-            ops.paged_attention(q[b : b + 1], kl, vl, np.concatenate([prefix, t]), 2 * bs + n, 0.3)[0]
-            for b, (t, n) in enumerate(tails)
-        ]
-        np.testing.assert_allclose(
-            ops.shared_prefix_decode(q, kl, vl, prefix, tails, 0.3), np.stack(want), rtol=1e-4, atol=1e-5
-        )
-        tails[1][0][:] = [7, 8]  # same list, same array objects, other blocks
-
-
 @pytest.mark.parametrize("T", [1, 6])
 def test_extra_keys_are_older_context_every_query_sees(T):
     """extra = K/V read back from an offload tier: the same as having them at the start of

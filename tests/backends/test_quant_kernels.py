@@ -1,13 +1,15 @@
 """Weights kept in their GGUF encoding (localkv.backends.cpu.quant): every type's kernels against
-gguf's own dequantizer + float64 numpy, both few-row paths, prefill tiles, embedding rows, the
-numpy-only path, and the real SmolLM2 tensors.
+gguf's own dequantizer + float64 numpy, for every row count the kernels split differently
+(matmul_rows), embedding rows, the numpy-only path, and the real SmolLM2 tensors. That a row's
+outputs are the same bits whatever shares its call: test_matmul_out.py, test_matmul_wide.py,
+test_superblock_rows.py, test_numpy_one_answer.py.
 
-Tolerances: the few-row kernels quantize the activations to int8 per 32 values, per 256 for
-the K-quants (as llama.cpp does: Q8_0, Q8_K), so they are compared with the same math in
-float64 (weights from gguf.quants.dequantize, activations rounded the same way), within
-float32 accumulation error: 2e-6 of the sum of
-|terms|. Against the unrounded activations the difference must stay inside the rounding
-bound itself (half a step per activation). Dequantization is bit-exact.
+Tolerances: the kernels quantize the activations to int8 per 32 values, per 256 for the
+K-quants (as llama.cpp does: Q8_0, Q8_K), so they are compared with the same math in float64
+(weights from gguf.quants.dequantize, activations rounded the same way), within float32
+accumulation error: 2e-6 of the sum of |terms|. Against the unrounded activations the
+difference must stay inside the rounding bound itself (half a step per activation).
+Dequantization is bit-exact.
 """
 
 import os
@@ -101,31 +103,33 @@ def assert_few_matches(got, x, w_ref, qtype: str | None):
 
 
 @pytest.mark.parametrize("qtype", BLOCK + FLOAT)
-def test_matmul_few_matches_gguf_for_1_to_8_rows(kernels, qtype):
+def test_matmul_rows_matches_gguf(kernels, qtype):
+    """Row counts that take each kernel: a decode row, the lanes' blocks of 8 and their tails,
+    blocks of 16 (the wide kernels where this CPU has them) and their tails."""
     w = random_weight(qtype, ROWS, cols_for(qtype), seed=BLOCK.index(qtype) if qtype in BLOCK else 50)
     w_ref = reference(w)
     rng = np.random.default_rng(7)
-    for rows in range(1, 9):
+    for rows in (*range(1, 10), 16, 17, 33):
         x = rng.standard_normal((rows, w.cols), dtype=np.float32)
-        assert_few_matches(kernels.matmul_few(x, w), x, w_ref, qtype if qtype in BLOCK else None)
+        assert_few_matches(kernels.matmul_rows(x, w), x, w_ref, qtype if qtype in BLOCK else None)
 
 
 @pytest.mark.parametrize("qtype", BLOCK[:5])
-def test_matmul_few_on_gguf_quantized_weights(kernels, qtype):
+def test_matmul_rows_on_gguf_quantized_weights(kernels, qtype):
     rng = np.random.default_rng(11)
     dense = rng.standard_normal((ROWS, 256), dtype=np.float32)
     w = QTensor(gguf.quants.quantize(dense, GGMLQuantizationType[qtype]), qtype, (ROWS, 256))
     x = rng.standard_normal((3, 256), dtype=np.float32)
-    assert_few_matches(kernels.matmul_few(x, w), x, reference(w), qtype)
+    assert_few_matches(kernels.matmul_rows(x, w), x, reference(w), qtype)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 17])
 def test_several_weights_in_one_call(kernels, rows):
     """q, k, v side by side, including a run of two types (Q4_K_M's Q6_K attn_v)."""
     ws = [random_weight(t, n, 512, seed=i) for i, (t, n) in enumerate([("Q4_K", 33), ("Q4_K", 17), ("Q6_K", 17)])]
     x = np.random.default_rng(rows).standard_normal((rows, 512), dtype=np.float32)
-    got = kernels.matmul_few(x, ws)
-    np.testing.assert_array_equal(got, np.concatenate([kernels.matmul_few(x, w) for w in ws], axis=1))
+    got = kernels.matmul_rows(x, quant.QStack(tuple(ws)))
+    np.testing.assert_array_equal(got, np.concatenate([kernels.matmul_rows(x, w) for w in ws], axis=1))
     assert_few_matches(got, x, np.concatenate([reference(w) for w in ws]), "Q4_K")
 
 
@@ -142,66 +146,31 @@ def test_dequantize_rows_and_get_rows_are_exact(kernels, qtype):
     assert kernels.get_rows(w, []).shape == (0, w.cols)
 
 
-@pytest.fixture
-def blas(monkeypatch):
-    """matmul_many on dequantized tiles and BLAS, also on a CPU with AMX (tests/backends/test_quant_amx.py
-    has the AMX path)."""
-    monkeypatch.setattr(quant, "on_amx", lambda qtype: False)
-
-
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q3_K", "Q6_K", "F16", "BF16"])
-def test_matmul_many_in_tiles_matches_blas(kernels, blas, qtype, monkeypatch):
-    monkeypatch.setattr(quant.fallback, "TILE_VALUES", 16 * cols_for(qtype))  # 16-row tiles: 37 rows = 3 tiles
-    w = random_weight(qtype, ROWS, cols_for(qtype), seed=5)
-    x = np.random.default_rng(5).standard_normal((41, w.cols), dtype=np.float32)
-    scratch = np.empty(16 * w.cols, np.float32)
-    # block types round the activations to int8 steps first, as the few-row kernels do
-    want = (rounded(x, qtype) if qtype not in ("F16", "BF16") else x.astype(np.float64)) @ reference(w).T
-    for _ in range(2):  # the scratch reused
-        got = kernels.matmul_many(x, w, scratch)
-        assert got.shape == (41, ROWS) and got.dtype == np.float32
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-
-
-def test_prefill_and_decode_agree(kernels, blas):
-    w = random_weight("Q4_K", ROWS, 512, seed=9)
-    x = np.random.default_rng(9).standard_normal((4, 512), dtype=np.float32)
-    np.testing.assert_allclose(kernels.matmul_few(x, w), kernels.matmul_many(rounded(x, "Q4_K").astype(np.float32), w),
-                               rtol=1e-4, atol=1e-4)  # fmt: skip
-
-
-def test_more_than_8_rows_go_to_matmul_many(kernels):
-    w = random_weight("Q5_K", 20, 256, seed=4)
-    x = np.random.default_rng(4).standard_normal((12, 256), dtype=np.float32)
-    np.testing.assert_allclose(kernels.matmul_few(x, w), kernels.matmul_many(x, w), rtol=1e-6)
-
-
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q2_K", "Q5_K", "F16"])
-def test_numpy_path_gives_the_same_results(kernels, blas, qtype, monkeypatch):
+def test_numpy_path_gives_the_same_results(kernels, qtype, monkeypatch):
     """What LOCALKV_CPU_KERNELS=0 or a missing numba runs: gguf's dequantizer and BLAS."""
     w = random_weight(qtype, ROWS, cols_for(qtype), seed=6)
     rng = np.random.default_rng(6)
     xs = [rng.standard_normal((r, w.cols), dtype=np.float32) for r in (1, 3, 8, 20)]
-    with_kernels = [kernels.matmul_few(x, w) for x in xs], kernels.get_rows(w, [3, 1]), kernels.matmul_many(xs[3], w)
+    with_kernels = [kernels.matmul_rows(x, w) for x in xs], kernels.get_rows(w, [3, 1])
     monkeypatch.setattr(quant, "active", lambda qtype: False)
     calls = []
     reference_dequantize = gguf_py.dequantize
     monkeypatch.setattr(gguf_py, "dequantize", lambda *a: calls.append(1) or reference_dequantize(*a))
-    without = [kernels.matmul_few(x, w) for x in xs], kernels.get_rows(w, [3, 1]), kernels.matmul_many(xs[3], w)
+    without = [kernels.matmul_rows(x, w) for x in xs], kernels.get_rows(w, [3, 1])
     assert len(calls) >= 5 or qtype in FLOAT  # gguf's dequantizer did the work
     for x, a, b in zip(xs, with_kernels[0], without[0]):
         xr = rounded(x, qtype) if qtype in BLOCK else x
         bound = 2e-6 * (np.abs(xr) @ np.abs(reference(w)).T) + 1e-30
         assert (np.abs(a - b) <= 2 * bound).all()
     np.testing.assert_array_equal(with_kernels[1], without[1])
-    np.testing.assert_allclose(with_kernels[2], without[2], rtol=1e-5, atol=1e-5)
 
 
 def test_off_switch_turns_the_kernels_off():
     code = (
         "import numpy as np; from localkv.backends.cpu import build, quant;"
         "w = quant.QTensor(np.zeros((2, 20), np.uint8), 'Q4_1', (2, 32));"
-        "print(build.load(['Q4_1']), quant.why_not('Q4_1'), quant.matmul_few(np.ones((1, 32), np.float32), w))"
+        "print(build.load(['Q4_1']), quant.why_not('Q4_1'), quant.matmul_rows(np.ones((1, 32), np.float32), w))"
     )
     env = dict(os.environ, LOCALKV_CPU_KERNELS="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
@@ -234,28 +203,29 @@ def test_real_smollm2_layer_and_embedding(kernels):
     for rows in (1, 8):
         x = rng.standard_normal((rows, 576), dtype=np.float32)
         qkv = np.concatenate([reference(ws[n]) for n in names[:3]])
-        assert_few_matches(kernels.matmul_few(x, [ws["attn_q"], ws["attn_k"], ws["attn_v"]]), x, qkv, "Q4_1")
+        qkv_stack = quant.QStack((ws["attn_q"], ws["attn_k"], ws["attn_v"]))
+        assert_few_matches(kernels.matmul_rows(x, qkv_stack), x, qkv, "Q4_1")
         x2 = rng.standard_normal((rows, 1536), dtype=np.float32)
-        assert_few_matches(kernels.matmul_few(x2, ws["ffn_down"]), x2, reference(ws["ffn_down"]), "Q4_1")
+        assert_few_matches(kernels.matmul_rows(x2, ws["ffn_down"]), x2, reference(ws["ffn_down"]), "Q4_1")
     emb = quant.from_gguf(tensors["token_embd.weight"])
     assert emb.qtype == "Q8_0" and emb.shape == (49152, 576)
     ids = [0, 1, 49151, 1234]
     np.testing.assert_array_equal(kernels.get_rows(emb, ids), reference(emb)[ids].astype(np.float32))
     x = rng.standard_normal((2, 576), dtype=np.float32)
-    logits = kernels.matmul_few(x, emb)  # tied output: x @ token_embd.T
+    logits = kernels.matmul_rows(x, emb)  # tied output: x @ token_embd.T
     np.testing.assert_allclose(logits, rounded(x, "Q8_0") @ reference(emb).T, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])  # the K-quants' one- and two-row kernel too
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])  # the K-quants' super-block kernel too
 @pytest.mark.parametrize("numpy_path", [False, True])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 17])
 def test_nan_and_inf_activations_give_nan_outputs(kernels, rows, numpy_path, qtype, monkeypatch):
     if numpy_path:
         monkeypatch.setattr(quant, "active", lambda qtype: False)
     w = random_weight(qtype, ROWS, cols_for(qtype), seed=8)
     x = np.ones((rows, w.cols), np.float32)
     x[0, 3], x[-1, 100] = np.nan, np.inf
-    got = kernels.matmul_few(x, w)
+    got = kernels.matmul_rows(x, w)
     assert np.isnan(got[0]).all() and np.isnan(got[-1]).all()
     if rows > 2:
         assert np.isfinite(got[1]).all()

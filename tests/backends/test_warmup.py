@@ -16,7 +16,7 @@ numba = pytest.importorskip("numba")
 
 from numba.core import event  # noqa: E402
 
-from localkv.backends.cpu import build, warmup  # noqa: E402
+from localkv.backends.cpu import warmup  # noqa: E402
 from localkv.errors import LocalkvError  # noqa: E402
 
 LINE = "compiling the CPU kernels for this machine, once: about"
@@ -130,17 +130,6 @@ def test_jobs_not_begun_compile_in_a_worker_and_load_here(tmp_path):
             assert missed == misses and hit >= 3
         else:  # one process: compiled here
             assert missed >= 3
-
-
-def test_the_fast_paths_checks_are_left_to_the_fast_paths():
-    """A run without them checks (and so compiles) none of their kernels at the start."""
-    from localkv.backends.cpu.kernels import CHECKS
-
-    assert build._numba() is None
-    names = {build._name(c.run) for c in build._checks("base")}
-    fast = {build._name(c.run) for c in CHECKS["base"] if c.fast}
-    assert fast
-    assert names.isdisjoint(fast) != build.FAST_PATHS
 
 
 def test_prefetch_loads_the_attention_kernels_in_the_background():

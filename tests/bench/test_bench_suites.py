@@ -111,8 +111,9 @@ def test_speed_quick(tiny):
 
 
 def test_speed_names_amx_where_prefill_ran_on_it(tmp_path):
-    rep = speed.run(_opts(write_gguf(tmp_path / "q.gguf", quant="Q4_1", ctx=512)))
-    amx = quant.on_amx("Q4_1")  # Q4_1 weights: prefill on AMX where the CPU has it
+    kw = dict(dim=256, ffn=768, n_heads=4, n_kv_heads=2)  # whole super-blocks of 256
+    rep = speed.run(_opts(write_gguf(tmp_path / "q.gguf", quant="Q4_K", ctx=512, **kw)))
+    amx = quant.on_amx("Q4_K")  # prefill's blocks of 16 rows on AMX-INT8 tiles, where the CPU has them
     assert {r["backend"] for r in rep.rows} == {"CPU AMX" if amx else "CPU"}
     assert ("| CPU AMX |" in br.format_md(rep).replace("  ", "")) == amx
 

@@ -124,21 +124,13 @@ def test_a_head_size_the_blocks_do_not_divide_is_refused(tmp_path):
 class _FloatOnly:
     name = "Float"
     kv_dtype = np.float16
-    caps = Capabilities(False, True, True, ("f16",), frozenset())
+    caps = Capabilities(True, True, ("f16",), frozenset())
 
 
 def test_a_backend_without_quantized_kv_refuses_it_in_one_line():
     with pytest.raises(LocalkvError, match=r"--kv-dtype q8_0:q4_0: the Float backend keeps K/V in f16 here"):
         _kv_formats("q8_0:q4_0", _FloatOnly, 64)
     assert _kv_formats("auto", _FloatOnly, 64) == (kv_format.F16, kv_format.F16)
-
-
-def test_the_fast_paths_refuse_quantized_kv(monkeypatch):
-    from localkv.backends.cpu import CpuBackend, build
-
-    monkeypatch.setattr(build, "FAST_PATHS", True)
-    with pytest.raises(LocalkvError, match="the CPU backend keeps K/V in f32, f16 here"):
-        _kv_formats("q8_0", CpuBackend(1), 64)
 
 
 def test_offload_refuses_k_and_v_in_different_formats(model):

@@ -182,7 +182,6 @@ async def test_chat_turn_on_every_architecture(name, vocabularies):
 class _Backend:
     name = "CUDA"
     caps = Capabilities(
-        shared_prefix=False,
         batched_decode=True,
         quant_weights=True,
         kv_dtypes=("f16",),

@@ -3,11 +3,12 @@ with. Read it bottom up:
 - simd/: the LLVM IR vocabulary the kernels are written in (vec: vector types and IR helpers;
   u8x32: bytes and integer dot products; f32x8: float lanes; wide: 64-byte K-quant products;
   amx: AMX tile instructions);
-- kernels/: the numba kernels (attention, decode, elementwise; matmul_few for every block type;
-  superblock, the Q4_K / Q6_K kernels, a 256-value super-block at a time in integers (every row
-  count under the one-answer rule); float_few; amx, prefill on AMX tiles), their one option set and self-checks;
+- kernels/: the numba kernels (attention, decode_rows, elementwise; matmul_few and its lanes
+  variants for every block type; superblock, the Q4_K / Q6_K kernels, a 256-value super-block
+  at a time in integers; float_few), their option sets and self-checks; each gives a token row
+  the same bits whatever shares its pass (one arithmetic: docs/CPU.md);
 - quant/: weights kept in their GGUF encoding (types, formats: the block decoders, QTensor,
-  the numpy fallback, the entry points into the kernels, matmul_few / matmul_many / get_rows);
+  the numpy fallback, the entry points into the kernels, matmul_rows / get_rows);
 - build: the one load() of every kernel, the LOCALKV_CPU_KERNELS switch, numba's threading
   layer, the source-hash guard over this whole tree, and the one record of what loaded;
   jit_cache: loading cached kernels without numba's compiler tables;
@@ -20,17 +21,14 @@ Only build imports the kernel modules (once numba has imported); everything else
 without numba, on the numpy path.
 """
 
+from localkv.backends.cpu.attention import gather_kv
 from localkv.backends.cpu.backend import (
-    KERNEL_ROWS,
     CpuBackend,
     DecodeBatch,
-    Tails,
     act_dtype,
     add_residual,
     decode,
     frozen_table,
-    frozen_tails,
-    gather_kv,
     gelu_mul,
     head_rmsnorm,
     kv_dtype,
@@ -40,13 +38,11 @@ from localkv.backends.cpu.backend import (
     rmsnorm,
     rope,
     rope_tables,
-    shared_prefix_decode,
     silu_mul,
     uses_kernels,
     write_kv,
 )
 
-__all__ = ["KERNEL_ROWS", "CpuBackend", "DecodeBatch", "Tails", "act_dtype", "add_residual", "decode",
-           "frozen_table", "frozen_tails", "gather_kv", "gelu_mul", "head_rmsnorm", "kv_dtype", "linear", "logits",
-           "paged_attention", "rmsnorm", "rope", "rope_tables", "shared_prefix_decode", "silu_mul", "uses_kernels",
-           "write_kv"]  # fmt: skip
+__all__ = ["CpuBackend", "DecodeBatch", "act_dtype", "add_residual", "decode", "frozen_table", "gather_kv",
+           "gelu_mul", "head_rmsnorm", "kv_dtype", "linear", "logits", "paged_attention", "rmsnorm", "rope",
+           "rope_tables", "silu_mul", "uses_kernels", "write_kv"]  # fmt: skip

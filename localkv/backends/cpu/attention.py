@@ -1,17 +1,11 @@
 """The CPU backend's attention over the paged pool: K/V read through a block table, causal
-prefill in query blocks, and what some architectures add (a sliding window, soft-capped scores).
-The forks' shared-prefix decode and the one-launch decode are in backend.py."""
-
-import functools
+(the tiled kernel, or numpy one query at a time), and what some architectures add (a sliding
+window, soft-capped scores). The one-launch decode is in backend.py."""
 
 import numpy as np
 
-import localkv.backends.cpu.build as build
 import localkv.backends.cpu.compiled as cpu_kernels
 from localkv import kv_format
-
-Q_BLOCK = 64  # causal prefill runs in query blocks: each block scores only the keys it can see
-# (the scores of a block stay nearer the cache)
 
 
 def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndarray:
@@ -107,16 +101,12 @@ def paged_attention(
     if mass is None and (extra is None or head_tables) and cpu_kernels.attends(q.shape[2]):
         if head_tables:
             return cpu_kernels.causal_attention(q, k_layer, v_layer, block_table, n_ctx, scale, softcap, window, extra)
-        if build.FAST_PATHS and len(q) <= SHORT_T and n_ctx - len(q) >= SHORT_PAST and not (softcap or window):
-            return _short_pass(q, k_layer, v_layer, block_table, n_ctx, scale)
         tables = per_head(block_table, k_layer.shape[2])
         return cpu_kernels.causal_attention(q, k_layer, v_layer, tables, n_ctx, scale, softcap, window)
     if window and not head_tables:
         block_table, n_ctx, mass, extra = _window_skip(
             k_layer.shape[1], block_table, n_ctx, len(q), window, mass, extra
         )
-    if build.FAST_PATHS:
-        return _query_blocks(q, k_layer, v_layer, block_table, n_ctx, scale, mass, extra, softcap, window, head_tables)
     holes = None
     if head_tables:
         k, v, holes = gather_positioned(k_layer, v_layer, block_table, n_ctx, extra)
@@ -184,61 +174,6 @@ def _add_mass(mass: np.ndarray, p: np.ndarray, k0: int, end: int, ne: int):
         mass[a - ne : end - ne] += p.sum(axis=(0, 1))[a - k0 :]
 
 
-def _query_blocks(
-    q, k_layer, v_layer, block_table, n_ctx: int, scale: float, mass, extra, softcap, window, head_tables
-):
-    """paged_attention in blocks of Q_BLOCK queries (the fast paths' numpy attention: its sums'
-    order depends on the pass's shape)."""
-    T, H, hd = q.shape
-    holes = None
-    if head_tables:
-        k, v, holes = gather_positioned(k_layer, v_layer, block_table, n_ctx, extra)
-        extra = None
-    else:
-        k = gather_kv(k_layer, block_table, n_ctx)
-        v = gather_kv(v_layer, block_table, n_ctx)
-    ne = 0
-    if extra is not None:
-        ne = extra[0].shape[1]
-        k, v = np.concatenate((extra[0], k), axis=1), np.concatenate((extra[1], v), axis=1)
-    kvh = k.shape[0]
-    g = H // kvh  # query heads h*g .. h*g+g-1 share kv head h
-    # scale the queries, not the scores, and (without mass) normalise the output rows, not the
-    # scores: two passes fewer over the [kvh, g * tq, kend] scores
-    qg = (q * scale).reshape(T, kvh, g, hd).transpose(1, 2, 0, 3)  # [kvh, g, T, hd]
-    out = np.empty((T, kvh, g, hd), q.dtype)
-    past = ne + n_ctx - T
-    # one scores buffer and one output buffer for all query blocks: the same memory, still in
-    # cache, instead of a fresh array per block
-    rows = kvh * g * min(T, Q_BLOCK)
-    s_buf, o_buf = np.empty(rows * (past + T), q.dtype), np.empty(rows * hd, q.dtype)
-    for q0 in range(0, T, Q_BLOCK):
-        q1 = min(T, q0 + Q_BLOCK)
-        tq, kend = q1 - q0, past + q1  # keys past kend are in every query's future
-        k0 = max(0, past + q0 - window + 1) if window else 0  # keys before k0 are outside every window
-        n = kend - k0
-        s = np.matmul(
-            qg[:, :, q0:q1].reshape(kvh, g * tq, hd),
-            k[:, k0:kend].transpose(0, 2, 1),
-            out=s_buf[: kvh * g * tq * n].reshape(kvh, g * tq, n),
-        )
-        _capped(s, softcap)
-        if holes is not None:
-            s += holes[:, None, k0:kend]
-        _mask_max(s, tq, past + q0 - k0, window)
-        np.exp(s, out=s)
-        total = row_sums(s)
-        if mass is None:
-            o = np.matmul(s, v[:, k0:kend], out=o_buf[: kvh * g * tq * hd].reshape(kvh, g * tq, hd))
-            o /= total
-        else:
-            s /= total
-            _add_mass(mass, s, k0, kend, ne)
-            o = np.matmul(s, v[:, k0:kend])
-        out[q0:q1] = o.reshape(kvh, g, tq, hd).transpose(2, 0, 1, 3)
-    return out.reshape(T, H, hd)
-
-
 def gather_positioned(k_layer: np.ndarray, v_layer: np.ndarray, tables, n_ctx: int, extra=None):
     """The first n_ctx positions of K and V through per-kv-head tables (paged_attention), as
     [kv_heads, n_ctx, hd] float32 each, zeros at the holes; and the holes as a score bias
@@ -267,79 +202,3 @@ def _window_skip(bs: int, block_table, n_ctx: int, T: int, window: int, mass, ex
     if mass is not None:
         mass = mass[:, ne + skip * bs :] if mass.ndim == 2 else mass[skip * bs :]
     return block_table[skip:], n_ctx - skip * bs, mass, None
-
-
-def _mask_max(s: np.ndarray, tq: int, first: int, window: int):
-    """Scores s [kvh, g*tq, n] of a query block, rows ordered (group, query): query i sees keys
-    up to first + i, and with a window only the `window` newest of those. Sets the others to
-    -inf and subtracts each row's maximum."""
-    if cpu_kernels.active():  # mask, row max and subtract in one pass
-        cpu_kernels.causal_max(s, tq, first, window)
-        return
-    kvh, n = s.shape[0], s.shape[2]
-    if window:
-        seen = np.arange(n)[None, :]
-        last = first + np.arange(tq)[:, None]
-        s.reshape(kvh, -1, tq, n)[...] += np.where((seen > last) | (seen <= last - window), -np.inf, 0).astype(s.dtype)
-    elif tq > 1:  # query i of the block sees keys up to first + i
-        s.reshape(kvh, -1, tq, n)[..., first:] += _causal_mask(tq)
-    s -= s.max(axis=-1, keepdims=True)
-
-
-@functools.lru_cache(maxsize=8)
-def _causal_mask(n: int) -> np.ndarray:
-    """[n, n]: 0 on and below the diagonal, -inf above (read-only, made once per size)."""
-    m = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
-    m.flags.writeable = False
-    return m
-
-
-def partial(q, k, v, hidden=None):
-    """Unnormalised attention of q [..., R, hd] (already scaled) over k/v [..., n, hd] (leading
-    dims batch, e.g. kv heads): (out, row max, row sum). hidden [R, n]: True where a query must
-    not see a key."""
-    s = np.matmul(q, np.swapaxes(k, -1, -2))
-    if hidden is not None:
-        s[..., hidden] = -np.inf
-    m = s.max(axis=-1, keepdims=True)
-    s -= m
-    np.exp(s, out=s)
-    return np.matmul(s, v), m, row_sums(s)
-
-
-def merge(first, second):
-    """Normalised attention from two partial results over disjoint key sets (cascade attention)."""
-    (o1, m1, l1), (o2, m2, l2) = first, second
-    m = np.maximum(m1, m2)
-    a, c = np.exp(m1 - m), np.exp(m2 - m)
-    return (o1 * a + o2 * c) / (l1 * a + l2 * c)
-
-
-# A pass of at most this many tokens after at least SHORT_PAST attends in two parts (_short_pass)
-SHORT_T, SHORT_PAST = 32, 256
-
-
-def _short_pass(q: np.ndarray, k_layer, v_layer, table, n_ctx: int, scale: float) -> np.ndarray:
-    """Causal attention of a few new tokens after a long context (a turn after a cached
-    prompt): every query sees all the older keys, so those go through the kernels' shared-prefix
-    attention (compiled.paged_partial: each chunk of keys converted once for all of a kv
-    head's rows, the keys split over the threads), where the tiled causal kernel converts them
-    once per query tile and has a job per kv head and tile; the new tokens' own keys, causal
-    among themselves, in numpy; the two parts merged."""
-    T, H, hd = q.shape
-    nb, bs, kvh, _ = k_layer.shape
-    g, past = H // kvh, n_ctx - T
-    qg = (q.reshape(T, kvh, g, hd).transpose(1, 0, 2, 3) * np.float32(scale)).reshape(kvh, T * g, hd)
-    older = cpu_kernels.paged_partial(qg, k_layer, v_layer, table, past)
-    pos = np.arange(past, n_ctx)
-    slots = np.asarray(table)[pos // bs] * bs + pos % bs
-    k_new, v_new = (f32(a.reshape(nb * bs, kvh, hd)[slots]).transpose(1, 0, 2) for a in (k_layer, v_layer))
-    hidden = np.arange(T * g)[:, None] // g < np.arange(T)[None, :]  # row (token t, head) sees keys <= t
-    out = merge(older, partial(qg, k_new, v_new, hidden))
-    return out.reshape(kvh, T, g, hd).transpose(1, 0, 2, 3).reshape(T, H, hd)
-
-
-def row_sums(s: np.ndarray) -> np.ndarray:
-    """s.sum(-1, keepdims=True) as a matrix-vector product with ones: BLAS's gemv does it
-    faster than numpy's pairwise sum on these shapes."""
-    return np.matmul(s, np.ones(s.shape[-1], s.dtype))[..., None]

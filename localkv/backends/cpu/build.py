@@ -1,5 +1,5 @@
 """Loading the CPU kernels: one load() for every numba kernel of the backend (attention,
-element-wise, the weight types' matmuls, AMX), the switch that turns them off, numba's
+element-wise, the weight types' matmuls), the switch that turns them off, numba's
 threading layer, the guard that drops numba's cache when any source here changed, and the one
 record of what loaded (`state`).
 
@@ -34,13 +34,6 @@ from localkv.errors import LocalkvError, first_line
 ROOT = Path(__file__).parent  # every .py file under it can be inlined into a cached kernel
 
 
-# The faster paths whose results depend on how a pass is cut (LOCALKV_FAST_PATHS=1): the
-# one-row matmul kernels, prefill's tile matmuls (AMX bf16 or BLAS), the batched decode and
-# shared-prefix attention. Off, each token row has one definition whatever shares its pass
-# (backend.py's "one answer"); they stay for measuring the price of that.
-FAST_PATHS = os.environ.get("LOCALKV_FAST_PATHS", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 @dataclass(slots=True)
 class State:
     """What load() found in this process, and the kernel modules it loaded."""
@@ -48,13 +41,10 @@ class State:
     ok: bool | None = None  # the attention and element-wise kernels run; None until load() tried
     why: str | None = None  # why they do not
     types: dict[str, str | None] = field(default_factory=dict)  # weight type -> None (runs) or why not
-    amx: dict[str, str | None] = field(default_factory=dict)  # "" (the tile unit) or block type -> same
-    attention: ModuleType | None = None  # kernels.attention, decode, decode_rows, elementwise once checked
-    decode: ModuleType | None = None
+    attention: ModuleType | None = None  # kernels.attention, decode_rows, elementwise once checked
     decode_rows: ModuleType | None = None
     elementwise: ModuleType | None = None
     weights: ModuleType | None = None  # quant.compiled, once a weight type's kernels passed
-    amx_kernels: ModuleType | None = None  # kernels.amx, once the tile unit is granted
 
 
 state = State()
@@ -64,12 +54,10 @@ _lock = threading.Lock()
 def load(types: Iterable[str] = (), progress: bool = False) -> bool:
     """Import numba, pin its threading layer to OpenMP, and compile (or load from numba's
     cache) and self-check the attention and element-wise kernels, then those of these weight
-    types only (with their AMX kernels where the CPU has the unit): the kernels every pass
-    runs, and those of the fast paths only with them (FAST_PATHS). True when all of them can
-    run; otherwise those that can still do, and the others' reasons are kept (why_not,
-    quant.why_not). Safe to call again. A compile (numba's cache missed) is shared with worker
-    processes (warmup); with progress it is said on stderr before it starts, with a bar on a
-    terminal."""
+    types only. True when all of them can run; otherwise those that can still do, and the
+    others' reasons are kept (why_not, quant.why_not). Safe to call again. A compile (numba's
+    cache missed) is shared with worker processes (warmup); with progress it is said on stderr
+    before it starts, with a bar on a terminal."""
     from localkv.backends.cpu.quant.tensor import SUPPORTED
 
     types = sorted(set(types))
@@ -133,17 +121,17 @@ def _numba() -> str | None:
     try:
         drop_stale_cache()
         with _absent("scipy.linalg"):
-            from localkv.backends.cpu.kernels import attention, decode, decode_rows, elementwise  # noqa: F401
+            from localkv.backends.cpu.kernels import attention, decode_rows, elementwise  # noqa: F401
     except Exception as e:  # a numba/numpy mismatch, an unwritable cache...
         return f"numba kernels unavailable ({type(e).__name__}: {first_line(e)})"
     return None
 
 
 def _checks(group: str) -> list:
-    """The checks of group a run needs: the fast paths' only with them."""
+    """The checks of group ("base" or "weights"), in the order registered."""
     from localkv.backends.cpu.kernels import CHECKS
 
-    return [c for c in CHECKS[group] if FAST_PATHS or not c.fast]
+    return CHECKS[group]
 
 
 def _jobs(base: bool, types: list[str]) -> list:
@@ -157,7 +145,7 @@ def _jobs(base: bool, types: list[str]) -> list:
             import localkv.backends.cpu.quant.compiled  # noqa: F401  (its import registers the checks)
         except Exception:  # _load_types says why
             pass
-        cost = sum(c.cost for c in _checks("weights"))  # AMX's, where the CPU has it, is not counted
+        cost = sum(c.cost for c in _checks("weights"))
         jobs.append(Job("weights:" + ",".join(types), cost * len(types), lambda: _load_types(types)))
     return jobs
 
@@ -186,11 +174,10 @@ def _run(jobs: list, progress: bool) -> bool:
     elif numba.threading_layer() != "omp":
         state.ok, state.why = False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
     else:
-        from localkv.backends.cpu.kernels import attention, decode, decode_rows, elementwise
+        from localkv.backends.cpu.kernels import attention, decode_rows, elementwise
 
         state.ok, state.why = True, None
-        state.attention, state.decode, state.elementwise = attention, decode, elementwise
-        state.decode_rows = decode_rows
+        state.attention, state.decode_rows, state.elementwise = attention, decode_rows, elementwise
     if not state.ok:
         state.types.update(dict.fromkeys(state.types, state.why))
     return compiled
@@ -221,8 +208,7 @@ def run_in_worker(keys: list[str]) -> int:
 
 
 def _load_types(types: list[str]):
-    """The weight kernels of these types, then the AMX ones of those that passed (called under
-    _lock, with numba's tables deferred)."""
+    """The weight kernels of these types (called under _lock, with numba's tables deferred)."""
     try:
         import localkv.backends.cpu.quant.compiled as weights  # its import registers the checks
     except Exception as e:  # a numba/llvm mismatch...
@@ -230,27 +216,8 @@ def _load_types(types: list[str]):
         return
     for t in types:
         state.types[t] = _passes("weights", t, f"{t} kernel")
-    ready = [t for t in types if state.types[t] is None]
-    if ready:
+    if any(state.types[t] is None for t in types):
         state.weights = weights
-        _load_amx(ready)
-
-
-def _load_amx(types: list[str]):
-    """The AMX tile unit, once per process, then the kernel that decodes each of these types."""
-    from localkv.backends.cpu.quant.types import BLOCK_TYPES
-
-    if "" not in state.amx:
-        try:
-            import localkv.backends.cpu.kernels.amx as amx
-
-            state.amx[""] = amx.enable()
-        except Exception as e:  # a numba or LLVM without these intrinsics
-            state.amx[""] = f"AMX kernels unavailable ({type(e).__name__}: {first_line(e)})"
-        state.amx_kernels = amx if state.amx[""] is None else None
-    for t in types:
-        if t in BLOCK_TYPES:
-            state.amx[t] = state.amx[""] or _passes("amx", t, f"{t} AMX kernel")
 
 
 def _passes(group: str, qtype: str, what: str) -> str | None:

@@ -1,8 +1,7 @@
-"""The compiled attention and element-wise kernels (kernels/attention, decode, elementwise),
-called on numpy arrays: the layouts and dtypes they were compiled for, the serial or the
-parallel build by size, and the threads a kernel started from this thread runs on. Call them
-only when build.active() (attends(head_dim) for attention); the weight matmuls' entry points
-are in quant.
+"""The compiled attention and element-wise kernels (kernels/attention, decode_rows,
+elementwise), called on numpy arrays: the layouts and dtypes they were compiled for, and the
+threads a kernel started from this thread runs on. Call them only when build.active()
+(attends(head_dim) for attention); the weight matmuls' entry points are in quant.
 
 Why kernels: with few activation rows (one token per sequence) a matmul reads a whole weight
 matrix for very little arithmetic. OpenBLAS's gemm first copies ("packs") the weights, so a
@@ -11,9 +10,7 @@ activation rows, on all threads. The attention and element-wise steps are fused 
 each where numpy makes several.
 """
 
-import contextlib
 import functools
-import threading
 
 import numpy as np
 
@@ -27,37 +24,13 @@ def attends(head_dim: int) -> bool:
     return head_dim % 8 == 0 and active()
 
 
-_threads = threading.local()  # this thread's count for large kernels (set_threads)
-
-
-def set_threads(threads: int, large: int | None = None):
-    """Worker threads for kernels started from this thread (numba's setting is per thread);
-    large: for kernels of PARALLEL_CAUSAL multiply-adds or more (a prefill pass's causal
-    attention), default threads."""
+def set_threads(threads: int):
+    """Worker threads for kernels started from this thread (numba's setting is per thread)."""
     import numba
 
-    top = numba.config.NUMBA_NUM_THREADS
-    threads = max(1, min(threads, top))
-    _threads.large = max(1, min(large if large is not None else threads, top))
+    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def _large_kernel(work: int):
-    """Within the block, this thread's kernels run on its count for large kernels when `work`
-    multiply-adds reach PARALLEL_CAUSAL."""
-    import numba
-
-    now, large = numba.get_num_threads(), getattr(_threads, "large", None)
-    if large is None or large <= now or work < PARALLEL_CAUSAL:
-        yield
-        return
-    numba.set_num_threads(large)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(now)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -85,25 +58,6 @@ def silu_mul(gu: np.ndarray) -> np.ndarray:
     return out
 
 
-PARALLEL_ATTENTION = 1 << 20  # multiply-adds from which decode attention runs on all threads
-# multiply-adds from which a prefill pass's causal attention takes the engine's threads from
-# BLAS (idle meanwhile); a smaller one is over before the second thread pays for its start
-# and for the spin of both pools of workers after their work (localkv/__init__)
-PARALLEL_CAUSAL = 1 << 22
-
-
-def decode_attention(q, k_layer, v_layer, tables, lens, scale: float, scores, work: int) -> np.ndarray:
-    """See kernels/decode.decode_attention (an f16 pool is passed as its bits); work: its
-    multiply-adds, which choose the parallel or the serial build. Call only when attends(hd)."""
-    out = np.empty(q.shape, np.float32)
-    if k_layer.dtype == np.float16:
-        k_layer, v_layer = k_layer.view(np.uint16), v_layer.view(np.uint16)
-    kernel = state.decode.decode_attention if work >= PARALLEL_ATTENTION else state.decode.decode_attention_serial
-    q = np.ascontiguousarray(q)  # one build per pool dtype, not two: the copy is a few hundred values
-    kernel(q, k_layer, v_layer, tables, lens, np.float32(scale), out, scores)
-    return out
-
-
 def decode_rows(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables, lens, scale: float) -> np.ndarray:
     """See kernels/decode_rows.paged_decode: attention of B sequences' last tokens q [B, H, hd]
     over int64 tables [B, blocks] and lens [B] (read-only), normalised [B, H, hd]: each row
@@ -120,26 +74,6 @@ def decode_rows(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables,
     parts = min(B, -(-2 * numba.get_num_threads() // (kvh * spans)))  # enough jobs to keep every thread busy
     state.decode_rows.paged_decode(qt.reshape(kvh, hd, B * g), _bits(k_layer), _bits(v_layer), tables, lens, parts, out)
     return out.reshape(kvh, B, g, hd).transpose(1, 0, 2, 3).reshape(B, H, hd)
-
-
-def causal_max(s: np.ndarray, tq: int, first: int, window: int = 0):
-    """See kernels/elementwise.causal_max. Call only when active()."""
-    state.elementwise.causal_max(s, tq, first, window)
-
-
-def paged_partial(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, n: int):
-    """Unnormalised attention of q [kvh, R, hd] (already scaled) over the first n tokens of the
-    pool layers k/v [blocks, bs, kvh, hd] read through a block table: (out [kvh, R, hd], row
-    max, row sum [kvh, R, 1]). An f16 pool is read as it is (no float32 copy of its K/V). Call
-    only when attends(hd)."""
-    kvh, R, hd = q.shape
-    R8 = -(-R // 8) * 8
-    qt = np.zeros((kvh, hd, R8), np.float32)  # the queries transposed: a vector holds 8 of them
-    qt[:, :, :R] = q.transpose(0, 2, 1)
-    out = np.empty((kvh, R8, hd), np.float32)
-    mx, sm = np.empty((kvh, R8), np.float32), np.empty((kvh, R8), np.float32)  # as compiled at load
-    state.attention.paged_prefix(qt, _bits(k_layer), _bits(v_layer), _table(table), n, out, mx, sm)
-    return out[:, :R], mx[:, :R, None], sm[:, :R, None]
 
 
 def causal_attention(
@@ -187,12 +121,7 @@ def causal_attention(
         xk, xv = (np.ascontiguousarray(a) for a in extra)
     out = np.empty((kvh, tiles, RT, hd), np.float32)
     args = (qt, _bits(k_layer), _bits(v_layer), _table(tables), _bits(xk), _bits(xv), n_ctx - T, T, QT, g)
-    work = T * (n_ctx - T // 2) * H * hd  # the scores' multiply-adds, causal
-    if work < PARALLEL_CAUSAL:
-        kernels.paged_causal(*args, np.float32(softcap), window, out)
-    else:
-        with _large_kernel(work):
-            kernels.paged_causal(*args, np.float32(softcap), window, out)
+    kernels.paged_causal(*args, np.float32(softcap), window, out)
     out = out[:, :, : QT * g].reshape(kvh, tiles, QT, g, hd).transpose(1, 2, 0, 3, 4)
     return out.reshape(tiles * QT, H, hd)[:T]
 
@@ -202,19 +131,6 @@ def _no_extra(dtype, kvh: int, bs: int, row: int) -> np.ndarray:
     """causal_attention's extra blocks of K or V when there are none: empty, in the pool's
     dtype (and writable, as recalled blocks are: one build of the kernel for both)."""
     return np.empty((kvh, 0, bs, row), dtype)
-
-
-def paged_tails(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables: np.ndarray, lens: np.ndarray):
-    """Unnormalised attention of q [kvh, B, g, hd] (scaled), sequence b's queries over the
-    first lens[b] tokens of its block table tables[b] (int64 [B, blocks], padded):
-    (out [kvh, B, g, hd], row max, row sum [kvh, B, g, 1]), K/V read from the pool as stored.
-    Call only when attends(hd)."""
-    out = np.empty(q.shape, np.float32)
-    mx, sm = np.empty((*q.shape[:3], 1), np.float32), np.empty((*q.shape[:3], 1), np.float32)
-    state.decode.paged_tails(
-        np.ascontiguousarray(q), _bits(k_layer), _bits(v_layer), _table(tables), _table(lens), out, mx, sm
-    )
-    return out, mx, sm
 
 
 def _table(a) -> np.ndarray:

@@ -1,23 +1,20 @@
 """The numba kernels, imported by build.load once numba has imported (not before: the rest of
-the backend runs without numba):
-- attention: a chunk of keys at a time on 8 x 8 register tiles: the shared prefix of many
-  decoding sequences, and a prefill pass's causal attention (flash-style online softmax);
+the backend runs without numba). Each gives a token row the same bits whatever else shares its
+pass (the one arithmetic, docs/CPU.md):
+- attention: a chunk of keys at a time on 8 x 8 register tiles: a prefill pass's causal
+  attention (flash-style online softmax, one softmax per SPAN of positions);
 - decode_rows: one query token per sequence, every row the causal kernel's bits, a chunk the
   rows of several sequences share (forks, a system prompt) read once for all of them;
-- decode: one query token per sequence (decode steps, the forks' own tails), vectors along
-  the head dimension (LOCALKV_FAST_PATHS=1);
-- elementwise: fused one-pass RMSNorm, RoPE, SwiGLU and causal mask-and-max for prefill;
-- matmul_few: the decode matmuls of 1-8 activation rows on every block type (int8 activations,
-  integer multiply-adds), and the dequantizer;
-- matmul_out: matmul_lanes' bits for 1 activation row with 8 weight rows in the lanes (decode
-  under the one-answer rule);
+- elementwise: fused one-pass RMSNorm, RoPE and SwiGLU;
+- matmul_few: the block types' matmul with activation rows in 8 lanes (int8 activations,
+  integer multiply-adds: matmul_lanes), and the dequantizer;
+- matmul_out: matmul_lanes' bits for 1 activation row with 8 weight rows in the lanes (decode);
 - matmul_wide: matmul_lanes' bits for 16 activation rows in 512-bit lanes (prefill with
   AVX-512 VNNI); superblock_lanes: the same for Q4_K and Q6_K (superblock.matmul_rows' bits);
   superblock_amx: those bits again with the integer dots on AMX-INT8 tiles;
 - superblock: Q4_K and Q6_K, a 256-value super-block at a time in integers (matmul_rows: any
-  row count, one answer; matmul_super: one or two rows, the fast paths);
-- float_few: the decode matmuls of F32 / F16 / BF16 weights (float FMAs);
-- amx: prefill matmuls of block-type weights on Intel AMX bf16 tiles.
+  row count);
+- float_few: the matmuls of F32 / F16 / BF16 weights (float FMAs, a dot per row).
 
 Every kernel compiles with one of the option sets here, and each module registers the checks
 build.load runs when it loads them (`self_check`).
@@ -45,22 +42,21 @@ class Check:
     # seconds its compile takes on an empty cache, on the host of BENCHMARKS.md's "first run"
     # (per weight type for "weights"): the first run's estimate and bar; 0: not counted
     cost: float
-    fast: bool  # its kernels run only on the fast paths (build.FAST_PATHS): checked only with them
 
 
 # group -> checks, in the order registered. "base" (the attention and element-wise kernels):
-# run() -> bool; "weights" and "amx": run(qtype) -> bool, for each weight type loaded
-CHECKS: dict[str, list[Check]] = {"base": [], "weights": [], "amx": []}
+# run() -> bool; "weights": run(qtype) -> bool, for each weight type loaded
+CHECKS: dict[str, list[Check]] = {"base": [], "weights": []}
 
 
-def self_check(group: str, cost: float = 0.0, fast: bool = False):
+def self_check(group: str, cost: float = 0.0):
     """Register the decorated function as a load-time check of `group`: it compiles (or loads
     from the cache) the builds the model calls, with the array kinds it passes, and compares
-    their results with numpy's. build.load runs them (those of fast-path kernels only with
-    the fast paths); a False or an exception turns the group off."""
+    their results with numpy's. build.load runs them; a False or an exception turns the group
+    off."""
 
     def register(check):
-        CHECKS[group].append(Check(check, cost, fast))
+        CHECKS[group].append(Check(check, cost))
         return check
 
     return register

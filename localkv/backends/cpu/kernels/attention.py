@@ -1,7 +1,6 @@
-"""Attention over the paged pool on float32 vectors: the shared prefix of many decoding
-sequences (forks of one prompt, requests on one system prompt), and a prefill pass's causal
-attention (tiles of query tokens; in the key chunks that cross a tile's positions, the keys
-past a row's own are masked).
+"""Attention over the paged pool on float32 vectors: a prefill pass's causal attention (tiles
+of query tokens; in the key chunks that cross a tile's positions, the keys past a row's own are
+masked), and the pieces decode_rows shares with it.
 
 The keys are taken KEYS at a time (a chunk). A chunk's K and V rows are converted once (f16
 pool: F16C; q8_0 / q4_0: integers times their block's scale, exact: kv_format) into float32
@@ -12,7 +11,7 @@ with the accumulators in registers. A row of scores per query, as
 the earlier kernels kept, is stored and reloaded at every step and a horizontal sum ends every
 dot product: several times slower. The softmax runs online (flash attention): each job keeps
 its chunks' running row maximum, rescaling what it summed only when the maximum grows. In the
-causal kernel (and decode_rows, which must give its bits) a row's keys form spans of SPAN
+causal kernel (and decode_rows, which gives its bits) a row's keys form spans of SPAN
 positions, each with its own softmax, folded in position order (`_fold`): the split-K of
 flash-decoding, defined by positions only, so a decode step can run its spans on all the threads
 while a prefill tile walks them in turn. The exponential is a polynomial (`exp`, and f32x8.fexp
@@ -25,7 +24,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload, register_jitable
 
-from localkv.backends.cpu.kernels import EXACT_PAR, PAR, self_check
+from localkv.backends.cpu.kernels import EXACT_PAR, self_check
 from localkv.backends.cpu.simd.f32x8 import (
     EXP_FLOOR,
     EXP_POLY,
@@ -55,7 +54,6 @@ KEYS = 64  # keys per chunk
 # positions 0, SPAN, 2 * SPAN..., and folds the spans' partial softmaxes in position order
 # (_fold), so a long decode splits its keys over the threads without its bits depending on them
 SPAN = 512
-SPLITS = 4  # jobs per kv head (each a run of chunks): enough for 2 threads when kv heads are few
 
 
 @register_jitable
@@ -240,48 +238,6 @@ def _softmax_step(st, n, o, m, total, top):
             fstore(st, t * R8 + rb, fzero())
 
 
-@njit(**PAR)
-def paged_prefix(qt, k, v, table, n, out, mx, sm):
-    """Unnormalised attention of the queries qt [kvh, hd, R8] (transposed, scaled; R8 and hd
-    multiples of 8) over the first n >= 1 tokens of one block table, K/V read from the pool
-    layers k/v [blocks, block_size, kvh, hd] (float32, or uint16 holding half floats): out
-    [kvh, R8, hd], row max mx and row sum sm [kvh, R8]. Parallel over (kv head, run of chunks)."""
-    kvh, hd, R8 = qt.shape
-    chunks = (n + KEYS - 1) // KEYS
-    splits = min(chunks, SPLITS)
-    po = np.empty((kvh, splits, R8, hd), np.float32)
-    pm, pl = np.empty((kvh, splits, R8), np.float32), np.empty((kvh, splits, R8), np.float32)
-    for job in prange(kvh * splits):
-        h, s = job // splits, job % splits
-        kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
-        st, top = np.empty((KEYS, R8), np.float32), np.empty(R8, np.float32)
-        # the job's own running state: written at every key, it must not share cache lines
-        # with another job's
-        o, m, sums = np.zeros((R8, hd), np.float32), np.full(R8, -np.inf, np.float32), np.zeros(R8, np.float32)
-        for c in range(s * chunks // splits, (s + 1) * chunks // splits):
-            t0 = c * KEYS
-            _rows(k, table, h, t0, min(n - t0, KEYS), kc, hd)
-            _rows(v, table, h, t0, min(n - t0, KEYS), vc, hd)
-            _scores(qt[h], kc, st, R8, hd)
-            _softmax_step(st, min(n - t0, KEYS), o, m, sums, top)
-            _accumulate(st, vc, o, R8, hd)
-        po[h, s], pm[h, s], pl[h, s] = o, m, sums
-    for h in range(kvh):
-        for r in range(R8):
-            m = pm[h, 0, r]
-            for s in range(1, splits):
-                m = max(m, pm[h, s, r])
-            total = np.float32(0)
-            for d in range(hd):
-                out[h, r, d] = 0
-            for s in range(splits):
-                w = exp(pm[h, s, r] - m)
-                total += pl[h, s, r] * w
-                for d in range(hd):
-                    out[h, r, d] += w * po[h, s, r, d]
-            mx[h, r], sm[h, r] = m, total
-
-
 QT = 32  # query tokens per tile of the causal kernel
 # ... and for a pass of at most QT tokens (a turn after a cached prompt, a short chunk): one
 # tile of 32 would leave one job per kv head for the threads, most of its rows padding
@@ -407,22 +363,10 @@ def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, wi
                 out[h, c, r, d] = fo[r, d] * inv
 
 
-@self_check("base", cost=7.8, fast=True)
-def check_prefix() -> bool:
-    """The shared-prefix kernel for an f16 pool, with the array kinds the model passes
-    (read-only int64 tables): equal keys weigh every value alike, so each unnormalised output
-    is the values' sum."""
-    k = np.ones((1, 4, 2, 8), np.float16).view(np.uint16)  # [blocks, block size, kv heads, head dim]
-    table = np.zeros(1, np.int64)
-    table.flags.writeable = False
-    out, mx, sm = np.empty((2, 8, 8), np.float32), np.empty((2, 8), np.float32), np.empty((2, 8), np.float32)
-    paged_prefix(np.ones((2, 8, 8), np.float32), k, k, table, 3, out, mx, sm)
-    return bool((mx == 8.0).all() and (sm == 3.0).all() and (out == 3.0).all())
-
-
 @self_check("base", cost=7.6)
 def check() -> bool:
-    """The causal kernel for an f16 pool, as check_prefix: normalised, each output a value."""
+    """The causal kernel for an f16 pool, with the array kinds the model passes (read-only
+    int64 tables): equal keys weigh every value alike, so each normalised output is a value."""
     k = np.ones((1, 4, 2, 8), np.float16).view(np.uint16)
     cout = np.empty((2, 1, QT, 8), np.float32)  # one tile of one head each
     tables = np.zeros((2, 1), np.int64)

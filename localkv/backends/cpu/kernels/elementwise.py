@@ -1,6 +1,5 @@
 """Single-threaded fused element-wise kernels: one pass where numpy makes several (and
-temporaries), for prefill's memory-bound steps (RMSNorm, RoPE, SwiGLU, the causal mask with
-each row's maximum). No parallel workers: no interplay with BLAS."""
+temporaries), for prefill's memory-bound steps (RMSNorm, RoPE, SwiGLU). No parallel workers."""
 
 import numpy as np
 from numba import njit
@@ -75,29 +74,6 @@ def rope(x, cos, sin, pairs):
     (llama.cpp's "normal" order) when pairs, else the halves (NEOX order). One kernel for both
     orders: each compiled kernel costs a start its own cache load."""
     _rope(x, cos, sin, pairs)
-
-
-@njit(**SER)
-def causal_max(s, tq, first, window):
-    """Scores s [kvh, g*tq, n] of a causal query block, rows ordered (group, query): query i sees
-    keys 0 .. first+i, and with window > 0 only the last `window` of those (a sliding window).
-    Subtracts each row's maximum over the keys it sees and sets the rest to -inf (exp gives 0),
-    in one pass instead of numpy's mask add, max and subtract."""
-    kvh, rows, n = s.shape
-    ninf = np.float32(-np.inf)
-    for h in range(kvh):
-        for row in range(rows):
-            end = min(n, first + row % tq + 1)
-            lo = max(0, end - window) if window > 0 else 0
-            m = ninf
-            for j in range(lo, end):
-                m = max(m, s[h, row, j])
-            for j in range(lo, end):
-                s[h, row, j] -= m
-            for j in range(lo):
-                s[h, row, j] = ninf
-            for j in range(end, n):
-                s[h, row, j] = ninf
 
 
 @self_check("base", cost=1.1)

@@ -1,5 +1,6 @@
-"""The few-row matmul for weights stored as floats (F32, F16, BF16: Hugging Face checkpoints
-and the small tensors of GGUF files): float FMAs, the activations kept as float32.
+"""The matmul for weights stored as floats (F32, F16, BF16: Hugging Face checkpoints and the
+small tensors of GGUF files), any number of rows: float FMAs, the activations kept as float32,
+one dot per row (a row's bits whatever rows share the call).
 
 F16 and BF16 are passed as uint16 arrays and widened 8 values at a time as they are read;
 each weight row is read from memory once per call and from L1 for the further activation
@@ -43,7 +44,8 @@ def _float_dot(qt, w, base, x, xo, K):
 
 @njit(**PAR)
 def matmul_few_float(qt, x, ws, offs, out):
-    """As matmul_few.matmul_few, for F32 / F16 / BF16 weights (x float32 C-contiguous, K % 8 == 0)."""
+    """out[:, offs[i] + n] = x @ row n of ws[i] for the three matrices ws (as
+    matmul_few.matmul_lanes), for F32 / F16 / BF16 weights (x float32 C-contiguous, K % 8 == 0)."""
     R, K = x.shape
     counts = chunks(ws)
     for c in prange(counts[0] + counts[1] + counts[2]):

@@ -1,41 +1,33 @@
-"""numba kernels on GGUF blocks: the matmuls of a few activation rows (decode), and the
-dequantization of weight rows to float32 (prefill tiles, embedding lookups).
+"""numba kernels on GGUF blocks: the block types' matmul with activation rows in the 8 lanes
+of the vectors (matmul_lanes, and the activations it reads: lanes_inputs), the pieces the other
+lanes kernels share with it (the work chunks, walk), and the dequantization of weight rows to
+float32 (embedding lookups, the numpy path's tiles).
 
-Decode: integer products on int8 activations, not float FMAs on unpacked weights. The
-activations are quantized once per call like llama.cpp's Q8_0 (per 32 values, scale
-amax/127; per 256 for the K-quants, as Q8_K); a group of 32 weights then costs one packed
-unsigned x signed byte multiply-add (`u8x32.dot`: vpdpbusd with VNNI, vpmaddubsw + vpmaddwd
-on AVX2) and one float FMA for its
+Integer products on int8 activations, not float FMAs on unpacked weights. The activations are
+quantized like llama.cpp's Q8_0 (per 32 values, scale amax/127; per 256 for the K-quants, as
+Q8_K); a group of 32 weights then costs one packed unsigned x signed byte multiply-add
+(`u8x32.dot`: vpdpbusd with VNNI, vpmaddubsw + vpmaddwd on AVX2) and one float FMA for its
 scale, where a float path needs the 32 weights widened to float (four conversions) and four
-FMAs per activation row. Both were measured on Q4_1, Q8_0 and Q4_K; the integer path was
-faster for every type and row count, more so the more rows. Results differ from float math
-by the int8 rounding of the activations only (the weights' own values are exact).
+FMAs per activation row. Results differ from float math by the int8 rounding of the
+activations only (the weights' own values are exact).
 
-Two loops over the same per-type decoder (`quant/formats.group`):
-- up to ROW_MAX rows: each activation row is one dot product along the weight row (the
-  groups alternate between two accumulators so that FMA latency does not bound the loop);
-- more rows: activation rows sit in the 8 lanes of the vectors, so a decoded group is
-  multiplied into all 8 rows with 8 packed multiply-adds (`u8x32.lanes_dot`) instead of
-  being multiplied 8 times.
+Activation rows sit in the 8 lanes, so a decoded group (`quant/formats.group`) is multiplied
+into all 8 rows with 8 packed multiply-adds (`u8x32.lanes_dot`) instead of being multiplied 8
+times, and a lane's float ops are those of its row alone (walk's order), whatever rows share
+its block. Work is split over weight rows with prange (numba's OpenMP layer; see build for the
+thread rules). A call takes up to three matrices of one type (`ws`, sharing the activations: q,
+k and v; gate and up), so a pass makes fewer kernel calls, each of which costs numba's dispatch
+and OpenMP's start.
 
-Each weight row is read once per call, whichever path. Work is split over weight rows with
-prange (numba's OpenMP layer; see build for the thread rules). A call takes up to three
-matrices of one type (`ws`, sharing the activations: q, k and v; gate and up), so a decode
-step makes fewer kernel calls, each of which costs numba's dispatch and OpenMP's start.
-
-Q4_K and Q6_K with one or two rows have their own kernel (`superblock`, a super-block of 256
-at a time in integers); the loops here serve them for 3-8 rows.
-
-Dequantization is serial: it runs between BLAS calls in prefill, where BLAS owns the threads.
-So is quantize_rows, which gives prefill's BLAS tiles the same int8-rounded activations.
+Dequantization is serial.
 """
 
 import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
-from localkv.backends.cpu.kernels import EXACT, EXACT_PAR, PAR, SER
-from localkv.backends.cpu.quant.formats import act_group, geometry, group, lanes_product, product
+from localkv.backends.cpu.kernels import EXACT_PAR, SER
+from localkv.backends.cpu.quant.formats import act_group, geometry, group, lanes_product
 from localkv.backends.cpu.simd.f32x8 import (
     expand,
     fadd,
@@ -43,17 +35,14 @@ from localkv.backends.cpu.simd.f32x8 import (
     float_of_bits,
     fma,
     fmul,
-    fpair,
     fsplat,
     fzero,
-    hsum,
     lane,
     tofloat,
 )
-from localkv.backends.cpu.simd.u8x32 import at, izero, load32, prefetch
+from localkv.backends.cpu.simd.u8x32 import prefetch
 
-ROW_MAX = 2  # up to this many activation rows take the row path, more the 8-lane path
-LANES = 8  # activation rows per call at most
+LANES = 8  # activation rows per block
 CHUNK = 16  # weight rows per work item
 PREFETCH = 4096  # bytes ahead in the weights: the hardware prefetcher alone left the loads waiting
 
@@ -126,46 +115,9 @@ def chunk(ws, offs, counts, c):
 
 
 @register_jitable(_nrt=False)
-def _row_step(qt, w, blk, j, g, xq, dx, xsv, r, ng, a, m):
-    """Group j of the block at blk (group g of the row) . activation row r, into a and m."""
-    prefetch(w, blk + PREFETCH)
-    u, sa, sb, ma, mb = group(qt, w, blk, j)
-    p = tofloat(product(qt, izero(), u, load32(xq, 32 * (r * ng + g))))
-    a = fma(p, fmul(fpair(sa, sb), fsplat(at(dx, r * ng + g))), a)
-    return a, fma(fpair(ma, mb), fload(xsv, 8 * (r * ng + g)), m)
-
-
-@register_jitable(_nrt=False)
-def _row_dot(qt, w, base, xq, dx, xsv, r, ng):
-    """One weight row . activation row r. Groups alternate between two accumulators (FMA
-    latency would bound one); a K-quant block's 8 groups are written out, so that each
-    group's shifts and scale unpacking are constants."""
-    groups, nbytes = geometry(qt)
-    a0, a1, m0, m1 = fzero(), fzero(), fzero(), fzero()
-    if groups == 1:
-        for g in range(0, ng - 1, 2):
-            a0, m0 = _row_step(qt, w, base + g * nbytes, 0, g, xq, dx, xsv, r, ng, a0, m0)
-            a1, m1 = _row_step(qt, w, base + (g + 1) * nbytes, 0, g + 1, xq, dx, xsv, r, ng, a1, m1)
-        if ng % 2:
-            a0, m0 = _row_step(qt, w, base + (ng - 1) * nbytes, 0, ng - 1, xq, dx, xsv, r, ng, a0, m0)
-    else:  # the K-quants: 8 groups per block, written out so that j is a constant in each
-        for b in range(ng // 8):
-            blk, g = base + b * nbytes, 8 * b
-            a0, m0 = _row_step(qt, w, blk, 0, g, xq, dx, xsv, r, ng, a0, m0)
-            a1, m1 = _row_step(qt, w, blk, 1, g + 1, xq, dx, xsv, r, ng, a1, m1)
-            a0, m0 = _row_step(qt, w, blk, 2, g + 2, xq, dx, xsv, r, ng, a0, m0)
-            a1, m1 = _row_step(qt, w, blk, 3, g + 3, xq, dx, xsv, r, ng, a1, m1)
-            a0, m0 = _row_step(qt, w, blk, 4, g + 4, xq, dx, xsv, r, ng, a0, m0)
-            a1, m1 = _row_step(qt, w, blk, 5, g + 5, xq, dx, xsv, r, ng, a1, m1)
-            a0, m0 = _row_step(qt, w, blk, 6, g + 6, xq, dx, xsv, r, ng, a0, m0)
-            a1, m1 = _row_step(qt, w, blk, 7, g + 7, xq, dx, xsv, r, ng, a1, m1)
-    return hsum(fadd(fadd(a0, a1), fadd(m0, m1)))
-
-
-@register_jitable(_nrt=False)
 def _lanes_step(qt, w, blk, j, g, inp, a, m):
     """Group j of the block at blk (group g of the row) . 8 activation rows, into a and m
-    (inp: _interleave's xi, dxv, xsa, xsb)."""
+    (inp: lanes_inputs' xi, dxv, xsa, xsb of one block)."""
     xi, dxv, xsa, xsb = inp
     prefetch(w, blk + PREFETCH)
     u, sa, sb, ma, mb = group(qt, w, blk, j)
@@ -177,10 +129,12 @@ def _lanes_step(qt, w, blk, j, g, inp, a, m):
 @register_jitable(_nrt=False)
 def walk(step, qt, w, base, inp, ng):
     """The groups of one weight row (from byte base) through step(qt, w, blk, j, g, inp, a, m),
-    8 lanes at a time, in the order that fixes the lanes' sums: _row_dot's (group g into
-    accumulator g % 2, in order of g; a K-quant block's 8 groups written out). The lanes
-    kernels (lanes: rows in the lanes, 8 or 16 of them: walk_from; matmul_out: outputs in the
-    lanes) share it, so that a lane's float ops are one sequence whichever kernel runs it."""
+    8 lanes at a time, in the order that fixes the lanes' sums: group g into accumulator
+    g % 2, in order of g (two accumulators, so that FMA latency does not bound the loop; a
+    K-quant block's 8 groups written out, so that each group's shifts and scale unpacking are
+    constants). The lanes kernels (lanes: rows in the lanes, 8 or 16 of them: walk_from;
+    matmul_out: outputs in the lanes) share it, so that a lane's float ops are one sequence
+    whichever kernel runs it."""
     a0, a1, m0, m1 = walk_from(step, qt, w, base, inp, ng, fzero())
     return fadd(fadd(a0, a1), fadd(m0, m1))
 
@@ -212,34 +166,11 @@ def walk_from(step, qt, w, base, inp, ng, z):
 
 
 @register_jitable
-def _spread(xs16):
-    """The 16-value sums as [row][g][8 lanes] (a quarter of each sum per lane): the min terms
-    of a group are then one FMA with fpair(ma, mb)."""
-    R, ng = xs16.shape[0], xs16.shape[1] // 2
-    xsv = np.empty(R * ng * 8, np.float32)
-    for r in range(R):
-        for g in range(ng):
-            for i in range(4):
-                xsv[8 * (r * ng + g) + i] = xs16[r, 2 * g] * np.float32(0.25)
-                xsv[8 * (r * ng + g) + 4 + i] = xs16[r, 2 * g + 1] * np.float32(0.25)
-    return xsv
-
-
-@register_jitable
-def _interleave(xq, dx, xs16):
-    """The activations in the 8-lane layout: xi [g][dword][row][4 bytes], dxv/xsa/xsb [g][row]
-    (rows past R are zero, so their lanes compute nothing)."""
-    ng = xq.shape[1] // 32
-    xi = np.zeros(ng * 256, np.int8)
-    dxv, xsa, xsb = np.zeros(ng * 8, np.float32), np.zeros(ng * 8, np.float32), np.zeros(ng * 8, np.float32)
-    _interleave_into(xq, dx, xs16, xi, dxv, xsa, xsb)
-    return xi, dxv, xsa, xsb
-
-
-@register_jitable
 def _interleave_into(xq, dx, xs16, xi, dxv, xsa, xsb):
-    """_interleave into given arrays (zero where rows past R go), for L lanes (8, or 16 for
-    matmul_wide: L = len(dxv) / groups): xi [g][dword][L rows][4 bytes], dxv/xsa/xsb [g][L]."""
+    """The quantized activations (xq, dx, xs16: _quantize's) of up to L rows in the L-lane
+    layout, into given arrays (zero where rows past R go: their lanes compute nothing), for L
+    lanes (8, or 16 for matmul_wide: L = len(dxv) / groups): xi [g][dword][L rows][4 bytes],
+    dxv/xsa/xsb [g][L]."""
     R, K = xq.shape
     L = dxv.shape[0] // (K // 32)
     for r in range(R):
@@ -250,36 +181,9 @@ def _interleave_into(xq, dx, xs16, xi, dxv, xsa, xsb):
             dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = dx[r, g], xs16[r, 2 * g], xs16[r, 2 * g + 1]
 
 
-@njit(**PAR)
-def matmul_few(qt, x, ws, offs, out):
-    """out[:, offs[i] + n] = x @ row n of ws[i] for the three matrices ws (same type, same
-    columns; pass a zero-row array for unused ones). x float32 [R, K], 1 <= R <= LANES."""
-    R, K = x.shape
-    ng = K // 32
-    xq, dx, xs16 = quantized(x, act_group(qt))
-    counts = chunks(ws)
-    if R <= ROW_MAX:
-        xsv = _spread(xs16)
-        for c in prange(counts[0] + counts[1] + counts[2]):
-            i, n0, n1, col = chunk(ws, offs, counts, c)
-            w = ws[i]
-            for n in range(n0, n1):
-                for r in range(R):
-                    out[r, col + n] = _row_dot(qt, w, n * w.shape[1], xq, dx, xsv, r, ng)
-    else:
-        xi, dxv, xsa, xsb = _interleave(xq, dx, xs16)
-        for c in prange(counts[0] + counts[1] + counts[2]):
-            i, n0, n1, col = chunk(ws, offs, counts, c)
-            w = ws[i]
-            for n in range(n0, n1):
-                v = walk(_lanes_step, qt, w, n * w.shape[1], (xi, dxv, xsa, xsb), ng)
-                for r in range(R):
-                    out[r, col + n] = lane(v, r)
-
-
 @njit(**EXACT_PAR)
 def lanes_inputs(qt, x, L):
-    """x [R, K] quantized (as matmul_few) and interleaved per block of L rows (8 for
+    """x [R, K] quantized (_quantize) and interleaved per block of L rows (8 for
     matmul_lanes, 16 for matmul_wide): (xi [blocks, K * L] int8, dxv, xsa, xsb [blocks,
     K * L / 32] float32). Parallel over the blocks (a row's values are its own: the same bits
     on any split)."""
@@ -296,9 +200,10 @@ def lanes_inputs(qt, x, L):
 
 @njit(**EXACT_PAR)
 def matmul_lanes(qt, xi, dxv, xsa, xsb, ws, offs, out):
-    """matmul_few's 8-lane arithmetic for any number of rows (lanes_inputs' blocks of 8; out
-    [8 * blocks, outputs]): a row's outputs are one lane of its block whatever the row count,
-    so a token row gets the same bits in a pass of 1 row or of 512 (cpu.py's one answer). A
+    """out[:, offs[i] + n] = x @ row n of ws[i] for the three matrices ws (same type, same
+    columns; a zero-row array for unused ones), x given as lanes_inputs' blocks of 8 (out [8 *
+    blocks, outputs]): a row's outputs are one lane of its block whatever the row count, so a
+    token row gets the same bits in a pass of 1 row or of 512 (docs/CPU.md, one arithmetic). A
     block's activations stay in L1 while a work chunk's weight rows pass over them (weight row
     by block, the other way round, read every block from L2 for each row: 1.2x slower)."""
     nb, ng = xi.shape[0], xi.shape[1] // 256
@@ -323,54 +228,3 @@ def dequantize(qt, w, rows, out):
         for g in range(K // 32):
             u, sa, sb, ma, mb = group(qt, w, base + (g // groups) * nbytes, g % groups)
             expand(out, i * K + 32 * g, u, sa, sb, ma, mb)
-
-
-@njit(**EXACT)
-def quantize_rows(x, xbits, out, scale_bits, scale, gs):
-    """out = x [R, K] with each gs values rounded to int8 steps of amax/127, as float32: the
-    activations matmul_few multiplies, for the tiles of matmul_many to multiply the same.
-    xbits is x viewed as uint32: a group's amax is the largest of its bits without the sign
-    (an integer max, which vectorizes where a float max without fastmath does not), and bits
-    past +inf's mean inf or nan, whose group is nan as in _quantize. scale_bits/scale: one
-    uint32 and its float32 view, to read those bits as a float."""
-    R, K = x.shape
-    for r in range(R):
-        for g in range(K // gs):
-            m = np.uint32(0)
-            for i in range(gs):
-                m = max(m, xbits[r, gs * g + i] & np.uint32(0x7FFFFFFF))
-            if m >= np.uint32(0x7F800000):
-                for i in range(gs):
-                    out[r, gs * g + i] = np.float32(np.nan)
-                continue
-            scale_bits[0] = m
-            d = scale[0] / np.float32(127)
-            inv = np.float32(1) / d if m > 0 else np.float32(0)
-            for i in range(gs):
-                out[r, gs * g + i] = np.float32(np.rint(x[r, gs * g + i] * inv)) * d
-
-
-@njit(**EXACT)
-def quantize_cols(xt, xtbits, out_t, scale_bits, scale, gs):
-    """quantize_rows for x given as its transpose xt [K, R] (C-contiguous: x is F-ordered, as
-    matmul_many's results are), into out_t [K, R]: the groups run down the columns, and the
-    work runs along the rows, R tokens side by side."""
-    K, R = xt.shape
-    m = np.empty(R, np.uint32)
-    d = np.empty(R, np.float32)
-    inv = np.empty(R, np.float32)
-    for g in range(K // gs):
-        m[:] = 0
-        for i in range(gs):
-            for r in range(R):
-                m[r] = max(m[r], xtbits[gs * g + i, r] & np.uint32(0x7FFFFFFF))
-        for r in range(R):
-            if m[r] >= np.uint32(0x7F800000):
-                d[r], inv[r] = np.float32(np.nan), np.float32(0)
-                continue
-            scale_bits[0] = m[r]
-            d[r] = scale[0] / np.float32(127)
-            inv[r] = np.float32(1) / d[r] if m[r] > 0 else np.float32(0)
-        for i in range(gs):
-            for r in range(R):
-                out_t[gs * g + i, r] = np.float32(np.rint(xt[gs * g + i, r] * inv[r])) * d[r]

@@ -91,7 +91,7 @@ def _from_first(lo, hi):
 
 @njit(**EXACT_PAR)
 def matmul_out(qt, x, ws, offs, out):
-    """out[:, offs[i] + n] = x @ row n of ws[i] for the three matrices ws (as matmul_few), each
+    """out[:, offs[i] + n] = x @ row n of ws[i] for the three matrices ws (as matmul_lanes), each
     output the bits matmul_lanes gives it. x float32 [R, K], R >= 1."""
     R, K = x.shape
     ng = K // 32

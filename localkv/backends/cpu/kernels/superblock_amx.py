@@ -9,20 +9,22 @@ BIAS, so that Q6_K's signed scales give an unsigned value), is split into two un
 64-byte tile row) 64 values at a time with no per-group scaling left: four products per digit
 give a super-block's scaled sum, low byte + 256 x high byte, less BIAS x the activations' sum.
 The offsets' integer sums are vpdpwssd on int16 pairs; then superblock._step's float ops per
-lane, so a row gets matmul_rows' bits (tests/backends/test_matmul_wide.py). Unlike AMX's bf16
-prefill (kernels/amx, the fast paths), nothing is rounded.
+lane, so a row gets matmul_rows' bits (tests/backends/test_matmul_wide.py): nothing is rounded.
 
-quant.compiled.every_row takes it where the CPU has AMX-INT8 and Linux grants the tile state
-(`chosen`), else superblock_lanes.
+quant.compiled.every_row takes it where the CPU has AMX-INT8 and Linux grants the process the
+tile state (`chosen`; LOCALKV_AMX=0 turns it off), else superblock_lanes.
 """
 
-import llvmlite.binding as llvm
+import ctypes
+import os
+import platform
+import sys
+
 import numpy as np
 from numba import njit, prange
 from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR
-from localkv.backends.cpu.kernels.amx import enable
 from localkv.backends.cpu.kernels.matmul_few import CHUNK, chunk, chunks
 from localkv.backends.cpu.kernels.matmul_wide import transpose16
 from localkv.backends.cpu.kernels.superblock_lanes import lane_sums, scales16
@@ -33,11 +35,33 @@ from localkv.backends.cpu.simd.u8x32 import scaled_bytes, store32
 from localkv.backends.cpu.simd.x16 import iload16, imadd16, izero16, load16, pairs_dot16
 
 LANES = 16  # activation rows per block, and weight rows per tile
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
+
+
+def enable() -> str | None:
+    """Ask Linux for the tile state (needed once per process, before any tile op): None when
+    the kernel can run here, else why not. LOCALKV_AMX=0 turns it off."""
+    if os.environ.get("LOCALKV_AMX", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "LOCALKV_AMX=0"
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return "not Linux on x86-64"
+    import llvmlite.binding as llvm
+    import numba
+
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        return "numba compiles for a named CPU (NUMBA_CPU_NAME/NUMBA_CPU_FEATURES), not this one"
+    features = llvm.get_host_cpu_features()
+    if not (features.get("amx-tile") and features.get("amx-int8")):
+        return "the CPU has no AMX-INT8"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        return f"the kernel refused the AMX tile state ({os.strerror(ctypes.get_errno())})"
+    return None
 
 
 def chosen() -> bool:
-    """Whether the CPU has AMX-INT8 and this process holds the tile state (amx.enable)."""
-    return bool(llvm.get_host_cpu_features().get("amx-int8")) and enable() is None
+    """Whether the CPU has AMX-INT8 and this process holds the tile state (enable)."""
+    return enable() is None
 
 
 @register_jitable

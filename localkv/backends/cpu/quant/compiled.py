@@ -1,6 +1,6 @@
 """Entry points into the compiled weight kernels (imported by build.load once numba has
-imported): the kernel call for a run of weights of one type, the dequantizer, the activations'
-int8 rounding for prefill, and the check each type passes as it loads."""
+imported): the kernel call for a run of weights of one type, the dequantizer, and the check
+each type passes as it loads."""
 
 import numpy as np
 
@@ -11,19 +11,14 @@ from localkv.backends.cpu.kernels.matmul_few import CHUNK
 from localkv.backends.cpu.kernels.matmul_few import LANES as OUT_LANES
 from localkv.backends.cpu.kernels.matmul_few import dequantize as _dequantize
 from localkv.backends.cpu.kernels.matmul_few import lanes_inputs as _lanes_inputs
-from localkv.backends.cpu.kernels.matmul_few import matmul_few as _matmul_few
 from localkv.backends.cpu.kernels.matmul_few import matmul_lanes as _matmul_lanes
-from localkv.backends.cpu.kernels.matmul_few import quantize_cols as _quantize_cols
-from localkv.backends.cpu.kernels.matmul_few import quantize_rows as _quantize_rows
 from localkv.backends.cpu.kernels.matmul_out import matmul_out as _matmul_out
 from localkv.backends.cpu.kernels.matmul_out import out_rows
 from localkv.backends.cpu.kernels.matmul_wide import LANES as WIDE_LANES
 from localkv.backends.cpu.kernels.matmul_wide import chosen as _wide_chosen
 from localkv.backends.cpu.kernels.matmul_wide import matmul_wide as _matmul_wide
-from localkv.backends.cpu.kernels.superblock import ROWS as SUPER_ROWS
 from localkv.backends.cpu.kernels.superblock import TYPES as SUPER_TYPES
 from localkv.backends.cpu.kernels.superblock import matmul_rows as _matmul_super_rows
-from localkv.backends.cpu.kernels.superblock import matmul_super as _matmul_super
 from localkv.backends.cpu.kernels.superblock_amx import chosen as _amx_int8_chosen
 from localkv.backends.cpu.kernels.superblock_amx import matmul_super_amx as _matmul_super_amx
 from localkv.backends.cpu.kernels.superblock_amx import prepared_sums as _prepared_sums
@@ -35,23 +30,16 @@ from localkv.backends.cpu.quant.tensor import QStack, sample_weight
 from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group, block_size
 
 
-def few(run, x: np.ndarray, out: np.ndarray):
-    """out[:, run.col:] = x @ W.T for the weights of a KernelRun, side by side."""
-    if run.qtype in SUPER_TYPES and len(x) <= SUPER_ROWS:
-        kernel = _matmul_super
-    else:
-        kernel = _matmul_few if run.qtype in BLOCK_TYPES else matmul_few_float
-    kernel(MARKERS[run.qtype], x, run.datas, run.offs, out)
-
-
 def every_row(run, x: np.ndarray, out: np.ndarray):
-    """few() for any number of rows in one arithmetic per row, whatever the count: Q4_K and Q6_K
-    by super-blocks in integers (superblock.matmul_rows; whole blocks of 16 rows by its lanes
-    form, superblock_lanes, where matmul_wide is chosen), the other block types by the 8-lane
-    kernel (whole blocks of 16 by matmul_wide where chosen; a tail of up to out_rows rows past
-    the blocks of 8, or a pass of so few, by matmul_out: the same bits with outputs in the
-    lanes, faster for so few; a 1 + 8 verify pass is then one block and one row), the float
-    kernel (a dot per row) for the others. Every part gives a row the same bits."""
+    """out[:, run.col:] = x @ W.T for the weights of a KernelRun, side by side, for any number
+    of rows in one arithmetic per row, whatever the count: Q4_K and Q6_K by super-blocks in
+    integers (superblock.matmul_rows; whole blocks of 16 rows by its lanes form,
+    superblock_lanes, or superblock_amx on AMX-INT8, where matmul_wide is chosen), the other
+    block types by the 8-lane kernel (whole blocks of 16 by matmul_wide where chosen; a tail of
+    up to out_rows rows past the blocks of 8, or a pass of so few, by matmul_out: the same bits
+    with outputs in the lanes, faster for so few; a 1 + 8 verify pass is then one block and one
+    row), the float kernel (a dot per row) for the others. Every part gives a row the same
+    bits."""
     qt = MARKERS[run.qtype]
     if run.qtype in SUPER_TYPES:
         wide = len(x) - len(x) % WIDE_LANES if _WIDE else 0  # whole blocks of 16: the lanes kernel's
@@ -87,23 +75,15 @@ _AMX_INT8 = _WIDE and _amx_int8_chosen()  # and Q4_K / Q6_K's to superblock_amx 
 _GROUP_MARKERS = {activation_group(t): MARKERS[t] for t in reversed(BLOCK_TYPES)}  # the first type of each
 
 
+def on_amx(qtype: str) -> bool:
+    """every_row multiplies weights of this type on AMX tiles (superblock_amx: Q4_K and Q6_K,
+    whole blocks of 16 rows)."""
+    return _AMX_INT8 and qtype in SUPER_TYPES
+
+
 def dequantize(w, rows: np.ndarray, out: np.ndarray):
     """out[i] = row rows[i] of the block-type weight w, as float32 (out C-contiguous)."""
     _dequantize(MARKERS[w.qtype], w.data, rows, out)
-
-
-def quantize(x: np.ndarray, group: int) -> np.ndarray:
-    """x [R, K] float32, C- or F-contiguous, with each `group` values of a row rounded to int8
-    steps (a new array in the same order)."""
-    bits = np.zeros(1, np.uint32)
-    if not x.flags.c_contiguous and x.flags.f_contiguous:
-        out = np.empty(x.shape, np.float32, order="F")
-        _quantize_cols(x.T, x.T.view(np.uint32), out.T, bits, bits.view(np.float32), group)
-        return out
-    x = np.ascontiguousarray(x)
-    out = np.empty(x.shape, np.float32)
-    _quantize_rows(x, x.view(np.uint32), out, bits, bits.view(np.float32), group)
-    return out
 
 
 def _samples(qtype: str):
@@ -143,30 +123,6 @@ def check(qtype: str) -> bool:
         if not all(np.array_equal(one[r : r + 1], _one_row(run, x[r : r + 1], one.shape[1])) for r in range(rows)):
             return False  # each row the bits it gets in a batch (the lanes kernel's) when alone
         if not _close(one, x, qtype, dense):
-            return False
-    return True
-
-
-@self_check("weights", cost=3.5, fast=True)
-def check_fast(qtype: str) -> bool:
-    """The fast paths' kernels of this type: few() for 1-8 rows and the activations' int8
-    rounding of matmul_many, in both orders, against the numpy path."""
-    ws, dense = _samples(qtype)
-    cols = dense[0].shape[1]
-    if qtype in BLOCK_TYPES:
-        x = np.random.default_rng(4).standard_normal((3, cols), dtype=np.float32)
-        x[1, 2] = np.inf  # its group: nan, as the few-row kernels give
-        want = fallback.quantize_activations(x, activation_group(qtype))
-        for xs in (x, np.asfortranarray(x)):  # both orders matmul_many is given
-            if not np.array_equal(quantize(xs, activation_group(qtype)), want, equal_nan=True):
-                return False
-    rng = np.random.default_rng(3)
-    (run,) = QStack(ws).runs
-    for rows in (1, 2, 3, 8):
-        x = rng.standard_normal((rows, cols), dtype=np.float32)
-        out = np.empty((rows, ws[0].rows + ws[1].rows), np.float32)
-        few(run, x, out)
-        if not _close(out, x, qtype, dense):
             return False
     return True
 

@@ -1,16 +1,15 @@
 """The numpy-only path (no numba, or LOCALKV_CPU_KERNELS=0): gguf's dequantizer on tiles of
 weight rows, then BLAS. Slower, same results as the kernels within float rounding: for block
-types the few-row product quantizes the activations to int8 exactly as the kernels do
-(`quantize_activations`, per `types.activation_group` values), so both paths compute the same sums.
-`matmul_rows` is the product whose rows do not depend on the rows beside them (the one-answer rule).
+types the activations are quantized to int8 exactly as the kernels do (`quantize_activations`,
+per `types.activation_group` values), so both paths compute the same sums. `matmul_rows` is
+the product, its rows independent of the rows beside them (the one arithmetic, docs/CPU.md).
 """
 
 import numpy as np
 
 from localkv import gguf_py
 
-# Weights per dequantized tile (16 MiB of float32). BLAS runs each tile as one gemm, and many
-# small gemms cost it far more than the dequantizing does: tiles of a few hundred rows or more.
+# Weights per dequantized tile (16 MiB of float32) of quant.dequantize
 TILE_VALUES = 1 << 22
 # matmul_rows multiplies blocks of this many activation rows: one BLAS call shape for every row
 # count (a single row would otherwise take OpenBLAS's gemv, which sums in another order)
@@ -48,25 +47,6 @@ def dequantize_rows(data: np.ndarray, qtype: str, r0: int, r1: int, out: np.ndar
 def get_rows(data: np.ndarray, qtype: str, ids: np.ndarray, cols: int) -> np.ndarray:
     """Rows ids as float32 [len(ids), cols]: the picked rows copied out, then decoded at once."""
     return dequantize_rows(data[ids], qtype, 0, len(ids), np.empty((len(ids), cols), np.float32))
-
-
-def matmul_t(x: np.ndarray, data: np.ndarray, qtype: str, rows: int, cols: int, scratch, dequant, out_t=None):
-    """(x @ W.T).T as a C-contiguous [rows, R] array (into out_t when given): W dequantized tile
-    by tile into scratch by dequant(r0, r1, tile), each tile multiplied by BLAS (W @ x.T, the
-    faster order)."""
-    if out_t is None:
-        out_t = np.empty((rows, len(x)), np.float32)
-    if qtype == "F32":
-        return np.matmul(data, x.T, out=out_t)
-    step = tile_rows(cols)
-    if scratch is None or scratch.dtype != np.float32 or scratch.size < min(step, rows) * cols:
-        scratch = np.empty(min(step, rows) * cols, np.float32)
-    flat = scratch.reshape(-1)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        tile = dequant(r0, r1, flat[: (r1 - r0) * cols].reshape(r1 - r0, cols))
-        np.matmul(tile, x.T, out=out_t[r0:r1])
-    return out_t
 
 
 def matmul_rows(x: np.ndarray, data: np.ndarray, qtype: str, dequant, out: np.ndarray, col: int, rows: int):

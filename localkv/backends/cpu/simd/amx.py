@@ -1,10 +1,11 @@
-"""Intel AMX tile instructions for numba kernels, written as LLVM IR intrinsics (see kernels/amx).
+"""Intel AMX tile instructions for numba kernels, written as LLVM IR intrinsics (see
+kernels/superblock_amx).
 
 A tile register (tmm0-tmm7) is named by a constant: each op takes its tile numbers as integer
 literals. Addresses are an array and an element offset into it (C-contiguous arrays, nothing
 bounds-checked), strides are in bytes. A thread must load a tile configuration (tile_config)
 before its first tile op, and the process must hold the kernel's permission for the tile
-state (kernels/amx.enable), or the first op is an illegal instruction.
+state (kernels/superblock_amx.enable), or the first op is an illegal instruction.
 """
 
 from llvmlite import ir
@@ -12,7 +13,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_I8, _I64 = ir.IntType(8), ir.IntType(64)
 _P8 = ir.PointerType(_I8)
 
 
@@ -86,18 +87,6 @@ tile_store = _move("llvm.x86.tilestored64")  # tile_store(t, arr, off, stride)
 
 
 @intrinsic(prefer_literal=True)
-def tile_dot(typingctx, c, a, b):
-    """Tile c (float32) += tile a (bf16 rows) times tile b (bf16 pairs): tdpbf16ps."""
-    if not _literal(c, a, b):
-        return None
-
-    def codegen(context, builder, sig, args):
-        _call(builder, "llvm.x86.tdpbf16ps", [_tile(s) for s in sig.args])
-
-    return types.void(c, a, b), codegen
-
-
-@intrinsic(prefer_literal=True)
 def tile_dot_u8i8(typingctx, c, a, b):
     """Tile c (int32) += tile a (unsigned bytes) times tile b (signed bytes, in 4-byte groups):
     tdpbusd. Integer sums: exact."""
@@ -108,16 +97,3 @@ def tile_dot_u8i8(typingctx, c, a, b):
         _call(builder, "llvm.x86.tdpbusd", [_tile(s) for s in sig.args])
 
     return types.void(c, a, b), codegen
-
-
-@intrinsic
-def float_bits(typingctx, x):
-    """The bits of a float32 as a uint32."""
-
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        if isinstance(v.type, ir.DoubleType):
-            v = builder.fptrunc(v, _F32)
-        return builder.bitcast(v, _I32)
-
-    return types.uint32(x), codegen

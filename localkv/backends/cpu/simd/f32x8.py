@@ -43,18 +43,6 @@ def fsplat(typingctx, s):
 
 
 @intrinsic
-def fpair(typingctx, a, b):
-    """[a, a, a, a, b, b, b, b]: one scale per 16 bytes of a `dot`."""
-
-    def codegen(context, builder, sig, args):
-        va = splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), V8F32)
-        vb = splat(builder, context.cast(builder, args[1], sig.args[1], types.float32), V8F32)
-        return builder.shuffle_vector(va, vb, ir.Constant(V8I32, [0, 1, 2, 3, 12, 13, 14, 15]))
-
-    return F32x8(a, b), codegen
-
-
-@intrinsic
 def tofloat(typingctx, v):
     """An I32x8 or I32x16 as floats (the lane ops below take either width, the 8-lane and the
     16-lane kernels one sequence of ops per lane)."""

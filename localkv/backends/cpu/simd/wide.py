@@ -5,10 +5,11 @@ One call multiplies a whole 256-value super-block of weights with int8 activatio
 the way llama.cpp's K-quant dots do: the unsigned weight bytes times the activation bytes in
 pairs (vpmaddubsw, exact: u < 64 keeps every pair inside int16), those pairs times the integer
 sub-block scales and summed in pairs (vpmaddwd, fused into vpdpwssd with AVX-512 VNNI), all
-into one vector of 16 int32 lanes. Its float conversion and one FMA by the super-block's scale
-(weight d times activation d) is the only float work per 256 values. The offsets (Q4_K's mins,
-Q6_K's -32) multiply the activations' sums per 32 / per 16 values, given precomputed as int16,
-by the integer mins or scales (vpmaddwd), returned as one integer per super-block.
+into one vector of 16 int32 lanes, returned as one exact integer per super-block. The offsets
+(Q4_K's mins, Q6_K's -32) multiply the activations' sums per 32 / per 16 values, given
+precomputed as int16, by the integer mins or scales (vpmaddwd), returned as one integer per
+super-block. The caller's float step by the super-block's scales (weight d times activation d)
+is the only float work per 256 values.
 
 With AVX-512 BW the vectors are zmm registers; with AVX2 each 64-byte operation runs as two
 256-bit ones; elsewhere plain widening IR that LLVM lowers. Offsets as in vec (elements of
@@ -20,11 +21,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from localkv.backends.cpu.simd.vec import F32, FAST, I8, I16, I32, F32x16, features, function, ptr, splat
+from localkv.backends.cpu.simd.vec import I8, I16, I32, features, function, ptr
 
 _V64I8, _V32I8, _V16I8 = ir.VectorType(I8, 64), ir.VectorType(I8, 32), ir.VectorType(I8, 16)
 _V32I16, _V16I16, _V8I16 = ir.VectorType(I16, 32), ir.VectorType(I16, 16), ir.VectorType(I16, 8)
-_V16I32, _V8I32, _V16F32 = ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(F32, 16)
+_V16I32 = ir.VectorType(I32, 16)
 
 
 def _mask(values):
@@ -95,15 +96,6 @@ def _bytesplat(builder, vec_type, k):
 def _spread(builder, scales, picks, width):
     """<32 x i16>: scales[picks[0]] in the first `width` lanes, scales[picks[1]] in the next..."""
     return builder.shuffle_vector(scales, scales, _mask([p for p in picks for _ in range(width)]))
-
-
-def _finish(context, builder, sig, acc, isum, msum, scale):
-    """(acc + float(isum) * scale, msum) as the intrinsic's tuple."""
-    s = splat(builder, context.cast(builder, scale, sig.args[-1], types.float32), _V16F32)
-    acc = builder.fadd(builder.fmul(builder.sitofp(isum, _V16F32), s, flags=FAST), acc, flags=FAST)
-    reduce = function(builder, "llvm.vector.reduce.add.v" + str(msum.type.count) + "i32", I32, [msum.type])
-    m = builder.sext(builder.call(reduce, [msum]), ir.IntType(64))
-    return context.make_tuple(builder, sig.return_type, [acc, m])
 
 
 def _q4k_scales(context, builder, arrty, w, blk):
@@ -189,20 +181,6 @@ def _reduced(builder, v):
     return builder.sext(builder.call(reduce, [v]), ir.IntType(64))
 
 
-@intrinsic
-def q4k_block(typingctx, acc, w, blk, xp, bs, sb, scale):
-    """One Q4_K super-block (at byte blk of w) . activations super-block sb: returns
-    (acc + scale * the integer sum of scale_j * u . x, the sum of min_j * the sum of group j's
-    activations). xp holds each super-block's activations in the order the nibbles come:
-    values 0-31, 64-95, 32-63, 96-127, then the same from 128; bs their per-32 sums (int16)."""
-
-    def codegen(context, builder, sig, args):
-        ((isum, msum),) = _q4k_ints(context, builder, (sig.args[1], sig.args[3], sig.args[4]), *args[1:5], args[5:6])
-        return _finish(context, builder, sig, args[0], isum, msum, args[6])
-
-    return types.Tuple((F32x16, types.int64))(acc, w, blk, xp, bs, sb, scale), codegen
-
-
 def _sums_codegen(ints):
     """The codegen of q4k_sums / q6k_sums over their integer work `ints` (_q4k_ints, _q6k_ints)."""
 
@@ -217,46 +195,18 @@ def _sums_codegen(ints):
 
 @intrinsic
 def q4k_sums(typingctx, w, blk, xp, bs, sbs):
-    """q4k_block's two integers whole, exact, for each activation super-block in the tuple sbs
-    (the weights decoded once for them all): a flat tuple (product sum, offset sum) per sb, for
-    a float step written out by the caller."""
+    """One Q4_K super-block (at byte blk of w) . each activation super-block in the tuple sbs
+    (the weights decoded once for them all), as two exact integers per sb, in a flat tuple:
+    the sum of scale_j * u . x, and the sum of min_j * the sum of group j's activations; the
+    caller writes out the float step. xp holds each super-block's activations in the order the
+    nibbles come: values 0-31, 64-95, 32-63, 96-127, then the same from 128; bs their per-32
+    sums (int16)."""
     return types.UniTuple(types.int64, 2 * sbs.count)(w, blk, xp, bs, sbs), _sums_codegen(_q4k_ints)
 
 
 @intrinsic
-def q6k_block(typingctx, acc, w, blk, xq, bs, sb, scale):
-    """One Q6_K super-block . activations super-block sb (natural order in xq; bs their per-16
-    sums, int16): (acc + scale * the integer sum of scale_k * u . x, the sum of scale_k * the
-    sum of the 16 activations of k), u = the unsigned 6-bit values (value = u - 32)."""
-
-    def codegen(context, builder, sig, args):
-        ((isum, msum),) = _q6k_ints(context, builder, (sig.args[1], sig.args[3], sig.args[4]), *args[1:5], args[5:6])
-        return _finish(context, builder, sig, args[0], isum, msum, args[6])
-
-    return types.Tuple((F32x16, types.int64))(acc, w, blk, xq, bs, sb, scale), codegen
-
-
-@intrinsic
 def q6k_sums(typingctx, w, blk, xq, bs, sbs):
-    """q6k_block's two integers whole (exact) for each activation super-block in sbs, as
-    q4k_sums."""
+    """One Q6_K super-block . each activation super-block in sbs (natural order in xq; bs their
+    per-16 sums, int16), as q4k_sums: the sum of scale_k * u . x, and the sum of scale_k * the
+    sum of the 16 activations of k, u = the unsigned 6-bit values (value = u - 32)."""
     return types.UniTuple(types.int64, 2 * sbs.count)(w, blk, xq, bs, sbs), _sums_codegen(_q6k_ints)
-
-
-@intrinsic
-def wzero(typingctx):
-    def codegen(context, builder, sig, args):
-        return ir.Constant(_V16F32, [0.0] * 16)
-
-    return F32x16(), codegen
-
-
-@intrinsic
-def whsum(typingctx, v):
-    """The sum of the 16 lanes."""
-
-    def codegen(context, builder, sig, args):
-        fn = function(builder, "llvm.vector.reduce.fadd.v16f32", F32, [F32, _V16F32])
-        return builder.call(fn, [ir.Constant(F32, 0.0), args[0]], fastmath=FAST)
-
-    return types.float32(v), codegen
