@@ -38,9 +38,11 @@ def scripted(monkeypatch, tok: Tokenizer, *replies: str) -> None:
     the end token; the text is tokenized as the model's own (tags as their tokens)."""
     ids = [tok.encode(r, special=True, add_bos=False) + [tok.eos_id] for r in replies]
     made = itertools.count()
-    base = localkv.generation.Sampler
+    base = getattr(localkv.generation.Sampler, "unscripted", localkv.generation.Sampler)  # a script replaces one
 
     class Scripted(base):
+        unscripted = base
+
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
             self.script, self.at = ids[min(next(made), len(ids) - 1)], 0

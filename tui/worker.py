@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
+from localkv import reasoning
 from localkv.config import EngineConfig
 from localkv.conversations.turn import Turn
 from localkv.engine import Engine
@@ -101,8 +102,8 @@ def generate(
     as one batch; the first streams, all are saved as siblings."""
     try:
         tok = engine.tokenizer
-        ids = tok.encode(tok.render_chat(turn.messages(prompt)))
-        gen = Generation(engine, ids, params, n=n, on_progress=_progress_to(post))
+        text, thinking = reasoning.chat(tok, turn.messages(prompt), params)
+        gen = Generation(engine, tok.encode(text), params, n=n, on_progress=_progress_to(post), reasoning=thinking)
     except Exception as e:  # too long for the context, pool too small, ...: nothing ran
         post(ReplyDone(None, KVSnapshot.of(engine), error=error_line(e)))
         return
@@ -116,7 +117,7 @@ def generate(
         done.tps = (len(r.tokens) - 1) / (t_end - t_first)
     if not error or r.tokens:
         try:
-            replies = [(b.text, len(b.tokens)) for b in r.branches]
+            replies = [(b.text, len(b.tokens), b.reasoning) for b in r.branches]
             done.user_id, ids = turn.save(engine.model_config.name, prompt, replies, r.prompt_tokens, params)
             done.cid, done.reply_id = turn.conversation_id, ids[0]
         except LocalkvError as e:
