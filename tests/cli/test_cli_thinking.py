@@ -13,6 +13,7 @@ import localkv.generation
 from localkv.cli import main
 from localkv.conversations.store import ConversationStore
 from localkv.model.tokenizer import Tokenizer
+from tiny_model import write_gguf
 
 REPLY = "<think>\nThe capital: Paris.\n</think>\n\nParis."
 
@@ -25,6 +26,16 @@ def qwen3(vocabularies, tmp_path_factory):
 @pytest.fixture()
 def tok(qwen3):
     return Tokenizer.from_gguf(qwen3)
+
+
+def test_show_says_whether_a_model_thinks(qwen3, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["show", str(qwen3)]) == 0
+    assert "thinking          yes, <think>...</think> (qwen3)" in capsys.readouterr().out
+    assert main(["show", str(qwen3), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["thinking"] == "qwen3"
+    assert main(["show", str(write_gguf(tmp_path / "t.gguf")), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["thinking"] is None
 
 
 def cli(monkeypatch, capsys, model, *argv):
