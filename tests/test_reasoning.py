@@ -4,6 +4,7 @@ rendered prompt, and a Generation on tiny Qwen3 and R1-distill models made to th
 vocabulary and templates): the split, the budget's forced closing tag, stop strings, a grammar
 and a tool call's trigger that bind only in the answer."""
 
+import dataclasses
 import json
 
 import pytest
@@ -162,6 +163,21 @@ def test_a_budget_of_n_thinks_n_tokens_then_the_closing_tag(qwen3, monkeypatch, 
     assert r.tokens[1 + budget] == closed[0] and closed[0] not in r.tokens[: 1 + budget]
     assert r.reasoning == tok.decode(r.tokens[1 : 1 + budget]).strip()
     assert r.branches[0].reasoning_tokens == budget + 2
+
+
+def test_a_budget_holds_when_drafts_are_verified_several_tokens_a_pass(qwen3, monkeypatch):
+    """Prompt lookup drafts the repeated thinking; the forced closing tag is still the token
+    after the budget's last, and the text is what decoding one token at a time gives."""
+    tok = qwen3.tokenizer
+    reply = "<think>\n" + " one two three" * 6 + "\n</think>\n\n" + "Paris. " * 6
+    scripted(monkeypatch, tok, reply)
+    one_by_one = run(qwen3, reasoning_budget=12)[0].result
+    spec = Engine(dataclasses.replace(qwen3.config, spec="ngram"))
+    scripted(monkeypatch, tok, reply)
+    r = run(spec, reasoning_budget=12)[0].result
+    assert r.speculation()["accepted"] > 0
+    assert (r.tokens, r.reasoning, r.text) == (one_by_one.tokens, one_by_one.reasoning, one_by_one.text)
+    assert r.tokens[13] == tok.encode("</think>", add_bos=False)[0]
 
 
 def test_a_budget_forces_a_closing_tag_of_many_tokens(tmp_path, monkeypatch):
