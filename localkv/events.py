@@ -18,6 +18,7 @@ class Usage:
     completion_tokens: int = 0
     drafted_tokens: int = 0  # speculative tokens drafted and verified for the choice
     accepted_tokens: int = 0  # of which accepted (part of its completion)
+    reasoning_tokens: int = 0  # of the completion, a thinking model's thinking (its tags included)
 
     def __add__(self, other: "Usage") -> "Usage":
         return Usage(
@@ -26,19 +27,23 @@ class Usage:
             self.completion_tokens + other.completion_tokens,
             self.drafted_tokens + other.drafted_tokens,
             self.accepted_tokens + other.accepted_tokens,
+            self.reasoning_tokens + other.reasoning_tokens,
         )
 
 
 @dataclass(frozen=True, slots=True)
 class Delta:
     """Text choice `choice` streamed, and the tokens sampled since its previous Delta (a token
-    whose text is held back, an incomplete UTF-8 character or a possible stop string, comes
-    with the text that shows; the last Delta may have tokens and no text)."""
+    whose text is held back, an incomplete UTF-8 character, a possible stop string or tag, comes
+    with the text that shows; the last Delta may have tokens and no text). A thinking model's
+    reply comes in two parts: `reasoning` is its thinking's text, `text` its answer's, both
+    without the tags (reasoning.py); one Delta may end the one and begin the other."""
 
     choice: int
     text: str
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when log-probabilities were asked for
+    reasoning: str = ""
 
 
 @dataclass(frozen=True, slots=True)

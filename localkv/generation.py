@@ -12,6 +12,10 @@ never shown) or cannot any more. The tokens that spelled the stop string were co
 their K/V was written; it is freed with the branch's sequence when the branch finishes.
 A constrained reply (params.constraint) has one grammar matcher per branch, in its sampler.
 
+A thinking model's reply (`reasoning`, a reasoning.Plan) splits into its thinking and its
+answer as it streams: stop strings, the grammar and tool calls' triggers see the answer only,
+and the thinking's budget forces its closing tag (each branch's reasoning.Gate, its matcher).
+
 Speculation (EngineConfig.spec): the scheduler asks a decoding branch for a draft (draft()),
 which goes after its pending token in its sequence; the step computes them all and hands back
 a logits row per token, and advance() verifies them in order, as if they were decoded one by
@@ -31,6 +35,7 @@ from localkv.engine import Engine
 from localkv.errors import LocalkvError
 from localkv.events import Delta, Finished, Usage
 from localkv.progress import PrefillProgress
+from localkv.reasoning import Plan as Thinking
 from localkv.result import Branch, Result
 from localkv.sampling import Sampler, SamplingParams, TokenLogprob
 from localkv.scheduler import Scheduler
@@ -58,11 +63,13 @@ class Generation:
         queued: bool = False,
         on_progress: Callable[[PrefillProgress], None] | None = None,
         first_choice: int = 0,
+        reasoning: Thinking | None = None,
     ):
         """on_progress: called with the prefill's progress after each step that computed part of
         the prompt, and once when it is done (when this Generation drives its own scheduler).
         first_choice: the choice number of branch 0 in its events (a server request with several
-        prompts numbers its choices across them)."""
+        prompts numbers its choices across them). reasoning: a thinking model's chat reply
+        (reasoning.plan), split into thinking and answer."""
         self._t0 = time.perf_counter()  # TTFT counts the wait, the prefix lookup and the prefill
         self.params = (params or SamplingParams()).validate()
         if n < 1:
@@ -73,6 +80,7 @@ class Generation:
         self.breakers = engine.tokenizer.breaker_mask(self.params.dry_sequence_breakers) if self.params.dry else None
         self.on_progress = on_progress
         self.first_choice = first_choice
+        self.reasoning = reasoning
         self.engine, self.n, self.prompt = engine, n, list(prompt_ids)
         self.result = Result([], len(prompt_ids), load_s=engine.loaded.load_s)
         cfg = engine.config
@@ -129,7 +137,7 @@ class Generation:
             yield self._out.popleft()
 
     def _pieces(self) -> Iterator[Delta]:
-        return (e for e in self.events() if isinstance(e, Delta) and e.text)
+        return (e for e in self.events() if isinstance(e, Delta) and (e.text or e.reasoning))
 
     def run(self) -> Result:
         for _ in self:
@@ -253,7 +261,10 @@ class Generation:
         seqs = [root] + [eng.fork(root) for _ in range(self.n - 1)]
         for i, seq in enumerate(seqs):
             matcher = self.grammar.matcher() if self.grammar is not None else None  # each branch its own
-            b = Branch(i, seq, Sampler(self.params.for_branch(i), matcher, 0, self.breakers), eng.tokenizer.streamer())
+            gate = self.reasoning.gate(eng.tokenizer, matcher) if self.reasoning is not None else None
+            sampler = Sampler(self.params.for_branch(i), gate or matcher, 0, self.breakers)
+            b = Branch(i, seq, sampler, eng.tokenizer.streamer(), gate=gate)
+            b.split = self.reasoning.splitter() if self.reasoning is not None else None
             b.spec = speculation.for_branch(self.result.spec, eng, b.sampler, self.stop_ids, len(self.prompt))
             b.stops = StopScanner(self.params.stop)
             b.peak_active_tokens = eng.policy.active_tokens(seq)
@@ -324,24 +335,30 @@ class Generation:
         return length >= self.engine.ctx and self.engine.policy.config.policy == "none"
 
     def _emit(self, b: Branch, text: str, last: bool = False):
-        """Stream a branch's text past its stop strings, with the tokens sampled since its last
-        Delta (last: the branch ended, release what was held back and say why it ended)."""
+        """Stream a branch's text, its thinking apart, its answer past its stop strings, with the
+        tokens sampled since its last Delta (last: the branch ended, release what was held back
+        and say why it ended)."""
+        thought, text = b.split.push(text) if b.split is not None else ("", text)
+        if last and b.split is not None:
+            more, rest = b.split.flush()
+            thought, text = thought + more, text + rest
         shown = b.stops.push(text)
         if b.stops.hit and not b.finish_reason:
             b.finish_reason, b.stop_detail = "stop", f"stop string {b.stops.hit!r}"
         elif last:
             shown += b.stops.flush()
         b.text += shown
+        b.reasoning += thought
         choice = self.first_choice + b.index
-        if shown or last and b.streamed < len(b.tokens):
+        if shown or thought or last and b.streamed < len(b.tokens):
             ids, lps = tuple(b.tokens[b.streamed :]), tuple(b.logprobs[b.streamed :])
             b.streamed = len(b.tokens)
-            self._out.append(Delta(choice, shown, ids, lps))
+            self._out.append(Delta(choice, shown, ids, lps, thought))
         if last:
             r, first = self.result, b.index == 0  # the prompt's figures come with the first choice
             drafted, accepted = (b.spec.drafted, b.spec.accepted) if b.spec is not None else (0, 0)
             prompt = (r.prompt_tokens, r.cached_tokens) if first else (0, 0)
-            used = Usage(*prompt, len(b.tokens), drafted, accepted)
+            used = Usage(*prompt, len(b.tokens), drafted, accepted, b.reasoning_tokens)
             self._out.append(Finished(choice, b.finish_reason, b.stop_detail, used, r.ttft_s if first else 0.0))
 
     def _after_advance(self):

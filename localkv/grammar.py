@@ -182,6 +182,11 @@ class LazyMatcher:
         else:
             self._dead = True
 
+    def feed(self, token: int) -> bool:
+        """Take a token that was not drawn under this mask; whether the reply can go on."""
+        self.accept(token)
+        return not self._dead
+
     @property
     def triggered(self) -> bool:
         return self._m is not None

@@ -4,6 +4,7 @@ and hands back: text, counts, timings, KV use and what speculation did."""
 from dataclasses import dataclass, field
 
 from localkv.model.tokenizer import TokenStreamer
+from localkv.reasoning import Gate, Splitter
 from localkv.sampling import Sampler, TokenLogprob
 from localkv.sequence import Sequence
 from localkv.spec.control import Speculator
@@ -30,6 +31,14 @@ class Branch:
     spec: Speculator | None = None  # its drafting, when the request speculates
     drafted: int = 0  # tokens of a draft at the end of seq.tokens, not yet verified
     passes: int = 0  # forward passes that gave it tokens (its first token's, the prompt's, included)
+    reasoning: str = ""  # a thinking model's thinking, apart from `text` (the answer)
+    split: Splitter | None = None  # how its streamed text splits into thinking and answer
+    gate: Gate | None = None  # its sampler's matcher while it may think (budget, the answer's grammar)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        # the gate also saw the stop token that ended the reply, which is not one of its tokens
+        return min(self.gate.reasoning_tokens, len(self.tokens)) if self.gate is not None else 0
 
 
 @dataclass(slots=True)
@@ -50,6 +59,10 @@ class Result:
     @property
     def text(self) -> str:
         return self.branches[0].text if self.branches else ""
+
+    @property
+    def reasoning(self) -> str:
+        return self.branches[0].reasoning if self.branches else ""
 
     @property
     def tokens(self) -> list[int]:

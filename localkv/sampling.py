@@ -69,6 +69,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # strings that end the reply; not part of it
     logprobs: int | None = None  # record each token's log-probability and this many top alternatives
     constraint: Constraint | None = None  # structured output (grammar.py)
+    think: bool = True  # a thinking model thinks (its template's switch; reasoning.py)
+    reasoning_budget: int = -1  # most tokens it thinks before its closing tag is forced; -1: no limit, 0: off
 
     def __post_init__(self):
         for name in ("stop", "dry_sequence_breakers"):
@@ -101,6 +103,8 @@ class SamplingParams:
             raise LocalkvError(f"invalid max tokens {self.max_tokens}: must be >= 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise LocalkvError("invalid stop string: an empty one would stop before the first token")
+        if self.reasoning_budget < -1:
+            raise LocalkvError(f"invalid reasoning budget {self.reasoning_budget}: must be >= 0, or -1 for no limit")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise LocalkvError(f"invalid logprobs {self.logprobs}: must be in 0..{MAX_LOGPROBS} (top alternatives)")
         if self.constraint is not None:
@@ -122,6 +126,11 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.dry_sequence_breakers):
             raise LocalkvError("invalid DRY sequence breaker: must be a non-empty string")
+
+    @property
+    def thinks(self) -> bool:
+        """Whether a thinking model thinks: on, with a budget other than 0 (0 is off)."""
+        return self.think and self.reasoning_budget != 0
 
     @property
     def repeats(self) -> bool:
@@ -161,6 +170,10 @@ class SamplingParams:
             d["stop"] = list(self.stop)
         if self.constraint is not None:
             d["format"] = self.constraint.kind
+        if not self.thinks:
+            d["think"] = False
+        elif self.reasoning_budget >= 0:
+            d["reasoning_budget"] = self.reasoning_budget
         return d
 
 
@@ -181,7 +194,7 @@ class TokenLogprob:
 class Matcher(Protocol):
     """A grammar's state for one branch (grammar.py builds them)."""
 
-    def allowed(self) -> np.ndarray: ...  # bool per token id of the vocabulary: may come next
+    def allowed(self) -> np.ndarray | None: ...  # bool per token id: may come next (None: any token)
 
     def accept(self, token: int) -> None: ...  # the token drawn; advances the state
 

@@ -173,6 +173,12 @@ def load_vocab(name: str, root: Path | None = None) -> Vocab:
         return _hf_vocab(root / "llama3", "gpt2", "llama-bpe")
     if name == "qwen3":
         return _hf_vocab(root / "qwen3", "gpt2", "qwen2")
+    if name == "r1-distill":  # DeepSeek-R1's Qwen distills: Qwen's BPE, <think> tokens, R1's template
+        v = _hf_vocab(root / "qwen3", "gpt2", "qwen2")
+        v.chat_template = read("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+        if v.chat_template is None:
+            raise FileNotFoundError("R1's distill template is not fetched: run python scripts/fetch_vocab.py llama.cpp")
+        return v
     if name == "qwen2.5":  # the same BPE as Qwen3, without Qwen3's four added tokens
         v = _hf_vocab(root / "qwen3", "gpt2", "qwen2", drop=QWEN3_ONLY)
         v.chat_template = read("Qwen-Qwen2.5-7B-Instruct.jinja") or v.chat_template
@@ -197,7 +203,8 @@ def load_vocab(name: str, root: Path | None = None) -> Vocab:
 
 def vocab_family(name: str) -> str | None:
     """The fetch_vocab family a vocabulary comes from (None: the real SmolLM2 from PyPI)."""
-    return {"qwen2.5": "qwen3", "phi3": "llama.cpp", "llama2": "llama.cpp", "smollm2": None}.get(name, name)
+    families = {"qwen2.5": "qwen3", "r1-distill": "qwen3", "phi3": "llama.cpp", "llama2": "llama.cpp", "smollm2": None}
+    return families.get(name, name)
 
 
 def vocab_stamp(name: str) -> str:

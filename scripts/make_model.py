@@ -88,6 +88,8 @@ RECIPES = {
                rms_eps=1e-6),
         Recipe("tiny-qwen3", "qwen3", "qwen3", 2, 256, 4, 2, 768, head_dim=128, n_vocab=151936, ctx=40960,
                rope_theta=1e6, rms_eps=1e-6),
+        Recipe("tiny-r1-distill", "qwen2", "r1-distill", 2, 256, 4, 2, 768, n_vocab=151936, ctx=131072,
+               rope_theta=10000.0, rms_eps=1e-6),  # DeepSeek-R1-Distill-Qwen's shape, its template
         Recipe("tiny-gemma2", "gemma2", "gemma2", 4, 256, 4, 2, 1024, head_dim=64, ctx=8192, rms_eps=1e-6,
                kv=_GEMMA2, qk_gain=2.5, logit_gain=1.0),
         Recipe("tiny-gemma3", "gemma3", "gemma3", 6, 256, 4, 1, 1024, head_dim=64, n_vocab=262144, ctx=32768,

@@ -29,7 +29,7 @@ from localkv.sampling import SamplingParams
 from localkv.tui import commands as cmd
 from localkv.tui.widgets.branch_tree import BranchTree
 from localkv.tui.widgets.kv_panel import KVPanel, KVSnapshot
-from localkv.tui.widgets.message import ChatMessage, clean
+from localkv.tui.widgets.message import ChatMessage, Thinking, clean
 from localkv.tui.widgets.prompt import PromptInput
 from localkv.tui.widgets.transcript import Transcript
 from localkv.tui.worker import (
@@ -53,6 +53,7 @@ class _Reply:
     view: ChatMessage
     user_view: ChatMessage | None
     prompt: str | None
+    thinking: Thinking | None = None  # a thinking model's, above the view, once it thinks
 
 
 def _branch_system(path: list[Message]) -> str | None:
@@ -207,13 +208,21 @@ class ChatApp(App):
         """Re-render the transcript (the path to self.at) and the tree from the store."""
         path = self.store.path(self.at) if self.at else []
         short = self.store.short_id
-        views = [ChatMessage(m.role, m.content, m.id, short(m.id)) for m in path]
+        views = []
+        for m in path:
+            if m.reasoning:
+                views.append(Thinking(m.reasoning, self._tokens(m.reasoning)))
+            views.append(ChatMessage(m.role, m.content, m.id, short(m.id)))
         if not path and self.system:  # a system prompt not saved yet: it goes in with the next message
             views.insert(0, ChatMessage("system", self.system))
         await self.transcript.show(views)
         self._show_tree({m.id for m in path})
         if self.engine is not None:
             self._update_header()
+
+    def _tokens(self, text: str) -> int | None:
+        """A saved thinking's size in tokens (the store keeps its text; its tags are not counted)."""
+        return len(self.engine.tokenizer.encode(text, add_bos=False)) if self.engine is not None else None
 
     def _show_tree(self, path: set[str] | None = None) -> None:
         if self.cid is None:
@@ -366,10 +375,23 @@ class ChatApp(App):
 
     @on(ReplyChunk)
     async def _reply_chunk(self, event: ReplyChunk) -> None:
-        await self._reply.view.append(clean(event.text))
+        await self._think(event.reasoning)
+        if event.text and self._reply.thinking is not None:
+            self._reply.thinking.collapsed = True  # the answer has begun: fold the thinking
+        if event.text:
+            await self._reply.view.append(clean(event.text))
         self._snap = event.snap or self._snap
         if event.tps is not None:
             self.panel.add_rate(event.tps, "now")
+
+    async def _think(self, text: str) -> None:
+        """More of the reply's thinking, in its widget above the reply (open while it streams)."""
+        if not text:
+            return
+        if self._reply.thinking is None:
+            self._reply.thinking = Thinking(collapsed=False)
+            await self.transcript.mount(self._reply.thinking, before=self._reply.view)
+        self._reply.thinking.append(text)
 
     @on(ReplyDone)
     async def _reply_done(self, event: ReplyDone) -> None:
@@ -380,6 +402,9 @@ class ChatApp(App):
                 await reply.user_view.remove()
                 self.prompt.value = reply.prompt or ""
         else:
+            if r.reasoning:
+                await self._think(r.reasoning[len(reply.thinking.text) if reply.thinking else 0 :])
+                reply.thinking.done(r.reasoning, r.branches[0].reasoning_tokens)
             if event.tail:
                 await reply.view.append(clean(event.tail))
             if reply.view.source != clean(r.text):  # a stop mid-character: show what was saved

@@ -20,6 +20,7 @@ HELP = """\
 /set KEY VALUE  temperature top_p top_k min_p repeat_penalty repeat_last_n
                 presence_penalty frequency_penalty dry_multiplier dry_base
                 dry_allowed_length dry_penalty_last_n max_tokens seed stop evict budget
+                think (on/off) reasoning_budget (a thinking model's most thinking tokens)
                 kv_dtype (f16 f32 q8_0 q4_0, or K:V as q8_0:q4_0: a new engine)
                 (/set stop "###" "User:" sets stop strings; /set stop none clears them)
 /fork [ID]      branch at the message picked in the tree (or ID)
@@ -47,6 +48,8 @@ SAMPLING_KEYS = (
     "max_tokens",
     "seed",
     "stop",
+    "think",
+    "reasoning_budget",
 )
 ENGINE_KEYS = ("evict", "budget", "kv_dtype")  # settings of the engine: a new one is built
 SETTINGS = (*SAMPLING_KEYS, *ENGINE_KEYS)
@@ -284,7 +287,7 @@ def set_(chat: Chat, arg: str) -> list[Effect]:
             Say(f"{key} = {value}: building a new engine (the in-memory prefix cache starts empty)"),
             Rebuild(config),
         ]
-    parsed = stop_strings(value) if key == "stop" else number(key, value)
+    parsed = stop_strings(value) if key == "stop" else switch(key, value) if key == "think" else number(key, value)
     params = replace(chat.params, **{key: parsed}).validate()
     return [UseParams(params), Say(f"{key} = {_shown(getattr(params, key))}")]
 
@@ -305,6 +308,14 @@ def stop_strings(value: str) -> tuple[str, ...]:
         return tuple(shlex.split(value))
     except ValueError as e:
         raise LocalkvError(f"invalid stop strings {value!r}: {e}") from None
+
+
+def switch(key: str, value: str) -> bool:
+    """An on/off /set value."""
+    text = value.strip().lower()
+    if text not in ("on", "off", "true", "false", "yes", "no"):
+        raise LocalkvError(f"invalid {key} {value!r}: expected on or off")
+    return text in ("on", "true", "yes")
 
 
 def _shown(v) -> str:

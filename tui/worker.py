@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
+from localkv import reasoning
 from localkv.config import EngineConfig
 from localkv.conversations.turn import Turn
 from localkv.engine import Engine
@@ -35,11 +36,13 @@ class ReplyStarted(Message):
 
 @dataclass
 class ReplyChunk(Message):
-    """Text streamed since the last chunk; every RATE_S also the decode rate and the pool."""
+    """Text streamed since the last chunk (a thinking model's thinking apart); every RATE_S also
+    the decode rate and the pool."""
 
     text: str
     tps: float | None = None
     snap: KVSnapshot | None = None
+    reasoning: str = ""
 
 
 @dataclass
@@ -51,8 +54,8 @@ class ReplyProgress(Message):
 
 @dataclass
 class ReplyDone(Message):
-    """The reply ended (or was refused: result None, nothing ran). `tail` is the text not sent yet;
-    the ids are set when the exchange was saved."""
+    """The reply ended (or was refused: result None, nothing ran). `tail` is the text not sent yet
+    (the whole thinking is the result's); the ids are set when the exchange was saved."""
 
     result: Result | None
     snap: KVSnapshot
@@ -101,8 +104,8 @@ def generate(
     as one batch; the first streams, all are saved as siblings."""
     try:
         tok = engine.tokenizer
-        ids = tok.encode(tok.render_chat(turn.messages(prompt)))
-        gen = Generation(engine, ids, params, n=n, on_progress=_progress_to(post))
+        text, thinking = reasoning.chat(tok, turn.messages(prompt), params)
+        gen = Generation(engine, tok.encode(text), params, n=n, on_progress=_progress_to(post), reasoning=thinking)
     except Exception as e:  # too long for the context, pool too small, ...: nothing ran
         post(ReplyDone(None, KVSnapshot.of(engine), error=error_line(e)))
         return
@@ -116,7 +119,7 @@ def generate(
         done.tps = (len(r.tokens) - 1) / (t_end - t_first)
     if not error or r.tokens:
         try:
-            replies = [(b.text, len(b.tokens)) for b in r.branches]
+            replies = [(b.text, len(b.tokens), b.reasoning) for b in r.branches]
             done.user_id, ids = turn.save(engine.model_config.name, prompt, replies, r.prompt_tokens, params)
             done.cid, done.reply_id = turn.conversation_id, ids[0]
         except LocalkvError as e:
@@ -141,9 +144,10 @@ def _progress_to(post: Post) -> Callable[[PrefillProgress], None]:
 def _stream(
     engine: Engine, gen: Generation, post: Post, stop: threading.Event, clock: Callable[[], float]
 ) -> tuple[str, str, float | None, float]:
-    """Run the generation to its end (or `stop`), posting text in batches; the sequence is freed
-    here, in this thread. Returns (text not posted yet, error line, first piece's time, end time)."""
-    it, buf, r, error = iter(gen), [], gen.result, ""
+    """Run the generation to its end (or `stop`), posting text (and thinking) in batches; the
+    sequence is freed here, in this thread. Returns (text not posted yet, error line, first
+    piece's time, end time)."""
+    it, buf, thought, r, error = iter(gen), [], [], gen.result, ""
     t_flush = t_rate = clock()
     t_first, n_rate = None, 0
     try:
@@ -153,17 +157,19 @@ def _stream(
                     break
                 continue
             buf.append(piece.text)
+            thought.append(piece.reasoning)
             now = clock()
             if t_first is None:  # rates count decode only, not the prefill before the first piece
                 t_first = t_rate = now
                 n_rate = len(r.tokens)
             if now - t_flush >= FLUSH_S:
-                chunk = ReplyChunk("".join(buf))
+                chunk = ReplyChunk("".join(buf), reasoning="".join(thought))
                 if now - t_rate >= RATE_S:
                     chunk.tps, t_rate, n_rate = (len(r.tokens) - n_rate) / (now - t_rate), now, len(r.tokens)
                     chunk.snap = KVSnapshot.of(engine)  # the panel's timer shows it
                 post(chunk)
                 buf.clear()
+                thought.clear()
                 t_flush = now
             if stop.is_set():
                 break

@@ -22,13 +22,42 @@ ToolsOpt = typer.Option(None, "--tools", help="OpenAI-style tools (a JSON file):
 ToolChoiceOpt = typer.Option(None, "--tool-choice", help="auto (default), required, none, or a function's name.")
 
 
-def _prompt_ids(engine, turn: Turn, text: str | None, raw: bool, plan=None) -> list[int]:
+HideOpt = typer.Option(False, "--hide-thinking", help="Do not print a thinking model's thinking (stderr).")
+
+
+def _prompt_ids(engine, turn: Turn, text: str | None, raw: bool, params, plan=None):
+    """The prompt's token ids and, for a thinking model's chat reply, its reasoning.Plan."""
+    from localkv import reasoning
+
     tok = engine.tokenizer
     if raw:
-        return tok.encode("\n".join([m["content"] for m in turn.messages(None)] + ([text] if text else [])))
-    if plan is not None:
-        return tok.encode(plan.prompt(tok, turn.messages(text)))
-    return tok.encode(tok.render_chat(turn.messages(text), add_generation_prompt=True))
+        return tok.encode("\n".join([m["content"] for m in turn.messages(None)] + ([text] if text else []))), None
+    prompt, thinking = reasoning.chat(tok, turn.messages(text), params, tools=plan)
+    return tok.encode(prompt), thinking
+
+
+class ThinkingOut:
+    """A thinking model's thinking on stderr as it streams, dimmed on a terminal, a line break
+    before the answer; nothing with --hide-thinking."""
+
+    def __init__(self, hide: bool):
+        self.hide, self.dim = hide, sys.stderr.isatty()
+        self.open = False  # thinking was printed and its line not ended yet
+
+    def write(self, text: str) -> None:
+        if self.hide or not text:
+            return
+        if not self.open and self.dim:
+            sys.stderr.write("\x1b[2m")
+        self.open = True
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.open:
+            sys.stderr.write(("\x1b[0m" if self.dim else "") + "\n")
+            sys.stderr.flush()
+            self.open = False
 
 
 def _start(engine_cfg: EngineConfig):
@@ -51,11 +80,13 @@ def run(
     no_save: bool = SaveOpt,
     tools_file: Path | None = ToolsOpt,
     tool_choice: str | None = ToolChoiceOpt,
+    hide_thinking: bool = HideOpt,
     *,
     engine: EngineConfig,
     sampling: Sampling,
 ):
-    """Generate a reply to PROMPT and stream it to stdout; the exchange is saved in the conversation log."""
+    """Generate a reply to PROMPT and stream it to stdout (a thinking model's thinking to stderr); the
+    exchange is saved in the conversation log."""
     from localkv.generation import Generation
 
     tools = _tools(tools_file, tool_choice, raw, sampling)
@@ -70,10 +101,16 @@ def run(
         plan = prepare(*tools, eng.tokenizer)
         params = replace(params, constraint=plan.constraint)
     bar = PrefillBar()
-    gen = Generation(eng, _prompt_ids(eng, turn, text, raw, plan), params, on_progress=bar)
+    ids, thinking = _prompt_ids(eng, turn, text, raw, params, plan)
+    gen = Generation(eng, ids, params, on_progress=bar, reasoning=thinking)
     stream = not (no_stream or as_json or plan)
-    r = _drain(gen, bar, stream)
-    _, reply_ids = turn.save(eng.model_config.name, text, [(r.text, r.completion_tokens)], r.prompt_tokens, params)
+    out = ThinkingOut(hide_thinking or as_json)
+    r = _drain(gen, bar, stream, out)
+    if not stream:
+        out.write(r.reasoning)
+        out.end()
+    reply = [(r.text, r.completion_tokens, r.reasoning)]
+    _, reply_ids = turn.save(eng.model_config.name, text, reply, r.prompt_tokens, params)
     saved = render.Saved.of(turn, reply_ids)
     if as_json:
         print(render.dumps(render.reply_json(eng, r, saved, logprobs=params.logprobs is not None)))
@@ -108,18 +145,24 @@ def _tools(path: Path | None, choice: str | None, raw: bool, sampling: Sampling)
     return load(path, choice)
 
 
-def _drain(gen, bar: PrefillBar, stream: bool):
-    """Run gen to its end, its text to stdout as it comes when stream, and return its result.
-    Ctrl-C ends it early and keeps what was generated (the result says "interrupted")."""
+def _drain(gen, bar: PrefillBar, stream: bool, thinking: ThinkingOut):
+    """Run gen to its end, its text to stdout (its thinking to `thinking`) as it comes when
+    stream, and return its result. Ctrl-C ends it early and keeps what was generated (the
+    result says "interrupted")."""
     try:
         for piece in gen:
             if stream:
-                sys.stdout.write(piece.text)
-                sys.stdout.flush()
+                thinking.write(piece.reasoning)
+                if piece.text:
+                    thinking.end()
+                    sys.stdout.write(piece.text)
+                    sys.stdout.flush()
     except KeyboardInterrupt:
         pass
     finally:
         bar.close()
+        if stream:
+            thinking.end()
     return gen.result
 
 
@@ -156,11 +199,12 @@ def fork(
     eng = _start(engine)
     params = sampling.resolve(eng.path)
     bar = PrefillBar()
+    ids, thinking = _prompt_ids(eng, turn, text, False, params)
     try:
-        res = Generation(eng, _prompt_ids(eng, turn, text, raw=False), params, n=branches, on_progress=bar).run()
+        res = Generation(eng, ids, params, n=branches, on_progress=bar, reasoning=thinking).run()
     finally:
         bar.close()
-    replies = [(b.text, len(b.tokens)) for b in res.branches]
+    replies = [(b.text, len(b.tokens), b.reasoning) for b in res.branches]
     _, reply_ids = turn.save(eng.model_config.name, text, replies, res.prompt_tokens, params)
     saved = render.Saved.of(turn, reply_ids)
     if as_json:

@@ -67,8 +67,13 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """What a model is, read from its file's header (no weights loaded): architecture, parameters,
-    quantization, size, context, chat template, special tokens, license, catalog sampling defaults."""
+    quantization, size, context, whether it thinks, chat template, special tokens, license, catalog
+    sampling defaults."""
+    from localkv import reasoning
+
     info = describe(model)
+    fam = reasoning.family(info.get("chat_template"))
+    info["thinking"] = fam.name if fam else None  # the family its template's thinking follows
     if as_json:
         print(json.dumps(info, indent=2, ensure_ascii=False))
         return
@@ -82,6 +87,7 @@ def show(
         ("layers", info.get("layers")),
         ("heads (kv)", f"{info['heads']} ({info['kv_heads']})" if info.get("heads") else None),
         ("vocabulary", f"{info['vocab_size']} tokens ({info.get('tokenizer')})" if info.get("tokenizer") else None),
+        ("thinking", _thinking(fam) if "chat_template" in info else None),
         ("license", info.get("license")),
         ("path", info.get("path") or "not pulled: `localkv pull " + info["name"] + "`"),
     ]
@@ -104,6 +110,12 @@ def show(
         print("\n".join("    " + line for line in info["chat_template"].splitlines()))
     if theirs := info.get("ollama"):
         _show_ollama(theirs)
+
+
+def _thinking(fam) -> str:
+    if fam is None:
+        return "no (its chat template has no <think>)"
+    return f"yes, {fam.open}...{fam.close} ({fam.name}); --no-think or --reasoning-budget N bound it"
 
 
 def _show_ollama(m: dict):

@@ -207,6 +207,20 @@ SAMPLING_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         "End the reply at this text (repeatable); the stop text is not printed, its K/V is freed.",
     ),
     "ignore_eos": (bool, False, ("--ignore-eos",), "Keep generating past end-of-sequence tokens."),
+    "think": (
+        bool | None,
+        None,
+        ("--think/--no-think",),
+        "A thinking model (Qwen3, DeepSeek-R1 distills: see `localkv show`) thinks before it answers, or "
+        "answers at once (its template's no-thinking form). [default: think]",
+    ),
+    "reasoning_budget": (
+        int | None,
+        None,
+        ("--reasoning-budget",),
+        "Most tokens a thinking model thinks: then its closing tag is forced and it answers; 0 = --no-think. "
+        "[default: -1, no limit]",
+    ),
 }
 
 # what one reply's output must match or report: for commands that print replies (run, fork)

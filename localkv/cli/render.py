@@ -34,8 +34,10 @@ def reply_json(engine, r, saved: Saved, logprobs: bool) -> dict:
     out = {
         "model": engine.model_config.name,
         "text": r.text,
+        "reasoning": r.reasoning,  # a thinking model's thinking ("" for others)
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
+        "reasoning_tokens": r.branches[0].reasoning_tokens if r.branches else 0,
         "cached_tokens": r.cached_tokens,
         "finish_reason": r.finish_reason,
         "timings": r.timings(),
@@ -67,6 +69,8 @@ def reply_verbose(engine, r, saved: Saved) -> str:
     """`run -v`: timings and KV use, in ollama's layout."""
     t = r.timings()
     bs = engine.block_size
+    b = r.branches[0] if r.branches else None
+    thinking = f", {b.reasoning_tokens} of them thinking" if b is not None and b.gate is not None else ""
     lines = [
         f"total duration:       {r.load_s + r.prompt_s + r.eval_s:.3f}s",
         f"load duration:        {r.load_s:.3f}s"
@@ -74,7 +78,7 @@ def reply_verbose(engine, r, saved: Saved) -> str:
         f"prompt eval count:    {r.prompt_tokens} token(s)",
         f"prompt eval duration: {r.prompt_s:.3f}s",
         f"prompt eval rate:     {t['prompt_tps']:.2f} tokens/s",
-        f"eval count:           {r.completion_tokens} token(s)",
+        f"eval count:           {r.completion_tokens} token(s){thinking}",
         f"eval duration:        {r.eval_s:.3f}s",
         f"eval rate:            {t['eval_tps']:.2f} tokens/s",
         f"time to first token:  {r.ttft_s:.3f}s",
@@ -145,6 +149,7 @@ def fork_json(engine, res, saved: Saved, logprobs: bool) -> dict:
             {
                 "id": saved.replies[i] if saved.replies else None,
                 "text": b.text,
+                "reasoning": b.reasoning,
                 "completion_tokens": len(b.tokens),
                 "finish_reason": b.finish_reason,
             }

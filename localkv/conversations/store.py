@@ -46,6 +46,8 @@ MIGRATIONS = [
     CREATE INDEX messages_parent ON messages(parent_id);
     CREATE INDEX conversations_updated ON conversations(updated)
     """,
+    # a thinking model's thinking, kept apart from the reply's text (the answer)
+    "ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''",
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -66,6 +68,7 @@ class Message:
     sampling: dict = field(default_factory=dict)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning: str = ""  # an assistant message's thinking (a thinking model's), apart from content
 
 
 _COLS = [f.name for f in fields(Message)]
@@ -281,6 +284,7 @@ class ConversationStore:
         sampling: dict | None = None,
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
+        reasoning: str = "",
     ) -> str:
         if role not in ROLES:
             raise LocalkvError(f"invalid role {role!r}: must be one of {', '.join(ROLES)}")
@@ -308,6 +312,7 @@ class ConversationStore:
                     json.dumps(sampling, sort_keys=True) if sampling else None,
                     prompt_tokens,
                     completion_tokens,
+                    reasoning,
                 ),
             )
             c.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))

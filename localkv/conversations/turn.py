@@ -24,13 +24,14 @@ class Turn:
         self,
         model: str,
         prompt: str | None,
-        replies: list[tuple[str, int]],
+        replies: list[tuple[str, int, str]],
         prompt_tokens: int,
         sampling: SamplingParams,
     ) -> tuple[str | None, list[str]]:
-        """Store the user message (unless re-sampling) and each reply as siblings under it.
-        Returns (user message id, reply ids); nothing when saving is off. A system prompt given
-        to an existing conversation starts a new root branch."""
+        """Store the user message (unless re-sampling) and each reply (its text, token count and a
+        thinking model's thinking) as siblings under it. Returns (user message id, reply ids);
+        nothing when saving is off. A system prompt given to an existing conversation starts a
+        new root branch."""
         if self.store is None:
             return None, []
         st = self.store
@@ -53,8 +54,9 @@ class Turn:
                 sampling=sampling.as_dict(),
                 prompt_tokens=prompt_tokens,
                 completion_tokens=n,
+                reasoning=thought,
             )
-            for text, n in replies
+            for text, n, thought in replies
         ]
         return parent, ids
 

@@ -238,16 +238,21 @@ class Tokenizer:
     # ---- chat ---------------------------------------------------------------------
 
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        variables: dict | None = None,
     ) -> str:
         """The conversation as the model's template writes it (`tools`: the template's variable of
-        that name, OpenAI's function tools). When encode() adds BOS (or EOS) itself, a BOS the
-        template writes first (EOS last) is dropped, as llama.cpp's chat code does, so
-        encode(render_chat(...)) holds exactly one."""
+        that name, OpenAI's function tools; `variables`: more of them, e.g. `enable_thinking`).
+        When encode() adds BOS (or EOS) itself, a BOS the template writes first (EOS last) is
+        dropped, as llama.cpp's chat code does, so encode(render_chat(...)) holds exactly one."""
         bos = self.decode([self.bos_id] if self.bos_id is not None else [])
         eos = self.decode([self.eos_id] if self.eos_id is not None else [])
         text = chat_template.render(
             self._template,
+            **(variables or {}),
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos,

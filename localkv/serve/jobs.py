@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from localkv import reasoning
 from localkv.errors import ContextOverflow, LocalkvError, PoolExhausted
 from localkv.events import Event, Failed
 from localkv.generation import Generation
@@ -100,26 +101,17 @@ def build(engine, ask: Ask, plan: Plan | None = None) -> list[Generation]:
     """The request's prompts as token ids and its Generations (checked against the context and
     the whole pool); `plan`: a chat's tools. Runs in a worker thread: nothing here changes the
     engine."""
-    tok = engine.tokenizer
     values = ask.values | ({"constraint": plan.constraint} if plan and plan.constraint else {})
     try:
-        if ask.kind == "chat":
-            text = plan.prompt(tok, ask.messages) if plan else tok.render_chat(ask.messages, add_generation_prompt=True)
-            prompts = [tok.encode(text)]
-        else:
-            prompts = [
-                tok.encode(p) if isinstance(p, str) else _ids(p, engine.model_config.vocab_size) for p in ask.prompts
-            ]
-    except ToolError as e:
-        raise bad(str(e), e.param) from None
-    except LocalkvError as e:  # the model's chat template refused the conversation (or failed on it)
-        raise bad(str(e), "messages") from None
-    try:
         params = sampling_for(engine.path, values)  # the model's catalog defaults, then the request's
-        n = ask.n
+    except LocalkvError as e:
+        raise bad(str(e)) from None
+    prompts, thinking = _prompts(engine, ask, plan, params)
+    try:
+        n, each = ask.n, [_within(params, ask, len(ids), engine.ctx) for ids in prompts]
         return [
-            Generation(engine, ids, _within(params, ask, len(ids), engine.ctx), n=n, queued=True, first_choice=p * n)
-            for p, ids in enumerate(prompts)
+            Generation(engine, ids, pp, n=n, queued=True, first_choice=p * n, reasoning=thinking)
+            for p, (ids, pp) in enumerate(zip(prompts, each))
         ]
     except ContextOverflow as e:
         raise bad(str(e), "messages" if ask.kind == "chat" else "prompt", "context_length_exceeded") from None
@@ -127,6 +119,23 @@ def build(engine, ask: Ask, plan: Plan | None = None) -> list[Generation]:
         raise ApiError(413, str(e), "max_tokens", "request_too_large") from None
     except LocalkvError as e:
         raise bad(str(e)) from None
+
+
+def _prompts(engine, ask: Ask, plan: Plan | None, params) -> tuple[list[list[int]], reasoning.Plan | None]:
+    """The token ids of each prompt, and a chat reply's thinking (a thinking model's)."""
+    tok = engine.tokenizer
+    if ask.thinking_asked and reasoning.family(tok.chat_template) is None:
+        raise bad(f'"{ask.model}" does not support thinking', "think")
+    try:
+        if ask.kind == "chat":
+            text, thinking = reasoning.chat(tok, ask.messages, params, tools=plan, extra=ask.template_vars)
+            return [tok.encode(text)], thinking
+        vocab = engine.model_config.vocab_size
+        return [tok.encode(p) if isinstance(p, str) else _ids(p, vocab) for p in ask.prompts], None
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
+    except LocalkvError as e:  # the model's chat template refused the conversation (or failed on it)
+        raise bad(str(e), "messages") from None
 
 
 def _within(params, ask: Ask, n_prompt: int, ctx: int):

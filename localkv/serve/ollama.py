@@ -11,7 +11,10 @@ window (the server's own at most: Ollama would reload the model, localkv serves 
 Ollama's load-time options (threads, GPU layers, mmap) are localkv's flags, ignored here, and
 an option Ollama does not know is ignored with a warning on the server's stderr, as Ollama does.
 `tools` go through localkv.toolcalls as OpenAI's do (tool_choice "auto"); a reply that may call
-a tool is sent whole at its end, calls parsed out."""
+a tool is sent whole at its end, calls parsed out. `think` (true, false, or a level: "low",
+"medium", "high", as reasoning.EFFORT budgets them) turns a thinking model's thinking on or
+off, answered in `message.thinking` (/api/generate: `thinking`); think: true on a model that
+does not think is refused, as Ollama does."""
 
 import json
 import math
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from localkv.events import Delta, Event, Finished
+from localkv.reasoning import effort
 from localkv.sampling import Constraint
 from localkv.serve.openai import Ask, bad, flag, number
 from localkv.serve.openai import _type_name as type_name
@@ -146,8 +150,6 @@ def _head(body) -> tuple[dict, str]:
         raise bad("model is required")
     if not isinstance(model, str):
         raise bad(f"invalid 'model': expected a string, got {type_name(model)}")
-    if body.get("think") not in (None, False):
-        raise bad(f'"{model}" does not support thinking')
     if body.get("logprobs") or body.get("top_logprobs"):
         raise bad("'logprobs' is not supported by localkv's Ollama API (use /v1/chat/completions)")
     return body, model
@@ -158,7 +160,22 @@ def _ask(kind: str, body: dict, model: str, warn, **what) -> Ask:
     if (c := _format(body.get("format"))) is not None:
         values["constraint"] = c
     stream = flag(body, "stream", default=True)  # Ollama streams unless told not to
-    return Ask(kind, model, 1, stream, False, None, values, window=window, **what)
+    ask = Ask(kind, model, 1, stream, False, None, values, window=window, **what)
+    ask.thinking_asked = _think(body.get("think"), values) and kind == "chat"
+    return ask
+
+
+def _think(v, values: dict) -> bool:
+    """Ollama's think into values (think, reasoning_budget); whether it asked for thinking."""
+    if v is None:
+        return False
+    if isinstance(v, bool):
+        values["think"] = v
+        return v
+    if v not in ("low", "medium", "high"):
+        raise bad(f'invalid think value: {json.dumps(v)} (expected true, false, "low", "medium" or "high")')
+    values["think"], values["reasoning_budget"] = effort(v)
+    return True
 
 
 def _message(i: int, m) -> dict:
@@ -282,23 +299,25 @@ class Answer:
     t0: float  # perf_counter() when the request came
     tools: Plan | None = None  # a chat that may call tools: its reply is sent whole, calls parsed
     held: list[str] = field(default_factory=list)  # that reply's text so far
+    held_thinking: list[str] = field(default_factory=list)  # and its thinking
 
-    def _said(self, text: str) -> dict:
+    def _said(self, text: str, thinking: str = "") -> dict:
         if self.api == "chat":
-            return {"message": {"role": "assistant", "content": text}}
-        return {"response": text}
+            message = {"role": "assistant", "content": text} | ({"thinking": thinking} if thinking else {})
+            return {"message": message}
+        return {"response": text} | ({"thinking": thinking} if thinking else {})
 
-    def piece(self, text: str) -> dict:
-        return {"model": self.model, "created_at": now(), **self._said(text), "done": False}
+    def piece(self, text: str, thinking: str = "") -> dict:
+        return {"model": self.model, "created_at": now(), **self._said(text, thinking), "done": False}
 
-    def last(self, fin: Finished, text: str = "") -> dict:
+    def last(self, fin: Finished, text: str = "", thinking: str = "") -> dict:
         """The answer's last object: the rest of the text, why it ended and what it took (ns)."""
         total = time.perf_counter() - self.t0
         u = fin.usage
         return {
             "model": self.model,
             "created_at": now(),
-            **self._said(text),
+            **self._said(text, thinking),
             "done": True,
             "done_reason": finish_reason(fin.reason),
             "total_duration": int(total * 1e9),
@@ -311,8 +330,9 @@ class Answer:
 
     def body(self, events: list[Event]) -> dict:
         text = "".join(ev.text for ev in events if isinstance(ev, Delta))
+        thinking = "".join(ev.reasoning for ev in events if isinstance(ev, Delta))
         fin = next(ev for ev in events if isinstance(ev, Finished))
-        return self._called(self.last(fin, text))
+        return self._called(self.last(fin, text, thinking))
 
     def _called(self, obj: dict) -> dict:
         """obj with its text's tool calls parsed out into message.tool_calls (a tools chat)."""
@@ -330,13 +350,15 @@ class Answer:
         out = []
         holding = self.tools is not None and self.tools.constraint is not None
         for ev in events:
-            if isinstance(ev, Delta) and ev.text:
+            if isinstance(ev, Delta) and (ev.text or ev.reasoning):
                 if holding:
                     self.held.append(ev.text)
+                    self.held_thinking.append(ev.reasoning)
                 else:
-                    out.append(self.piece(ev.text))
+                    out.append(self.piece(ev.text, ev.reasoning))
             elif isinstance(ev, Finished):
-                out.append(self._called(self.last(ev, "".join(self.held))) if holding else self.last(ev))
+                whole = "".join(self.held), "".join(self.held_thinking)
+                out.append(self._called(self.last(ev, *whole)) if holding else self.last(ev))
         return "".join(line(o) for o in out)
 
 

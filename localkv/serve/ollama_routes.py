@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from localkv import reasoning
 from localkv.hub.info import describe
 from localkv.serve.jobs import EventStream, authorize, failure, read_json, ready, submit, tool_plan, whole
 from localkv.serve.ollama import NDJSON, Answer, line, now, parse_chat, parse_generate
@@ -179,7 +180,7 @@ async def show(request: Request) -> JSONResponse:
             "license": info.get("license") or "",
             "details": card["details"],
             "model_info": model_info,
-            "capabilities": ["completion"],
+            "capabilities": ["completion", *(["thinking"] if reasoning.family(info.get("chat_template")) else [])],
             "modified_at": stamp,
         }
     )

@@ -3,14 +3,17 @@ an Ask (sampling values for SamplingParams, the prompt or the chat), and the err
 
 A field localkv cannot honour yet (logit_bias, echo, the old `functions`, ...) is refused with
 a 400 that names it, never ignored; tools are read by localkv/toolcalls/spec.py. Extensions of
-llama-server's and vLLM's: top_k, min_p, repeat_penalty, ignore_eos, and llama-server's DRY
-fields (dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n).
+llama-server's and vLLM's: top_k, min_p, repeat_penalty, ignore_eos, llama-server's DRY
+fields (dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n), and
+chat_template_kwargs (variables for the chat template; `enable_thinking` turns a thinking
+model's thinking on or off). reasoning_effort sets a thinking model's budget (reasoning.EFFORT).
 """
 
 import json
 import math
 from dataclasses import dataclass, field
 
+from localkv.reasoning import EFFORT, RESERVED, effort
 from localkv.sampling import MAX_LOGPROBS, Constraint
 from localkv.toolcalls.spec import Choice, Tool, ToolError, read_choice, read_tools
 
@@ -70,6 +73,8 @@ class Ask:
     window: int | None = None
     tools: list[Tool] | None = None  # chat: the functions the reply may call
     tool_choice: Choice | None = None
+    template_vars: dict = field(default_factory=dict)  # chat: more variables for the chat template
+    thinking_asked: bool = False  # a model that does not think is refused (Ollama's think: true)
 
 
 # ------------------------------------------------------------------ field readers
@@ -228,7 +233,28 @@ def parse_chat(body) -> Ask:
         raise bad("'response_format' and 'tools' cannot both constrain the reply", "response_format")
     ask = Ask("chat", _model(body), _n(body), stream, usage, logprobs, values, messages=messages)
     ask.tools, ask.tool_choice = tools, choice
+    ask.template_vars = _template_vars(body, values)
     return ask
+
+
+def _template_vars(body: dict, values: dict) -> dict:
+    """chat_template_kwargs (its enable_thinking, and reasoning_effort, into values' think and
+    reasoning_budget): a model that does not think ignores both, as vLLM's server does."""
+    level = body.get("reasoning_effort")
+    if level is not None:
+        if level not in EFFORT:
+            raise bad(f"invalid 'reasoning_effort': {level!r}, expected one of {', '.join(EFFORT)}", "reasoning_effort")
+        values["think"], values["reasoning_budget"] = effort(level)
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad(f"invalid 'chat_template_kwargs': expected an object, got {_type_name(v)}", "chat_template_kwargs")
+    if taken := sorted(RESERVED & set(v)):
+        raise bad(f"invalid 'chat_template_kwargs': {taken[0]!r} is set by localkv", "chat_template_kwargs")
+    if "enable_thinking" in v:
+        values["think"] = flag(v, "enable_thinking")
+    return dict(v)
 
 
 def _tools(body: dict) -> tuple[list[Tool] | None, Choice]:

@@ -1,7 +1,9 @@
 """The answers' shapes: chat.completion and text_completion bodies, their streamed chunks (SSE
 `data:` lines), usage with the prefix cache's share, log-probabilities in both APIs' forms, and
-tool calls (whole, or streamed as `tool_calls` deltas keyed by index once the reply has ended).
-Everything is rendered from a request's events (localkv/events.py), nothing else."""
+tool calls (whole, or streamed as `tool_calls` deltas keyed by index once the reply has ended),
+and a thinking model's thinking as `reasoning_content` beside `content` (llama-server's and
+vLLM's field, in the message and in the streamed deltas). Everything is rendered from a
+request's events (localkv/events.py), nothing else."""
 
 import json
 import time
@@ -36,11 +38,14 @@ def usage(u: Usage) -> dict:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    details = {}
+    if u.reasoning_tokens:
+        details["reasoning_tokens"] = u.reasoning_tokens
     if u.drafted_tokens:
-        out["completion_tokens_details"] = {
-            "accepted_prediction_tokens": u.accepted_tokens,
-            "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens,
-        }
+        details["accepted_prediction_tokens"] = u.accepted_tokens
+        details["rejected_prediction_tokens"] = u.drafted_tokens - u.accepted_tokens
+    if details:
+        out["completion_tokens_details"] = details
     return out
 
 
@@ -75,11 +80,13 @@ class Reply:
     def body(self, events: list[Event]) -> dict:
         """The whole answer from every Delta and Finished of a request."""
         texts: dict[int, list[str]] = {}
+        thoughts: dict[int, list[str]] = {}
         records: dict[int, list[TokenLogprob]] = {}
         ends: dict[int, Finished] = {}
         for ev in events:
             if isinstance(ev, Delta):
                 texts.setdefault(ev.choice, []).append(ev.text)
+                thoughts.setdefault(ev.choice, []).append(ev.reasoning)
                 records.setdefault(ev.choice, []).extend(ev.logprobs)
             elif isinstance(ev, Finished):
                 ends[ev.choice] = ev
@@ -87,17 +94,19 @@ class Reply:
         choices = []
         for i in sorted(ends):
             text = "".join(texts.get(i, ()))
-            said, calls = self._said(text)
+            said, calls = self._said(text, "".join(thoughts.get(i, ())))
             lps = self.logprobs(i, records.get(i, [])) if self.want_logprobs else None
             finish = "tool_calls" if calls else finish_reason(ends[i].reason)
             choices.append({"index": i, **said, "logprobs": lps, "finish_reason": finish})
         return self._head() | {"choices": choices, "usage": usage(self.used)}
 
-    def _said(self, text: str) -> tuple[dict, list[Call]]:
+    def _said(self, text: str, thought: str = "") -> tuple[dict, list[Call]]:
         if self.kind != "chat":
             return {"text": text}, []
         content, calls = self.tools.parse(text) if self.tools is not None else (text, [])
         message = {"role": "assistant", "content": content or None if calls else content}
+        if thought:
+            message["reasoning_content"] = thought
         if calls:
             message["tool_calls"] = [
                 {"id": self.tools.new_id(), "type": "function", "function": {"name": c.name, "arguments": a}}
@@ -119,8 +128,9 @@ class Reply:
             if isinstance(ev, Delta):
                 lps = self.logprobs(ev.choice, ev.logprobs) if self.want_logprobs and ev.logprobs else None
                 text = self._held(ev.choice).feed(ev.text) if self._held(ev.choice) else ev.text
-                if text or lps is not None:  # tokens whose text never came still show their logprobs
-                    out.append(self.chunk(ev.choice, text, logprobs=lps))
+                if text or ev.reasoning or lps is not None:  # tokens whose text never came show their logprobs
+                    said = None if ev.reasoning and not text else text  # a thinking-only delta has no content
+                    out.append(self.chunk(ev.choice, said, logprobs=lps, reasoning=ev.reasoning))
             elif isinstance(ev, Finished):
                 self.used += ev.usage
                 calls = self._release(ev.choice, out)
@@ -163,9 +173,12 @@ class Reply:
         role: bool = False,
         logprobs: dict | None = None,
         calls: list[dict] | None = None,
+        reasoning: str = "",
     ) -> str:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if calls:
                 delta["tool_calls"] = calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

@@ -27,8 +27,9 @@ class Plan:
     native: bool  # the template renders tools itself
     constraint: Constraint | None  # None: the reply is free text (tool_choice "none")
 
-    def prompt(self, tok: Tokenizer, messages: list[dict]) -> str:
-        return render.prompt(tok, messages, list(self.tools), self.family, self.native)
+    def prompt(self, tok: Tokenizer, messages: list[dict], variables: dict | None = None) -> str:
+        """variables: more of the template's (a thinking model's switch)."""
+        return render.prompt(tok, messages, list(self.tools), self.family, self.native, variables)
 
     def parse(self, text: str) -> tuple[str, list[Call]]:
         """(content, calls) of a whole reply; no calls unless the request could make them."""

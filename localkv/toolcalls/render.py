@@ -21,7 +21,9 @@ GENERIC_BLOCK = (
 )
 
 
-def prompt(tok: Tokenizer, messages: list[dict], tools: list[Tool], family: Family, native: bool) -> str:
+def prompt(
+    tok: Tokenizer, messages: list[dict], tools: list[Tool], family: Family, native: bool, variables: dict | None = None
+) -> str:
     """The conversation's prompt text, ready for the assistant's turn."""
     names = {c["id"]: c["name"] for m in messages for c in m.get("tool_calls", ())}
     shown = [_native(m, names, family) if native else _generic(m, names, family) for m in messages]
@@ -29,7 +31,7 @@ def prompt(tok: Tokenizer, messages: list[dict], tools: list[Tool], family: Fami
         shown = _with_block(shown, GENERIC_BLOCK.format(tools="\n".join(json.dumps(t.openai()) for t in tools)))
     offered = [t.openai() for t in tools] if native and tools else None  # mistral's template tests `is not none`
     try:
-        return tok.render_chat(shown, add_generation_prompt=True, tools=offered)
+        return tok.render_chat(shown, add_generation_prompt=True, tools=offered, variables=variables)
     except ModelError as e:
         if not tools:
             raise

@@ -32,6 +32,9 @@ def _branch(text, n, reason="length"):
         logprobs=[],
         spec=None,
         passes=n,
+        reasoning="",
+        reasoning_tokens=0,
+        gate=None,
     )
 
 
@@ -55,7 +58,8 @@ def test_fork_json_gives_null_ids_and_no_conversation_when_not_saved():
     res = _result(_branch("one", 3), _branch("two", 4, "stop"))
     out = json.loads(dumps(fork_json(_engine(), res, Saved(), logprobs=False)))
     assert [b["id"] for b in out["branches"]] == [None, None] and "conversation_id" not in out
-    assert out["branches"][1] == {"id": None, "text": "two", "completion_tokens": 4, "finish_reason": "stop"}
+    two = {"id": None, "text": "two", "reasoning": "", "completion_tokens": 4, "finish_reason": "stop"}
+    assert out["branches"][1] == two
     saved = fork_json(_engine(), res, SAVED, logprobs=False)
     assert [b["id"] for b in saved["branches"]] == ["aaaaaaa", "bbbbbbb"] and saved["conversation_id"] == "c0ffee1"
     assert list(saved) == ["prompt_tokens", "cached_tokens", "branches", "speculation", "ctx", "kv", "conversation_id"]

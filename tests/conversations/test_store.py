@@ -15,7 +15,7 @@ import typer
 from typer.testing import CliRunner
 
 from localkv.cli.log import log_command
-from localkv.conversations.store import SCHEMA_VERSION, ConversationStore
+from localkv.conversations.store import MIGRATIONS, SCHEMA_VERSION, ConversationStore
 from localkv.errors import LocalkvError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,11 +179,29 @@ def test_schema_version_wal_and_reopen(db):
     with ConversationStore(db) as s:
         cid, m = forked(s)
     con = sqlite3.connect(db)
-    assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 1
+    assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     con.close()
     with ConversationStore(db) as s:  # reopening migrates nothing and keeps everything
         assert ids(s.path(m["a3"]))[-1] == m["a3"] and s.latest_conversation() == cid
+
+
+def test_a_version_1_database_gains_the_reasoning_column_and_loses_nothing(db):
+    con = sqlite3.connect(db)  # the schema as localkv wrote it before thinking models
+    con.executescript(MIGRATIONS[0] + ";PRAGMA user_version = 1;")
+    con.execute("INSERT INTO conversations VALUES ('c0ffee00', 'old', '2024', '2024', 'tiny')")
+    row = ("abcdef01", "c0ffee00", None, "assistant", "Paris.", "2024", "tiny", '{"seed": 1}', 5, 2)
+    con.execute("INSERT INTO messages VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+    con.commit()
+    con.close()
+    with ConversationStore(db) as s:
+        old = s.get_message("abcdef01")
+        assert (old.content, old.sampling, old.completion_tokens, old.reasoning) == ("Paris.", {"seed": 1}, 2, "")
+        new = s.add_message("c0ffee00", old.id, "assistant", "Lyon.", reasoning="The second city.")
+        assert s.get_message(new).reasoning == "The second city."
+    con = sqlite3.connect(db)
+    assert con.execute("PRAGMA user_version").fetchone()[0] == 2
+    con.close()
 
 
 def test_newer_schema_refused_untouched(db):

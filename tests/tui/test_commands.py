@@ -316,7 +316,7 @@ def test_set_kv_dtype_rebuilds_the_engine_with_that_pool(line, kv_dtype):
             "/set bogus 1",
             "unknown setting 'bogus': use one of temperature, top_p, top_k, min_p, repeat_penalty, repeat_last_n, "
             "presence_penalty, frequency_penalty, dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n, "
-            "max_tokens, seed, stop, evict, budget, kv_dtype",
+            "max_tokens, seed, stop, think, reasoning_budget, evict, budget, kv_dtype",
         ),
         ("/set temperature", "/set temperature needs a value"),
         ("/set top_k many", "invalid top_k 'many': expected a number"),
@@ -326,6 +326,8 @@ def test_set_kv_dtype_rebuilds_the_engine_with_that_pool(line, kv_dtype):
         ("/set top_p 2", "invalid top-p 2.0"),
         ("/set max_tokens 0", "invalid max tokens 0"),
         ("/set seed -2", "invalid seed -2"),
+        ("/set think maybe", "invalid think 'maybe': expected on or off"),
+        ("/set reasoning_budget -2", "invalid reasoning budget -2"),
         ("/set evict lru", "unknown KV policy 'lru'"),
         ("/set evict h2o", "needs a budget"),
         ("/set budget -5", "invalid KV budget -5"),

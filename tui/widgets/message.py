@@ -1,6 +1,7 @@
-"""The transcript's widgets: a message (Markdown in a titled border) and a one-line notice."""
+"""The transcript's widgets: a message (Markdown in a titled border), a thinking model's thinking
+(folded above its reply) and a one-line notice."""
 
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
 
 ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
 # C0 controls (except tab/newline), DEL and C1 would move the terminal's cursor or be dropped
@@ -49,6 +50,44 @@ class ChatMessage(Markdown):
 
     def set_id(self, short: str) -> None:
         self.border_title = ROLE_TITLES[self.role] + (f" · {short}" if short else "")
+
+
+class Thinking(Collapsible):
+    """A reply's thinking, above it: open while it streams, folded once the answer comes; its
+    title gives its size in tokens (once known)."""
+
+    DEFAULT_CSS = """
+    Thinking {
+        margin: 1 0 0 0;
+        padding: 0;
+        border: none;
+        background: $surface;
+        color: $text-muted;
+    }
+    Thinking > Contents {
+        padding: 0 0 0 2;
+    }
+    """
+
+    def __init__(self, text: str = "", tokens: int | None = None, collapsed: bool = True):
+        self.text = text
+        self.body = Static(clean(text), markup=False)
+        super().__init__(self.body, title=self.caption(tokens), collapsed=collapsed)
+
+    @staticmethod
+    def caption(tokens: int | None) -> str:
+        return "thinking" + (f" · {tokens} tok" if tokens is not None else " …")
+
+    def append(self, text: str) -> None:
+        self.text += text
+        self.body.update(clean(self.text))
+
+    def done(self, text: str, tokens: int) -> None:
+        """The whole thinking (what was saved), folded, with its token count."""
+        if text != self.text:
+            self.text = ""
+            self.append(text)
+        self.title, self.collapsed = self.caption(tokens), True
 
 
 class Notice(Static):

@@ -1,0 +1,116 @@
+"""A thinking model on `localkv serve` (the tiny Qwen3 of tests/thinking_models.py, made to think),
+read by the official clients: OpenAI's `reasoning_content` (an extra field of the message and of
+the streamed deltas) and Ollama's `message.thinking`, whole and streamed; thinking turned off by
+reasoning_effort, chat_template_kwargs and Ollama's think; /api/show's thinking capability."""
+
+import httpx
+import ollama
+import openai
+import pytest
+from thinking_models import scripted, write
+
+from localkv.config import EngineConfig
+from localkv.model.tokenizer import Tokenizer
+from localkv.serve.server import BackgroundServer
+
+REPLY = "<think>\nThe capital: Paris.\n</think>\n\nParis."
+THOUGHT, ANSWER = "The capital: Paris.", "Paris."
+ASK = [{"role": "user", "content": "Capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def model(vocabularies, tmp_path_factory):
+    return write(tmp_path_factory.mktemp("qwen3"), "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with BackgroundServer(EngineConfig(model=str(model), disk_cache=False, kv_mem="32MiB", ctx=1024)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def name(server):
+    return httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+
+
+@pytest.fixture()
+def tok(model):
+    return Tokenizer.from_gguf(model)
+
+
+@pytest.fixture()
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture()
+def oll(server):
+    return ollama.Client(host=server.url, timeout=120)
+
+
+def test_openai_whole_answer_has_reasoning_content(oai, tok, monkeypatch, name):
+    scripted(monkeypatch, tok, REPLY)
+    r = oai.chat.completions.create(model=name, messages=ASK, max_tokens=40, temperature=0, stop=["capital"])
+    m = r.choices[0].message
+    assert (m.content, m.reasoning_content, r.choices[0].finish_reason) == (ANSWER, THOUGHT, "stop")
+    thinking = REPLY[: REPLY.index("</think>") + len("</think>")]
+    assert r.usage.completion_tokens_details.reasoning_tokens == len(tok.encode(thinking, add_bos=False))
+
+
+def test_openai_stream_sends_reasoning_content_deltas(oai, tok, monkeypatch, name):
+    scripted(monkeypatch, tok, REPLY)
+    stream = oai.chat.completions.create(model=name, messages=ASK, max_tokens=40, temperature=0, stream=True)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    thought = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert (thought, "".join(d.content or "" for d in deltas)) == (THOUGHT, ANSWER)
+    first = next(i for i, d in enumerate(deltas) if d.content)
+    assert any(getattr(d, "reasoning_content", None) for d in deltas[:first])  # the thinking streams first
+
+
+@pytest.mark.parametrize("extra", [{"reasoning_effort": "none"}, {"chat_template_kwargs": {"enable_thinking": False}}])
+def test_openai_fields_turn_the_thinking_off(oai, tok, monkeypatch, name, extra):
+    scripted(monkeypatch, tok, REPLY)  # the prompt closed the thinking: the reply is all answer, tags and all
+    r = oai.chat.completions.create(model=name, messages=ASK, max_tokens=40, temperature=0, extra_body=extra)
+    m = r.choices[0].message
+    assert (m.content, getattr(m, "reasoning_content", None)) == (REPLY, None)
+
+
+@pytest.mark.parametrize(
+    "body,says",
+    [
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"chat_template_kwargs": {"messages": []}}, "'messages' is set by localkv"),
+        ({"chat_template_kwargs": {"enable_thinking": "no"}}, "enable_thinking"),
+        ({"chat_template_kwargs": "on"}, "chat_template_kwargs"),
+    ],
+)
+def test_bad_thinking_fields_are_refused(server, body, says):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **body}, timeout=60)
+    assert r.status_code == 400 and says in r.json()["error"]["message"]
+
+
+def test_ollama_chat_has_message_thinking_whole_and_streamed(oll, tok, monkeypatch, name):
+    opts = {"temperature": 0, "num_predict": 40}
+    scripted(monkeypatch, tok, REPLY)
+    r = oll.chat(model=name, messages=ASK, options=opts, think=True)
+    assert (r.message.thinking, r.message.content) == (THOUGHT, ANSWER)
+    scripted(monkeypatch, tok, REPLY)
+    parts = list(oll.chat(model=name, messages=ASK, options=opts, stream=True))  # thinking is the default
+    assert "".join(p.message.thinking or "" for p in parts) == THOUGHT
+    assert "".join(p.message.content for p in parts) == ANSWER
+    scripted(monkeypatch, tok, REPLY)
+    r = oll.generate(model=name, prompt="Capital of France?", options=opts, think="low")
+    assert (r.thinking, r.response) == (THOUGHT, ANSWER)
+
+
+def test_ollama_think_false_answers_without_thinking(oll, tok, monkeypatch, name):
+    scripted(monkeypatch, tok, REPLY)
+    r = oll.chat(model=name, messages=ASK, options={"temperature": 0, "num_predict": 40}, think=False)
+    assert (r.message.thinking, r.message.content) == (None, REPLY)
+
+
+def test_ollama_show_lists_the_thinking_capability(oll, server, name):
+    assert "thinking" in oll.show(name).capabilities
+    r = httpx.post(server.url + "/api/chat", json={"model": name, "messages": ASK, "think": "max"}, timeout=60)
+    assert r.status_code == 400 and "think" in r.json()["error"]
