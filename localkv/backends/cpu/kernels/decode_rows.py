@@ -32,6 +32,7 @@ from localkv.backends.cpu.kernels.attention import (
     rload,
 )
 from localkv.backends.cpu.simd.f32x8 import fadd, fload, fma, fsplat_at, fstore, fzero
+from localkv.backends.cpu.simd.u8x32 import prefetch
 
 
 @register_jitable
@@ -120,6 +121,9 @@ def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
     for s in range(s0, s1):
         most = max(most, lens[s])
     for t0 in range(span * SPAN, min(most, (span + 1) * SPAN), KEYS):
+        for s in range(s0, s1):  # the next chunk's rows on their way while this one is summed
+            _prefetch_rows(k, tables[s], h, t0 + KEYS, lens[s])
+            _prefetch_rows(v, tables[s], h, t0 + KEYS, lens[s])
         taken[:] = False
         while True:
             count = _group(tables, lens, s0, s1, t0, bs, taken, members)
@@ -144,6 +148,19 @@ def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
                 _rows(v, tables[members[0]], h, t0, n, vc, hd)
                 _accumulate(st, vc, go, r8, hd)
     _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
+
+
+@register_jitable
+def _prefetch_rows(pool, table, h, t0, n):
+    """Hint kv head h's rows of positions t0 .. t0 + KEYS - 1 (below n) into the caches: a
+    paged layer is read one head's row at a time, at strides the hardware prefetchers follow
+    poorly across blocks, and a step at depth is bound by these reads. No result changes."""
+    bs, kvh, row = pool.shape[1], pool.shape[2], pool.shape[3]
+    line = max(1, 64 // pool.itemsize)  # elements per cache line
+    for t in range(t0, min(t0 + KEYS, n)):
+        at = ((table[t // bs] * bs + t % bs) * kvh + h) * row
+        for e in range(0, row, line):
+            prefetch(pool, at + e)
 
 
 @register_jitable
