@@ -54,7 +54,8 @@ def test_metadata_matches_recipe(tiny):
         assert meta[f"{a}.attention.key_length"] == meta[f"{a}.attention.value_length"] == r.head_dim
     tokens = meta["tokenizer.ggml.tokens"]
     assert len(tokens) == (r.n_vocab or len(tokens)) and len(meta["tokenizer.ggml.token_type"]) == len(tokens)
-    assert meta["tokenizer.ggml.model"] == ("gpt2" if r.vocab in ("llama3", "qwen3", "qwen2.5", "r1-distill") else "llama")
+    bpe = r.vocab in ("llama3", "qwen3", "qwen2.5", "r1-distill")
+    assert meta["tokenizer.ggml.model"] == ("gpt2" if bpe else "llama")
     assert meta.get("tokenizer.chat_template") or r.vocab == "llama2"
 
 
