@@ -14,6 +14,7 @@ from localkv import kv_format
 from localkv.backends import DEVICES
 from localkv.errors import LocalkvError
 from localkv.kv.evict import EvictConfig
+from localkv.sampling import SamplingParams
 from localkv.spec import control as speculation
 from localkv.units import parse_size
 
@@ -98,6 +99,9 @@ class ServeOptions:
     api_key: str | None = None
     log_requests: bool = False
     shutdown_timeout: float = 15.0  # seconds requests in flight may take to finish on SIGTERM/SIGINT
+    # sampling for requests that do not set it, over the model's catalog defaults (--no-think,
+    # --reasoning-budget: llama-server's server-wide reasoning settings)
+    defaults: dict = field(default_factory=dict)
 
     def validate(self) -> "ServeOptions":
         """Raise LocalkvError for a value no server can run with, naming its flag; return self."""
@@ -111,4 +115,5 @@ class ServeOptions:
             raise LocalkvError(f"invalid --batch-tokens {self.batch_tokens}: must be >= 1")
         if not 0 <= self.shutdown_timeout <= 86400:  # also refuses NaN
             raise LocalkvError(f"invalid --shutdown-timeout {self.shutdown_timeout:g}: must be in 0..86400 seconds")
+        SamplingParams(**self.defaults).validate()  # at start, not in every request
         return self

@@ -33,6 +33,20 @@ def serve(
         show_default=False,
     ),
     log_requests: bool = typer.Option(D.log_requests, "--log-requests", help="Log each HTTP request on stderr."),
+    think: bool | None = typer.Option(
+        None,
+        "--think/--no-think",
+        help="Whether a thinking model thinks, for requests that do not say (OpenAI's reasoning_effort and "
+        "chat_template_kwargs, Ollama's think). [default: the model's catalog default, else think]",
+        show_default=False,
+    ),
+    reasoning_budget: int | None = typer.Option(
+        None,
+        "--reasoning-budget",
+        help="Most tokens a thinking model thinks, for requests that do not say; then its closing tag is "
+        "forced. 0 = --no-think. [default: the model's catalog default, else -1, no limit]",
+        show_default=False,
+    ),
     shutdown_timeout: float = typer.Option(
         D.shutdown_timeout,
         "--shutdown-timeout",
@@ -49,7 +63,16 @@ def serve(
     from localkv.serve.server import serve as run_server  # uvicorn and starlette load only here
 
     key = api_key if api_key is not None else os.environ.get("LOCALKV_API_KEY") or None
+    given = {"think": think, "reasoning_budget": reasoning_budget}
     opts = ServeOptions(
-        host, port, max_seqs, max_queue, batch_tokens, key, log_requests, shutdown_timeout=shutdown_timeout
+        host,
+        port,
+        max_seqs,
+        max_queue,
+        batch_tokens,
+        key,
+        log_requests,
+        shutdown_timeout=shutdown_timeout,
+        defaults={k: v for k, v in given.items() if v is not None},
     )
     run_server(engine, opts, say=err)

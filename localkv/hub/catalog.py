@@ -31,6 +31,8 @@ MODEL_SAMPLING = (
     "dry_allowed_length",
     "dry_penalty_last_n",
     "dry_sequence_breakers",
+    "think",
+    "reasoning_budget",
 )
 
 

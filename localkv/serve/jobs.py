@@ -88,7 +88,7 @@ def tool_plan(ask: Ask, tok) -> Plan | None:
 async def submit(runner: Runner, ask: Ask, plan: Plan | None = None) -> Job:
     """The Ask's Generations, queued on the runner (429 when it is full, 503 when it stops);
     `plan`: a chat's tools (toolcalls.prepare)."""
-    gens = await run_in_threadpool(build, runner.engine, ask, plan)
+    gens = await run_in_threadpool(build, runner.engine, ask, plan, runner.opts.defaults)
     try:
         return runner.submit(gens, asyncio.get_running_loop())
     except QueueFull as e:
@@ -97,13 +97,14 @@ async def submit(runner: Runner, ask: Ask, plan: Plan | None = None) -> Job:
         raise stopping(str(e)) from None
 
 
-def build(engine, ask: Ask, plan: Plan | None = None) -> list[Generation]:
+def build(engine, ask: Ask, plan: Plan | None = None, defaults: dict | None = None) -> list[Generation]:
     """The request's prompts as token ids and its Generations (checked against the context and
-    the whole pool); `plan`: a chat's tools. Runs in a worker thread: nothing here changes the
-    engine."""
-    values = ask.values | ({"constraint": plan.constraint} if plan and plan.constraint else {})
+    the whole pool); `plan`: a chat's tools; `defaults`: the server's sampling for what the
+    request does not set. Runs in a worker thread: nothing here changes the engine."""
+    values = {k: v for k, v in ask.values.items() if v is not None}
+    values = (defaults or {}) | values | ({"constraint": plan.constraint} if plan and plan.constraint else {})
     try:
-        params = sampling_for(engine.path, values)  # the model's catalog defaults, then the request's
+        params = sampling_for(engine.path, values)  # the catalog's defaults, the server's, then the request's
     except LocalkvError as e:
         raise bad(str(e)) from None
     prompts, thinking = _prompts(engine, ask, plan, params)

@@ -9,7 +9,8 @@ import openai
 import pytest
 from thinking_models import scripted, write
 
-from localkv.config import EngineConfig
+from localkv.config import EngineConfig, ServeOptions
+from localkv.errors import LocalkvError
 from localkv.model.tokenizer import Tokenizer
 from localkv.serve.server import BackgroundServer
 
@@ -114,3 +115,29 @@ def test_ollama_show_lists_the_thinking_capability(oll, server, name):
     assert "thinking" in oll.show(name).capabilities
     r = httpx.post(server.url + "/api/chat", json={"model": name, "messages": ASK, "think": "max"}, timeout=60)
     assert r.status_code == 400 and "think" in r.json()["error"]
+
+
+def test_the_servers_no_think_is_the_default_a_request_can_override(model, tok, monkeypatch):
+    """`localkv serve --no-think`: requests that do not say get the no-thinking form; one that
+    asks (reasoning_effort) thinks."""
+    opts = ServeOptions(port=0, defaults={"think": False})
+    cfg = EngineConfig(model=str(model), disk_cache=False, kv_mem="32MiB", ctx=1024)
+    with BackgroundServer(cfg, opts) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        name = client.models.list().data[0].id
+        scripted(monkeypatch, tok, REPLY)
+        plain = client.chat.completions.create(model=name, messages=ASK, max_tokens=40, temperature=0)
+        assert (plain.choices[0].message.content, getattr(plain.choices[0].message, "reasoning_content", None)) == (
+            REPLY,
+            None,
+        )
+        scripted(monkeypatch, tok, REPLY)
+        asked = client.chat.completions.create(
+            model=name, messages=ASK, max_tokens=40, temperature=0, extra_body={"reasoning_effort": "high"}
+        )
+        assert (asked.choices[0].message.content, asked.choices[0].message.reasoning_content) == (ANSWER, THOUGHT)
+
+
+def test_a_bad_server_wide_budget_fails_at_start():
+    with pytest.raises(LocalkvError, match="reasoning budget"):
+        ServeOptions(defaults={"reasoning_budget": -5}).validate()
