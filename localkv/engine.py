@@ -52,7 +52,8 @@ class Engine:
         weights, run_cfg = loaded.weights, self.model_config  # run_cfg: as the model computes (dense: NEOX RoPE)
         if not self.backend.caps.quant_weights:  # a backend without kernels on quantized weights
             weights, run_cfg = dense_weights(weights, self.model_config, np.dtype(self.backend.act_dtype))
-        self.model = Llama(run_cfg, self.backend.prepare_weights(weights), self.backend, n_ctx=cfg.ctx)
+        prepared = self.backend.prepare_weights(weights, self.model_config.fingerprint)
+        self.model = Llama(run_cfg, prepared, self.backend, n_ctx=cfg.ctx)
         self.stats = Stats()
         self.draft = self._draft_engine(progress) if cfg.spec == "draft" else None
         self.pool = self._new_pool(self.draft.kv_bytes_per_token if self.draft is not None else partner)

@@ -46,8 +46,9 @@ class Backend(Protocol):
     def start(self, progress: bool) -> None:
         """Once the model is known to load: compile or load kernels, so no step pays for it."""
 
-    def prepare_weights(self, weights: dict) -> dict:
-        """The loader's weights as this backend computes with them (e.g. copied to the device)."""
+    def prepare_weights(self, weights: dict, fingerprint: str = "") -> dict:
+        """The loader's weights as this backend computes with them (e.g. copied to the device);
+        fingerprint (the model's) keys what the backend keeps of them on disk."""
 
     def begin_forward(self, rows: int) -> None:
         """Before a forward pass of `rows` token rows (e.g. picks CPU threads for its matmuls)."""

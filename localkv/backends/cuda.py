@@ -172,7 +172,7 @@ def to_host(x) -> np.ndarray:
     return cp.asnumpy(x) if isinstance(x, cp.ndarray) else x
 
 
-def upload_weights(weights: dict) -> dict:
+def upload_weights(weights: dict, fingerprint: str = "") -> dict:
     """The loader's weights on the device. QTensor / QStack (GGUF blocks): see cuda_quant.upload.
     Arrays (fp32): matrices (and the embedding) fp16, 1-D weights (the norms) fp32, converted on
     the host one tensor at a time, so the device never holds an fp32 copy."""

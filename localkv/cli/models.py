@@ -6,6 +6,7 @@ import sys
 
 import typer
 
+from localkv.backends.cpu.quant import pack_cache
 from localkv.cli.app import err
 from localkv.errors import LocalkvError
 from localkv.home import models_dir
@@ -170,7 +171,9 @@ def rm(
     drop_stale_caches(path)
     store = DiskStore()
     n = store.clear(fp)
-    print(f"removed {path} ({format_size(size)}) and {n} disk cache entr{'y' if n == 1 else 'ies'}")
+    packed = pack_cache.remove(fp)
+    also = f", {format_size(packed)} of packed weights" if packed else ""
+    print(f"removed {path} ({format_size(size)}){also} and {n} disk cache entr{'y' if n == 1 else 'ies'}")
 
 
 def _confirm(question: str) -> bool:

@@ -15,7 +15,7 @@ from localkv.backends.cpu.quant.formats import MARKERS
 from localkv.backends.cpu.quant.tensor import QStack, sample_weight
 from localkv.backends.cpu.quant.types import BLOCK_TYPES, block_size
 
-LANE_TYPES = [t for t in BLOCK_TYPES if t not in ("Q4_K", "Q6_K")]  # those two: superblock_lanes
+LANE_TYPES = [t for t in BLOCK_TYPES if t not in ("Q4_K", "Q6_K")]  # those two: superblock_packed, _amx
 
 
 @pytest.fixture(scope="module")
@@ -71,32 +71,9 @@ def test_a_pass_of_any_row_count_gives_each_row_the_bits_of_one_block(kernels, q
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_the_super_block_lanes_kernel_gives_each_row_the_row_kernels_bits(kernels, qtype):
-    """kernels/superblock_lanes (16 rows in the lanes, weights decoded to bytes, activations
-    biased by 128) against superblock.matmul_rows, called directly: any CPU compiles it."""
-    from localkv.backends.cpu.kernels import superblock, superblock_lanes
-
-    matmul_few, _ = kernels
-    w, rng = weights(qtype), np.random.default_rng(13)
-    ((run,), qt) = w.runs, MARKERS[qtype]
-    for positive in (False, True):
-        x = activations(rng, 32, w.cols, positive)
-        x[20, 300] = np.inf
-        want = np.empty((32, w.rows), np.float32)
-        superblock.matmul_rows(qt, x, run.datas, run.offs, want)
-        xi, dxv, _, _ = matmul_few.lanes_inputs(qt, x, 16)
-        got = np.full((32, w.rows), -1, np.float32)
-        superblock_lanes.matmul_super_lanes(
-            qt, superblock_lanes.biased(xi), dxv, superblock_lanes.lane_sums(xi), run.datas, run.offs, got
-        )
-        assert np.isnan(got[20]).all()
-        assert np.array_equal(got, want, equal_nan=True)
-
-
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_the_amx_int8_kernel_gives_each_row_the_row_kernels_bits(kernels, qtype):
-    """kernels/superblock_amx (integer dots on AMX tiles, each weight times its scale split in
-    two bytes) against superblock.matmul_rows, on a CPU with AMX-INT8."""
+    """kernels/superblock_amx (integer dots on AMX tiles, each weight of the packed form times
+    its scale split in two bytes) against superblock.matmul_rows, on a CPU with AMX-INT8."""
     from localkv.backends.cpu.kernels import superblock, superblock_amx
 
     if not superblock_amx.chosen():
@@ -112,7 +89,8 @@ def test_the_amx_int8_kernel_gives_each_row_the_row_kernels_bits(kernels, qtype)
         superblock.matmul_rows(qt, x, run.datas, run.offs, want)
         xi, dxv, _, _ = matmul_few.lanes_inputs(qt, x, 16)
         got = np.full((48, w.rows), -1, np.float32)
-        superblock_amx.matmul_super_amx(qt, xi, dxv, *superblock_amx.prepared_sums(qt, xi), run.datas, run.offs, got)
+        sums = superblock_amx.prepared_sums(qt, xi)
+        superblock_amx.matmul_super_amx(qt, xi, dxv, *sums, run.datas, run.packed(), run.offs, got)
         assert np.isnan(got[20]).all()
         assert np.array_equal(got, want, equal_nan=True)
 

@@ -222,10 +222,13 @@ class CpuBackend:
         both is then shared out at once (build.load)."""
         self._progress = progress
 
-    def prepare_weights(self, weights: dict) -> dict:
-        """The weights as they are (views of the file); loads the kernels of their types only."""
+    def prepare_weights(self, weights: dict, fingerprint: str = "") -> dict:
+        """The weights as they are (views of the file), with the Q4_K and Q6_K ones also packed
+        for their kernel (quant.pack: kept on disk by fingerprint); loads the kernels of their
+        types only."""
         types = quant.weight_types(weights.values())
         build.load(types, progress=self._progress)
+        quant.pack(weights, fingerprint)
         self.prefill_amx = any(quant.on_amx(t) for t in types)
         return weights
 

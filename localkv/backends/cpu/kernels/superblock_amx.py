@@ -4,7 +4,8 @@ int8 tiles: the same bits for every row, the integer dots on the tile unit.
 Why: a prefill pass of a K-quant model is almost all super-block products, and a super-block's
 integer sum is exact however it is computed. Each weight, times its half's integer scale (plus
 BIAS, so that Q6_K's signed scales give an unsigned value), is split into two unsigned bytes
-(_decode, once per work chunk); tdpbusd then multiplies 16 weight rows by 16 activation rows
+(_decode, from the packed row group of quant/packed, once per work chunk); tdpbusd then
+multiplies 16 weight rows by 16 activation rows
 (lanes_inputs(qt, x, 16)'s blocks are already the tiles' layout: 4 bytes of each of 16 rows per
 64-byte tile row) 64 values at a time with no per-group scaling left: four products per digit
 give a super-block's scaled sum, low byte + 256 x high byte, less BIAS x the activations' sum.
@@ -12,7 +13,8 @@ The offsets' integer sums are vpdpwssd on int16 pairs; then superblock._step's f
 lane, so a row gets matmul_rows' bits (tests/backends/test_matmul_wide.py): nothing is rounded.
 
 quant.compiled.every_row takes it where the CPU has AMX-INT8 and Linux grants the process the
-tile state (`chosen`; LOCALKV_AMX=0 turns it off), else superblock_lanes.
+tile state (`chosen`; LOCALKV_AMX=0 turns it off), for passes of AMX_ROWS rows or more (fewer
+run faster on superblock_packed).
 """
 
 import ctypes
@@ -27,8 +29,7 @@ from numba.extending import overload, register_jitable
 from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import CHUNK, chunk, chunks
 from localkv.backends.cpu.kernels.matmul_wide import transpose16
-from localkv.backends.cpu.kernels.superblock_lanes import lane_sums, scales16
-from localkv.backends.cpu.quant.formats import geometry, k_ints
+from localkv.backends.cpu.kernels.superblock_packed import group_bytes, packed_ints, row_scales16
 from localkv.backends.cpu.simd.amx import tile_config, tile_dot_u8i8, tile_load, tile_release, tile_store, tile_zero
 from localkv.backends.cpu.simd.f32x8 import fadd, fmul, fstore, fsub, tofloat
 from localkv.backends.cpu.simd.u8x32 import scaled_bytes, store32
@@ -92,18 +93,17 @@ def _bias(qt):
 
 
 @register_jitable(_nrt=False)
-def _decode(qt, w, base, nsb, i, ad, ms):
-    """Weight row i of a chunk (from byte base) as the tiles multiply it: each value times its
-    half's integer scale, plus bias(qt), split into a low and a high byte (both unsigned), at
-    ad[sb, digit, q, i, :] for values 64 q..64 q + 63 of super-block sb; each half's offset
-    factor into ms."""
-    _, nbytes = geometry(qt)
+def _decode(qt, p, base, nsb, i, ad, ms):
+    """Weight row i of a packed row group (from byte base of p) as the tiles multiply it: each
+    value times its half's integer scale, plus bias(qt), split into a low and a high byte (both
+    unsigned), at ad[sb, digit, q, i, :] for values 64 q..64 q + 63 of super-block sb; each
+    half's offset factor into ms."""
+    gb = group_bytes(qt)
     a = ad.reshape(-1)
     for sb in range(nsb):
-        blk = base + sb * nbytes
         for j in range(8):
             g = 8 * sb + j
-            u, ka, kb, ma, mb = k_ints(qt, w, blk, j)
+            u, ka, kb, ma, mb = packed_ints(qt, p, base + sb * gb, i, j)
             ms[2 * g], ms[2 * g + 1] = ma, mb
             lo, hi = scaled_bytes(u, ka, kb, bias(qt))
             o = 8192 * sb + 1024 * (j // 2) + 64 * i + 32 * (j % 2)  # ad[sb, digit, j // 2, i, 32 (j % 2):]
@@ -145,7 +145,7 @@ def _dots(ad, sb, xb, cbuf):
 
 
 @register_jitable(_nrt=False)
-def _rows(qt, w, bases, nbytes, sb, rows, cbuf, ps, ss, dx, mp, acc, low):
+def _rows(qt, p, base, sb, rows, cbuf, ps, ss, dx, mp, acc, low):
     """Per weight row r of the chunk: super-block sb's two exact integers (the dots' digits
     joined, the bias taken back; the offsets' as pairs_dot16 of the activations' pair sums ps
     and the row's pairs mp) and superblock._step's float step on 16 lanes, into acc and low."""
@@ -154,9 +154,9 @@ def _rows(qt, w, bases, nbytes, sb, rows, cbuf, ps, ss, dx, mp, acc, low):
     for r in range(rows):
         i = imadd16(iload16(cbuf, 16 * r), iload16(cbuf, 256 + 16 * r), 256, sums, -bias(qt))
         m = izero16()
-        for p in range(n * sb, n * sb + n):
-            m = pairs_dot16(m, ps, LANES * p, mp[r, p])
-        s, t = scales16(qt, w, bases + r * w.shape[1] + sb * nbytes, dx)
+        for q in range(n * sb, n * sb + n):
+            m = pairs_dot16(m, ps, LANES * q, mp[r, q])
+        s, t = row_scales16(qt, p, base + sb * group_bytes(qt), r, dx)
         fstore(acc, 16 * r, fadd(load16(acc, 16 * r), fmul(tofloat(i), s)))
         fstore(low, 16 * r, fadd(load16(low, 16 * r), fmul(tofloat(m), t)))
 
@@ -169,6 +169,23 @@ def per_group(qt):
 def _per_group(qt):
     k = qt.qname == "Q4_K"
     return lambda qt: k
+
+
+@njit(**EXACT_PAR)
+def lane_sums(xi):
+    """The integer sums of each 16 activations of lanes_inputs(qt, x, 16)'s blocks xi: bs
+    [blocks, groups * 32] int32, bs[b, 32 g + 16 h + r] = the sum of values 16 h..16 h + 15 of
+    group g of row r of block b (what the super-blocks' offsets multiply)."""
+    nb, ng = xi.shape[0], xi.shape[1] // 512
+    bs = np.zeros((nb, ng * 32), np.int32)
+    for b in prange(nb):
+        for g in range(ng):
+            for h in range(2):
+                for k in range(4 * h, 4 * h + 4):
+                    for r in range(LANES):
+                        o = 512 * g + 64 * k + 4 * r
+                        bs[b, 32 * g + 16 * h + r] += xi[b, o] + xi[b, o + 1] + xi[b, o + 2] + xi[b, o + 3]
+    return bs
 
 
 @njit(**EXACT_PAR)
@@ -216,7 +233,7 @@ def _min_pairs(qt, ms, mp, rows):
 
 
 @njit(**EXACT_PAR)
-def matmul_super_amx(qt, xi, dxv, ps, ss, ws, offs, out):
+def matmul_super_amx(qt, xi, dxv, ps, ss, ws, packs, offs, out):
     """superblock.matmul_rows for lanes_inputs(qt, x, 16)'s blocks xi and their prepared_sums (ps,
     ss) (out [16 * blocks, outputs]), on AMX tiles. Each work chunk's weight rows (up to 16:
     one tile's) are decoded once; then a super-block at a time passes over every block (its
@@ -227,13 +244,13 @@ def matmul_super_amx(qt, xi, dxv, ps, ss, ws, offs, out):
     for c in prange(counts[0] + counts[1] + counts[2]):
         tile_config(_config())
         i, n0, n1, col = chunk(ws, offs, counts, c)
-        w = ws[i]
+        p = packs[i]
+        base = (n0 // LANES) * p.shape[1]  # the packed row group's first byte
         rows = n1 - n0
-        _, nbytes = geometry(qt)
         ad = np.zeros((nsb, 2, 4, LANES, 64), np.uint8)  # rows past the chunk's stay zero
         ms = np.empty((CHUNK, 2 * ng), np.int32)
         for n in range(n0, n1):
-            _decode(qt, w, n * w.shape[1], nsb, n - n0, ad, ms[n - n0])
+            _decode(qt, p, base, nsb, n - n0, ad, ms[n - n0])
         mp = np.empty((CHUNK, ps.shape[1] // LANES), np.int32)
         min_pairs(qt, ms, mp, rows)
         cbuf = np.empty(512, np.int32)
@@ -242,7 +259,7 @@ def matmul_super_amx(qt, xi, dxv, ps, ss, ws, offs, out):
             for b in range(nb):
                 _dots(ad, sb, xi[b], cbuf)
                 dx = load16(dxv[b], 128 * sb)
-                _rows(qt, w, n0 * w.shape[1], nbytes, sb, rows, cbuf, ps[b], ss[b], dx, mp, acc[b], low[b])
+                _rows(qt, p, base, sb, rows, cbuf, ps[b], ss[b], dx, mp, acc[b], low[b])
         vb, tb = np.empty(LANES * CHUNK, np.float32), np.empty(LANES * CHUNK, np.float32)
         for b in range(nb):
             for r in range(rows):

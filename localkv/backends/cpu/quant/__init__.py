@@ -28,12 +28,13 @@ from collections.abc import Iterable
 import numpy as np
 
 import localkv.backends.cpu.quant.fallback as fallback
+import localkv.backends.cpu.quant.pack_cache as pack_cache
 from localkv.backends.cpu.build import state
 from localkv.backends.cpu.quant.tensor import SUPPORTED, KernelRun, QStack, QTensor, from_gguf
 from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group
 
 __all__ = ["SUPPORTED", "QStack", "QTensor", "active", "dequantize", "dequantize_rows", "from_gguf", "get_rows",
-           "matmul_rows", "on_amx", "weight_types", "why_not"]  # fmt: skip
+           "matmul_rows", "on_amx", "pack", "weight_types", "why_not"]  # fmt: skip
 
 
 # ---------------------------------------------------------------- what loaded (build.load)
@@ -104,6 +105,12 @@ def weight_types(weights: Iterable) -> set[str]:
         elif isinstance(w, QStack):
             types.update(t.qtype for t in w.tensors)
     return types
+
+
+def pack(weights: dict, fingerprint: str) -> None:
+    """Give each Q4_K and Q6_K weight whose kernels are loaded its packed form (quant/packed) now,
+    as the model loads, mapped from LOCALKV_HOME/packed (pack_cache), not in the first step."""
+    pack_cache.attach(weights, fingerprint, active)
 
 
 def dequantize_rows(w: QTensor, r0: int, r1: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -18,13 +18,10 @@ from localkv.backends.cpu.kernels.matmul_wide import LANES as WIDE_LANES
 from localkv.backends.cpu.kernels.matmul_wide import chosen as _wide_chosen
 from localkv.backends.cpu.kernels.matmul_wide import matmul_wide as _matmul_wide
 from localkv.backends.cpu.kernels.superblock import TYPES as SUPER_TYPES
-from localkv.backends.cpu.kernels.superblock import matmul_rows as _matmul_super_rows
 from localkv.backends.cpu.kernels.superblock_amx import chosen as _amx_int8_chosen
 from localkv.backends.cpu.kernels.superblock_amx import matmul_super_amx as _matmul_super_amx
 from localkv.backends.cpu.kernels.superblock_amx import prepared_sums as _prepared_sums
-from localkv.backends.cpu.kernels.superblock_lanes import biased as _biased
-from localkv.backends.cpu.kernels.superblock_lanes import lane_sums as _lane_sums
-from localkv.backends.cpu.kernels.superblock_lanes import matmul_super_lanes as _matmul_super_lanes
+from localkv.backends.cpu.kernels.superblock_packed import matmul_packed as _matmul_packed
 from localkv.backends.cpu.quant.formats import MARKERS
 from localkv.backends.cpu.quant.tensor import QStack, sample_weight
 from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group, block_size
@@ -33,8 +30,9 @@ from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group, bloc
 def every_row(run, x: np.ndarray, out: np.ndarray):
     """out[:, run.col:] = x @ W.T for the weights of a KernelRun, side by side, for any number
     of rows in one arithmetic per row, whatever the count: Q4_K and Q6_K by super-blocks in
-    integers (superblock.matmul_rows; whole blocks of 16 rows by its lanes form,
-    superblock_lanes, or superblock_amx on AMX-INT8, where matmul_wide is chosen), the other
+    integers with superblock.matmul_rows's bits (superblock_packed: 16 weight rows of their
+    packed form in the lanes; a pass of AMX_ROWS rows or more in whole blocks of 16 on AMX-INT8
+    tiles, superblock_amx, where the CPU has them), the other
     block types by the 8-lane kernel (whole blocks of 16 by matmul_wide where chosen; a tail of
     up to out_rows rows past the blocks of 8, or a pass of so few, by matmul_out: the same bits
     with outputs in the lanes, faster for so few; a 1 + 8 verify pass is then one block and one
@@ -42,15 +40,13 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
     bits."""
     qt = MARKERS[run.qtype]
     if run.qtype in SUPER_TYPES:
-        wide = len(x) - len(x) % WIDE_LANES if _WIDE else 0  # whole blocks of 16: the lanes kernel's
+        R = len(x)
+        wide = R - R % WIDE_LANES if _AMX_INT8 and R >= AMX_ROWS else 0  # whole blocks of 16 on AMX tiles
         if wide:
             xi, dxv, _, _ = _lanes_inputs(_GROUP_MARKERS[activation_group(run.qtype)], x[:wide], WIDE_LANES)
-            if _AMX_INT8:
-                _matmul_super_amx(qt, xi, dxv, *_prepared_sums(qt, xi), run.datas, run.offs, out)
-            else:
-                _matmul_super_lanes(qt, _biased(xi), dxv, _lane_sums(xi), run.datas, run.offs, out)
-        if wide < len(x):
-            _matmul_super_rows(qt, x[wide:], run.datas, run.offs, out[wide:])
+            _matmul_super_amx(qt, xi, dxv, *_prepared_sums(qt, xi), run.datas, run.packed(), run.offs, out)
+        if wide < R:
+            _matmul_packed(qt, x[wide:], run.datas, run.packed(), run.offs, out[wide:])
     elif run.qtype in BLOCK_TYPES:
         R = len(x)
         wide = R - R % WIDE_LANES if _WIDE else 0  # whole blocks of 16: matmul_wide's
@@ -69,7 +65,8 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
 
 
 _WIDE = _wide_chosen()  # blocks of 16 rows go to matmul_wide (same bits, faster with AVX-512 VNNI)
-_AMX_INT8 = _WIDE and _amx_int8_chosen()  # and Q4_K / Q6_K's to superblock_amx (same bits)
+_AMX_INT8 = _WIDE and _amx_int8_chosen()  # Q4_K / Q6_K's to superblock_amx (same bits)
+AMX_ROWS = 128  # from this many rows the tiles beat superblock_packed (BENCHMARKS.md, "Packed K-quants")
 # lanes_inputs reads only the activations' group from its type: one build (one compile on an
 # empty cache, one load at a start) serves every block type of a group
 _GROUP_MARKERS = {activation_group(t): MARKERS[t] for t in reversed(BLOCK_TYPES)}  # the first type of each

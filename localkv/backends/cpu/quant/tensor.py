@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from localkv.backends.cpu.quant.packed import pack, packed_shape
 from localkv.backends.cpu.quant.types import BLOCK_TYPES, FLOAT_TYPES, block_size
 
 SUPPORTED: frozenset[str] = frozenset(BLOCK_TYPES + FLOAT_TYPES)
@@ -23,6 +24,15 @@ class KernelRun:
     offs: tuple  # the output column of each slot
     col: int
     rows: int
+    packs: list = field(default_factory=list, compare=False)  # packed() of the three slots, once made
+
+    def packed(self) -> tuple:
+        """The slots' packed weights (quant/packed; a [0, 1] array for unused slots), made on
+        first use."""
+        if not self.packs:
+            made = [t.packed() for t in self.tensors]
+            self.packs.extend(made + [_no_rows(np.uint8)] * (3 - len(made)))
+        return tuple(self.packs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +46,7 @@ class QTensor:
     shape: tuple[int, int]
     kdata: np.ndarray = field(init=False, repr=False, compare=False)  # what the kernels read
     runs: tuple = field(init=False, repr=False, compare=False)
+    _packed: list = field(init=False, repr=False, compare=False)  # [pack(data)] once made
 
     def __post_init__(self):
         rows, cols = self.shape
@@ -53,6 +64,7 @@ class QTensor:
             object.__setattr__(self, "data", data)
         object.__setattr__(self, "kdata", data.view(np.uint16) if self.qtype == "F16" else data)
         object.__setattr__(self, "runs", _kernel_runs((self,)))
+        object.__setattr__(self, "_packed", [])
 
     @property
     def rows(self) -> int:
@@ -61,6 +73,23 @@ class QTensor:
     @property
     def cols(self) -> int:
         return self.shape[1]
+
+    def packed(self) -> np.ndarray:
+        """The weight repacked for the 16-lane K-quant kernel (quant/packed.pack: Q4_K, Q6_K),
+        made on first use and kept: a copy in the process's memory beside the file's pages."""
+        if not self._packed:
+            self.use_packed(pack(self.qtype, self.data))
+        return self._packed[0]
+
+    def use_packed(self, p: np.ndarray) -> None:
+        """Take p (quant/packed.pack of this weight, e.g. mapped from a file) as the packed form."""
+        want = packed_shape(self.qtype, self.rows, self.cols)
+        if p.dtype != np.uint8 or p.shape != want or not p.flags.c_contiguous:
+            raise ValueError(f"a packed {self.qtype} {self.shape} weight is uint8 {want}, got {p.dtype.name} {p.shape}")
+        if p.flags.writeable:
+            p = p.view()
+            p.flags.writeable = False  # one array type in the kernel's tuple with the unused slots'
+        self._packed[:] = [p]
 
 
 @dataclass(frozen=True, slots=True)

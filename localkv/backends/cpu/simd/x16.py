@@ -67,7 +67,10 @@ def _halves_dot(context, small: bool):
     return two
 
 
-def _product(context, small: bool):
+def dot16_builder(context, small: bool):
+    """The builder of the 16-lane dot (builder, acc, u, s) -> acc + per dword the 4 products of
+    unsigned u and signed s bytes: vpdpbusd on 512 bits, else two 256-bit `dot`s. small: every
+    u < 128."""
     if has_vnni512(features(context)):
 
         def vnni(builder, acc, u, s):
@@ -87,7 +90,7 @@ def _lanes16_typer(small: bool):
         def codegen(context, builder, sig, args):
             u, xi, off = args
             words = builder.bitcast(u, V8I32)
-            product = _product(context, small)
+            product = dot16_builder(context, small)
             out = []
             for half_ in range(2):
                 accs = [ir.Constant(V16I32, [0] * 16)] * 2  # two chains of products: half the latency
@@ -160,7 +163,7 @@ def half_dot16(typingctx, xu, xoff, wd, woff):
 
     def codegen(context, builder, sig, args):
         xu, xoff, wd, woff = args
-        product = _product(context, False)
+        product = dot16_builder(context, False)
         accs = [ir.Constant(V16I32, [0] * 16)] * 2  # two chains: half the latency
         for k in range(4):
             at = builder.add(woff, ir.Constant(woff.type, 4 * k))
