@@ -105,10 +105,13 @@ def child_peak(argv: list[str], env: dict | None = None) -> tuple[Mem, str]:
 
 
 def localkv_peak(model: str, threads: int) -> Peak:
+    """A second run's peak: the first, in the same private home, writes the packed K-quant
+    weights (LOCALKV_HOME/packed) that every later run maps."""
     with tempfile.TemporaryDirectory() as home:
         env = dict(os.environ, LOCALKV_HOME=home)
         argv = [sys.executable, "-m", "localkv", "run", "-m", model, "-n", str(N_GEN), "-t", "0", "--json"]
         argv += ["--threads", str(threads), "--no-save", PROMPT]
+        child_peak(argv, env)
         mem, text = child_peak(argv, env)
     r = json.loads(text.strip().splitlines()[-1])
     return Peak("localkv", mem, r["prompt_tokens"] + r["completion_tokens"])

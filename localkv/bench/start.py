@@ -26,19 +26,20 @@ print(f"localkv-start-s {time.perf_counter() - t0}")
 
 
 def engine_starts(model: str, threads: int, reps: int = REPS) -> list[float]:
-    """Seconds of `reps` starts, each in a new process with a private LOCALKV_HOME, after one
-    untimed start. Raises RuntimeError with the child's last stderr line when one fails."""
+    """Seconds of `reps` starts, each in a new process, with a private LOCALKV_HOME, after one
+    untimed start (which also writes the packed K-quant weights the others map). Raises
+    RuntimeError with the child's last stderr line when one fails."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     times = []
-    for _ in range(reps + 1):
-        with tempfile.TemporaryDirectory() as home:
+    with tempfile.TemporaryDirectory() as home:
+        for _ in range(reps + 1):
             argv = [sys.executable, "-c", _CHILD, model, str(threads)]
             p = subprocess.run(argv, capture_output=True, text=True, env=env | {"LOCALKV_HOME": home})
-        said = [line for line in p.stdout.splitlines() if line.startswith("localkv-start-s ")]
-        if p.returncode != 0 or not said:
-            last = (p.stderr.strip().splitlines() or [""])[-1]
-            raise RuntimeError(f"engine start exited {p.returncode}: {last[-300:]}")
-        times.append(float(said[-1].split()[1]))
+            said = [line for line in p.stdout.splitlines() if line.startswith("localkv-start-s ")]
+            if p.returncode != 0 or not said:
+                last = (p.stderr.strip().splitlines() or [""])[-1]
+                raise RuntimeError(f"engine start exited {p.returncode}: {last[-300:]}")
+            times.append(float(said[-1].split()[1]))
     return times[1:]
 
 
