@@ -317,7 +317,7 @@ def test_cached_kernels_load_without_numbas_compiler_tables(kernels):
         from numba import njit
         from numba.core.caching import Cache
         from localkv.backends.cpu import build
-        from localkv.backends.cpu.jit_cache import tables_deferred
+        from localkv.backends.cpu.numba_hooks import tables_deferred
 
         assert build.load(["Q4_1", "Q8_0"])
         tables = ("numba.np.linalg", "numba.np.random.generator_methods", "numba.np.polynomial.polynomial_functions")

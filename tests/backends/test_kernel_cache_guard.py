@@ -39,7 +39,7 @@ def test_an_unchanged_tree_keeps_the_cache(tree):
 
 
 @pytest.mark.parametrize(
-    "helper", ["simd/f32x8.py", "simd/u8x32.py", "simd/wide.py", "quant/formats.py", "kernels/__init__.py", "build.py"]
+    "helper", ["simd/f32x8.py", "simd/u8x32.py", "simd/wide.py", "formats/blocks.py", "kernels/__init__.py", "build.py"]
 )
 def test_an_edit_to_any_source_drops_every_cached_kernel(tree, helper):
     """A helper the attention kernels inline (f32x8) and those of the weight kernels, in every
@@ -64,5 +64,5 @@ def test_a_new_module_drops_the_cache(tree):
 def test_the_guard_covers_the_tree_numba_compiles_from():
     """Every kernel module and what it inlines lies under the guarded root."""
     assert build.ROOT.name == "cpu"
-    for module in ("kernels/attention.py", "kernels/decode_rows.py", "simd/f32x8.py", "quant/formats.py"):
+    for module in ("kernels/attention.py", "kernels/decode_rows.py", "simd/f32x8.py", "formats/blocks.py"):
         assert (build.ROOT / module).is_file()

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from localkv.backends.cpu import build, quant
-from localkv.backends.cpu.quant.formats import MARKERS
+from localkv.backends.cpu.formats.blocks import MARKERS
+from localkv.backends.cpu.formats.types import BLOCK_TYPES, block_size
 from localkv.backends.cpu.quant.tensor import QStack, sample_weight
-from localkv.backends.cpu.quant.types import BLOCK_TYPES, block_size
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from localkv.backends.cpu import build, quant
-from localkv.backends.cpu.quant.formats import MARKERS
+from localkv.backends.cpu.formats.blocks import MARKERS
+from localkv.backends.cpu.formats.types import BLOCK_TYPES, block_size
 from localkv.backends.cpu.quant.tensor import QStack, sample_weight
-from localkv.backends.cpu.quant.types import BLOCK_TYPES, block_size
 
 LANE_TYPES = [t for t in BLOCK_TYPES if t not in ("Q4_K", "Q6_K")]  # those two: superblock_packed, _amx
 

@@ -9,9 +9,9 @@ import pytest
 import localkv.backends.cpu.attention as cpu_attention
 import localkv.backends.cpu.backend as cpu_backend
 from localkv.backends.cpu import quant
+from localkv.backends.cpu.formats.types import BLOCK_TYPES, activation_group
 from localkv.backends.cpu.quant import fallback
 from localkv.backends.cpu.quant.tensor import sample_weight
-from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K on their packed form (quant/packed, kernels/superblock_packed): every row the bits
+"""Q4_K and Q6_K on their packed form (formats/packed, kernels/superblock_packed): every row the bits
 of the row kernel (superblock.matmul_rows, the one arithmetic's definition) for any row count,
 partial row groups and several weights in one call; and the packed form kept on disk
 (quant/pack_cache): written once, mapped after, repacked when damaged, in memory when the
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from localkv.backends.cpu import build, quant
+from localkv.backends.cpu.formats.blocks import MARKERS
 from localkv.backends.cpu.quant import pack_cache
-from localkv.backends.cpu.quant.formats import MARKERS
 from localkv.backends.cpu.quant.tensor import QStack, sample_weight
 
 TYPES = ("Q4_K", "Q6_K")

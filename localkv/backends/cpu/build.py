@@ -17,37 +17,22 @@ cache), and each kernel module's self-checks (kernels.self_check) run as it load
 that fails stays off and its callers take the numpy path.
 """
 
-import contextlib
 import hashlib
 import os
 import sys
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
-from localkv.backends.cpu.jit_cache import tables_deferred
+from localkv.backends.cpu.formats.types import BLOCK_TYPES, FLOAT_TYPES
+from localkv.backends.cpu.loaded import state
+from localkv.backends.cpu.numba_hooks import UNUSED_BY_NUMBA, absent, tables_deferred
 from localkv.errors import LocalkvError, first_line
 
 ROOT = Path(__file__).parent  # every .py file under it can be inlined into a cached kernel
 
 
-@dataclass(slots=True)
-class State:
-    """What load() found in this process, and the kernel modules it loaded."""
-
-    ok: bool | None = None  # the attention and element-wise kernels run; None until load() tried
-    why: str | None = None  # why they do not
-    types: dict[str, str | None] = field(default_factory=dict)  # weight type -> None (runs) or why not
-    attention: ModuleType | None = None  # kernels.attention, decode_rows, elementwise once checked
-    decode_rows: ModuleType | None = None
-    elementwise: ModuleType | None = None
-    weights: ModuleType | None = None  # quant.compiled, once a weight type's kernels passed
-
-
-state = State()
 _lock = threading.Lock()
 
 
@@ -58,11 +43,9 @@ def load(types: Iterable[str] = (), progress: bool = False) -> bool:
     others' reasons are kept (why_not, quant.why_not). Safe to call again. A compile (numba's
     cache missed) is shared with worker processes (warmup); with progress it is said on stderr
     before it starts, with a bar on a terminal."""
-    from localkv.backends.cpu.quant.tensor import SUPPORTED
-
     types = sorted(set(types))
     for t in types:
-        if t not in SUPPORTED:
+        if t not in BLOCK_TYPES + FLOAT_TYPES:
             raise ValueError(f"weight type {t} is not supported")
     with _lock:
         t0 = time.perf_counter()
@@ -112,7 +95,7 @@ def _numba() -> str | None:
     if os.environ.get("LOCALKV_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return "LOCALKV_CPU_KERNELS=0"
     try:
-        with _absent(*_UNUSED_BY_NUMBA):
+        with absent(*UNUSED_BY_NUMBA):
             import numba
     except ImportError as e:
         return f"numba not installed ({e})"
@@ -120,7 +103,7 @@ def _numba() -> str | None:
         numba.config.THREADING_LAYER = "omp"
     try:
         drop_stale_cache()
-        with _absent("scipy.linalg"):
+        with absent("scipy.linalg"):
             from localkv.backends.cpu.kernels import attention, decode_rows, elementwise  # noqa: F401
     except Exception as e:  # a numba/numpy mismatch, an unwritable cache...
         return f"numba kernels unavailable ({type(e).__name__}: {first_line(e)})"
@@ -161,7 +144,7 @@ def _run(jobs: list, progress: bool) -> bool:
 
     import localkv.backends.cpu.warmup as warmup
 
-    with _absent("scipy.linalg"), tables_deferred():
+    with absent("scipy.linalg"), tables_deferred():
         results, compiled = warmup.run(jobs, _WORKER, progress, warmup.workers())
     base = {k: r for k, r in results.items() if k.startswith("base:")}
     if not base:
@@ -197,7 +180,7 @@ def run_in_worker(keys: list[str]) -> int:
         return 1
     types = [k.removeprefix("weights:").split(",") for k in keys if k.startswith("weights:")]
     jobs = {j.key: j for j in _jobs(True, types[0] if types else [])}
-    with _absent("scipy.linalg"):
+    with absent("scipy.linalg"):
         for key in keys:
             try:
                 jobs[key].run()
@@ -246,30 +229,3 @@ def drop_stale_cache(root: Path = ROOT) -> bool:
     except OSError:  # a read-only install: numba caches elsewhere, keyed on the files' times
         pass
     return True
-
-
-# What numba imports at its own import and never uses for these kernels: scipy for a version
-# check, yaml to read a .numba_config.yaml (imported when the working directory has one)
-_UNUSED_BY_NUMBA = ("scipy",) if os.path.exists(".numba_config.yaml") else ("scipy", "yaml")
-
-
-@contextlib.contextmanager
-def _absent(*names: str):
-    """Modules that read as absent while numba imports or loads the kernels, unless already
-    imported: importing one (or a submodule) raises ImportError, which numba takes as "not
-    installed". Afterwards they import normally.
-
-    The first kernel numba loads makes it import its numpy registries, and with them
-    scipy.linalg, to find a BLAS for np.dot and np.linalg in jitted code: no kernel here uses
-    either, and the import costs a start time and memory (scipy.linalg and its own
-    OpenBLAS); numba then marks its BLAS support off for this process. Numba's own import
-    imports scipy (a version check) and yaml (for a config file)."""
-    names = [n for n in names if n not in sys.modules]
-    for name in names:
-        sys.modules[name] = None  # importing it (or a submodule) raises ImportError
-    try:
-        yield
-    finally:
-        for name in names:
-            if name in sys.modules and sys.modules[name] is None:
-                del sys.modules[name]

@@ -11,7 +11,7 @@ scale, where a float path needs the 32 weights widened to float (four conversion
 FMAs per activation row. Results differ from float math by the int8 rounding of the
 activations only (the weights' own values are exact).
 
-Activation rows sit in the 8 lanes, so a decoded group (`quant/formats.group`) is multiplied
+Activation rows sit in the 8 lanes, so a decoded group (`formats/blocks.group`) is multiplied
 into all 8 rows with 8 packed multiply-adds (`u8x32.lanes_dot`) instead of being multiplied 8
 times, and a lane's float ops are those of its row alone (walk's order), whatever rows share
 its block. Work is split over weight rows with prange (numba's OpenMP layer; see build for the
@@ -26,8 +26,8 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
+from localkv.backends.cpu.formats.blocks import act_group, geometry, group, lanes_product
 from localkv.backends.cpu.kernels import EXACT_PAR, SER
-from localkv.backends.cpu.quant.formats import act_group, geometry, group, lanes_product
 from localkv.backends.cpu.simd.f32x8 import (
     expand,
     fadd,

@@ -23,9 +23,9 @@ is why more rows go to the lanes kernel: out_rows).
 from numba import njit, prange
 from numba.extending import register_jitable
 
+from localkv.backends.cpu.formats.blocks import GATHERED, act_group, group, product, scales8
 from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import PREFETCH, chunk, chunks, quantized, walk
-from localkv.backends.cpu.quant.formats import GATHERED, act_group, group, product, scales8
 from localkv.backends.cpu.simd.f32x8 import fadd, fma, fmul, fsplat, ijoin, lane, tofloat
 from localkv.backends.cpu.simd.u8x32 import at, halves, izero, load32, prefetch, quad_sums
 

@@ -19,9 +19,9 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload, register_jitable
 
+from localkv.backends.cpu.formats.blocks import group
 from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import CHUNK, PREFETCH, chunk, chunks, walk_from
-from localkv.backends.cpu.quant.formats import group
 from localkv.backends.cpu.simd.f32x8 import fadd, fma, fmul, fstore, tofloat
 from localkv.backends.cpu.simd.u8x32 import prefetch
 from localkv.backends.cpu.simd.x16 import has_vnni512, lanes_dot16, lanes_dot16_7, load16, splat16, zero16

@@ -13,9 +13,9 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload, register_jitable
 
+from localkv.backends.cpu.formats.blocks import geometry
 from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import _quantize, chunk, chunks
-from localkv.backends.cpu.quant.formats import geometry
 from localkv.backends.cpu.simd.u8x32 import at, half, prefetch
 from localkv.backends.cpu.simd.wide import q4k_sums, q6k_sums
 

@@ -4,7 +4,7 @@ int8 tiles: the same bits for every row, the integer dots on the tile unit.
 Why: a prefill pass of a K-quant model is almost all super-block products, and a super-block's
 integer sum is exact however it is computed. Each weight, times its half's integer scale (plus
 BIAS, so that Q6_K's signed scales give an unsigned value), is split into two unsigned bytes
-(_decode, from the packed row group of quant/packed, once per work chunk); tdpbusd then
+(_decode, from the packed row group of formats/packed, once per work chunk); tdpbusd then
 multiplies 16 weight rows by 16 activation rows
 (lanes_inputs(qt, x, 16)'s blocks are already the tiles' layout: 4 bytes of each of 16 rows per
 64-byte tile row) 64 values at a time with no per-group scaling left: four products per digit

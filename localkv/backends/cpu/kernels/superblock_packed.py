@@ -1,4 +1,4 @@
-"""superblock.matmul_rows (Q4_K and Q6_K) on packed weights (quant/packed): 16 weight rows in
+"""superblock.matmul_rows (Q4_K and Q6_K) on packed weights (formats/packed): 16 weight rows in
 the lanes, the same bits for every row.
 
 Why: superblock's row kernel reduces each super-block's integer sums across a vector and steps
@@ -19,9 +19,9 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload, register_jitable
 
+from localkv.backends.cpu.formats.packed import GROUP, GROUP_BYTES
 from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import CHUNK, _quantize, chunk, chunks
-from localkv.backends.cpu.quant.packed import GROUP, GROUP_BYTES
 from localkv.backends.cpu.simd.f32x8 import fadd, fmul, fstore, fsub, lane, tofloat
 from localkv.backends.cpu.simd.grouped import gather32, hload16, q4k_group, q6k_group
 from localkv.backends.cpu.simd.u8x32 import at, band, bor, half, prefetch, shl, shr
@@ -196,7 +196,7 @@ def _store(out, r, col, n0, n1, v):
 @njit(**EXACT_PAR)
 def matmul_packed(qt, x, ws, packs, offs, out):
     """superblock.matmul_rows(qt, x, ws, offs, out) with each weight of ws read from its packed
-    form in packs (quant/packed.pack; a [0, 1] array for unused slots)."""
+    form in packs (formats/packed.pack; a [0, 1] array for unused slots)."""
     R, K = x.shape
     nb = K // 256
     xq = np.empty((R, K), np.int8)

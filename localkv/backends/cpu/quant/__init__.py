@@ -18,9 +18,9 @@ kernels are checked against the numpy path when they load (compiled.check). With
 every operation runs the numpy path (`fallback`: gguf's dequantizer + BLAS on fixed blocks of
 rows) with the same results within float rounding.
 
-Modules: types (the weight types and their block sizes), formats (the block decoders the
-kernels inline), tensor (QTensor, QStack), fallback (the numpy path), compiled (the entry
-points into the kernels, imported by build.load), and this API.
+Modules: tensor (QTensor, QStack), fallback (the numpy path), compiled (the entry points into
+the kernels, imported by build.load), pack_cache (the K-quants' packed form on disk), and this
+API. The formats they share with the kernels lie below both (backends/cpu/formats).
 """
 
 from collections.abc import Iterable
@@ -29,9 +29,9 @@ import numpy as np
 
 import localkv.backends.cpu.quant.fallback as fallback
 import localkv.backends.cpu.quant.pack_cache as pack_cache
-from localkv.backends.cpu.build import state
+from localkv.backends.cpu.formats.types import BLOCK_TYPES, activation_group
+from localkv.backends.cpu.loaded import state
 from localkv.backends.cpu.quant.tensor import SUPPORTED, KernelRun, QStack, QTensor, from_gguf
-from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group
 
 __all__ = ["SUPPORTED", "QStack", "QTensor", "active", "dequantize", "dequantize_rows", "from_gguf", "get_rows",
            "matmul_rows", "on_amx", "pack", "weight_types", "why_not"]  # fmt: skip
@@ -108,7 +108,7 @@ def weight_types(weights: Iterable) -> set[str]:
 
 
 def pack(weights: dict, fingerprint: str) -> None:
-    """Give each Q4_K and Q6_K weight whose kernels are loaded its packed form (quant/packed) now,
+    """Give each Q4_K and Q6_K weight whose kernels are loaded its packed form (formats/packed) now,
     as the model loads, mapped from LOCALKV_HOME/packed (pack_cache), not in the first step."""
     pack_cache.attach(weights, fingerprint, active)
 

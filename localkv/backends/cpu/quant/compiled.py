@@ -5,6 +5,8 @@ each type passes as it loads."""
 import numpy as np
 
 import localkv.backends.cpu.quant.fallback as fallback
+from localkv.backends.cpu.formats.blocks import MARKERS
+from localkv.backends.cpu.formats.types import BLOCK_TYPES, activation_group, block_size
 from localkv.backends.cpu.kernels import self_check
 from localkv.backends.cpu.kernels.float_few import matmul_few_float
 from localkv.backends.cpu.kernels.matmul_few import CHUNK
@@ -22,9 +24,7 @@ from localkv.backends.cpu.kernels.superblock_amx import chosen as _amx_int8_chos
 from localkv.backends.cpu.kernels.superblock_amx import matmul_super_amx as _matmul_super_amx
 from localkv.backends.cpu.kernels.superblock_amx import prepared_sums as _prepared_sums
 from localkv.backends.cpu.kernels.superblock_packed import matmul_packed as _matmul_packed
-from localkv.backends.cpu.quant.formats import MARKERS
 from localkv.backends.cpu.quant.tensor import QStack, sample_weight
-from localkv.backends.cpu.quant.types import BLOCK_TYPES, activation_group, block_size
 
 
 def every_row(run, x: np.ndarray, out: np.ndarray):

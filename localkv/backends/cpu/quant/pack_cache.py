@@ -1,4 +1,4 @@
-"""The packed K-quant weights (quant/packed) kept on disk, one folder per model under
+"""The packed K-quant weights (formats/packed) kept on disk, one folder per model under
 LOCALKV_HOME/packed, and mapped read-only.
 
 Why: the packed copy is as large as the weights it packs. Mapped from a file it lives in the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from localkv.backends.cpu.quant.packed import FORMAT, TYPES, pack, packed_shape
+from localkv.backends.cpu.formats.packed import FORMAT, TYPES, pack, packed_shape
 from localkv.backends.cpu.quant.tensor import QStack, QTensor
 from localkv.home import home, private_dir, sweep_stale
 

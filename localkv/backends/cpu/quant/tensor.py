@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from localkv.backends.cpu.quant.packed import pack, packed_shape
-from localkv.backends.cpu.quant.types import BLOCK_TYPES, FLOAT_TYPES, block_size
+from localkv.backends.cpu.formats.packed import pack, packed_shape
+from localkv.backends.cpu.formats.types import BLOCK_TYPES, FLOAT_TYPES, block_size
 
 SUPPORTED: frozenset[str] = frozenset(BLOCK_TYPES + FLOAT_TYPES)
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -27,7 +27,7 @@ class KernelRun:
     packs: list = field(default_factory=list, compare=False)  # packed() of the three slots, once made
 
     def packed(self) -> tuple:
-        """The slots' packed weights (quant/packed; a [0, 1] array for unused slots), made on
+        """The slots' packed weights (formats/packed; a [0, 1] array for unused slots), made on
         first use."""
         if not self.packs:
             made = [t.packed() for t in self.tensors]
@@ -75,14 +75,14 @@ class QTensor:
         return self.shape[1]
 
     def packed(self) -> np.ndarray:
-        """The weight repacked for the 16-lane K-quant kernel (quant/packed.pack: Q4_K, Q6_K),
+        """The weight repacked for the 16-lane K-quant kernel (formats/packed.pack: Q4_K, Q6_K),
         made on first use and kept: a copy in the process's memory beside the file's pages."""
         if not self._packed:
             self.use_packed(pack(self.qtype, self.data))
         return self._packed[0]
 
     def use_packed(self, p: np.ndarray) -> None:
-        """Take p (quant/packed.pack of this weight, e.g. mapped from a file) as the packed form."""
+        """Take p (formats/packed.pack of this weight, e.g. mapped from a file) as the packed form."""
         want = packed_shape(self.qtype, self.rows, self.cols)
         if p.dtype != np.uint8 or p.shape != want or not p.flags.c_contiguous:
             raise ValueError(f"a packed {self.qtype} {self.shape} weight is uint8 {want}, got {p.dtype.name} {p.shape}")

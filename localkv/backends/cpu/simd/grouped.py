@@ -1,4 +1,4 @@
-"""The integer work of one super-block of 16 packed weight rows (quant/packed) against one
+"""The integer work of one super-block of 16 packed weight rows (formats/packed) against one
 activation row, for kernels/superblock_packed: the outputs in the 16 lanes.
 
 Each 64-byte load holds 4 unsigned weight values of each of the 16 rows; one vpdpbusd

@@ -1,4 +1,12 @@
-"""Loading kernels from numba's cache without loading numba's compiler tables.
+"""Every place localkv reaches into numba's or llvmlite's private parts, each kept for a
+measurement in BENCHMARKS.md ("Engine start": the start's kernel loads); numba is bounded to the
+versions tested (pyproject.toml), and each hook falls back to numba's own behaviour when the
+private name it needs is missing.
+
+- tables_deferred: loading kernels from numba's cache without loading its compiler tables
+  (0.125 s of a start), and without numba's "llvm_lock" events (a third of each LLVM call);
+- absent: modules numba imports and never uses for these kernels read as absent (scipy.linalg:
+  about 0.2 s and 50 MB; numba's own scipy and yaml imports: 16 ms).
 
 Each load from numba's cache first "refreshes" its CPU target: it imports numba's whole library
 of typing and lowering implementations (numpy, dicts, strings, random, ...) and installs them in
@@ -18,6 +26,8 @@ the cache does not record), a good share of each call's cost.
 """
 
 import contextlib
+import os
+import sys
 import threading
 
 _lock = threading.RLock()  # nested blocks restore in order
@@ -65,3 +75,30 @@ def _llvm_lock_events() -> list:
     for callbacks in taken:
         ffi.unregister_lock_callback(*callbacks)
     return taken
+
+
+# What numba imports at its own import and never uses for these kernels: scipy for a version
+# check, yaml to read a .numba_config.yaml (imported when the working directory has one)
+UNUSED_BY_NUMBA = ("scipy",) if os.path.exists(".numba_config.yaml") else ("scipy", "yaml")
+
+
+@contextlib.contextmanager
+def absent(*names: str):
+    """Modules that read as absent while numba imports or loads the kernels, unless already
+    imported: importing one (or a submodule) raises ImportError, which numba takes as "not
+    installed". Afterwards they import normally.
+
+    The first kernel numba loads makes it import its numpy registries, and with them
+    scipy.linalg, to find a BLAS for np.dot and np.linalg in jitted code: no kernel here uses
+    either, and the import costs a start time and memory (scipy.linalg and its own
+    OpenBLAS); numba then marks its BLAS support off for this process. Numba's own import
+    imports scipy (a version check) and yaml (for a config file)."""
+    names = [n for n in names if n not in sys.modules]
+    for name in names:
+        sys.modules[name] = None  # importing it (or a submodule) raises ImportError
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]

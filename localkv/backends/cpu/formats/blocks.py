@@ -30,7 +30,7 @@ import numpy as np
 from numba import types
 from numba.extending import NativeValue, models, overload, register_jitable, register_model, typeof_impl, unbox
 
-from localkv.backends.cpu.quant.types import BLOCK_TYPES, FLOAT_TYPES, activation_group, block_size
+from localkv.backends.cpu.formats.types import BLOCK_TYPES, FLOAT_TYPES, activation_group, block_size
 from localkv.backends.cpu.simd.f32x8 import fjoin, fmul, fsplat, hgather
 from localkv.backends.cpu.simd.u8x32 import (
     at,
