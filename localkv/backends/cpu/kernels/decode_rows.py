@@ -26,13 +26,15 @@ from localkv.backends.cpu.kernels.attention import (
     _accumulate,
     _empty,
     _fold,
-    _rows,
     _scores,
     _softmax_step,
     rload,
+    row_into,
 )
 from localkv.backends.cpu.simd.f32x8 import fadd, fload, fma, fsplat_at, fstore, fzero
 from localkv.backends.cpu.simd.u8x32 import prefetch
+
+AHEAD = 2  # chunks between a chunk's prefetch and its reads (BENCHMARKS.md, attention at depth)
 
 
 @register_jitable
@@ -116,14 +118,17 @@ def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
     _empty(o, m, sums)
     taken, members = np.zeros(s1 - s0, np.bool_), np.empty(s1 - s0, np.int64)
     held, resident = np.empty(s1 - s0, np.int64), 0  # the group whose state the lanes hold
-    offs = np.empty(KEYS, np.int64)
+    offs, ahead = np.empty(KEYS, np.int64), np.empty(KEYS, np.int64)
     most = 0
     for s in range(s0, s1):
         most = max(most, lens[s])
     for t0 in range(span * SPAN, min(most, (span + 1) * SPAN), KEYS):
-        for s in range(s0, s1):  # the next chunk's rows on their way while this one is summed
-            _prefetch_rows(k, tables[s], h, t0 + KEYS, lens[s])
-            _prefetch_rows(v, tables[s], h, t0 + KEYS, lens[s])
+        for s in range(s0, s1):  # the rows AHEAD chunks on, on their way while this one is summed
+            if lens[s] > t0 + AHEAD * KEYS:
+                na = min(KEYS, lens[s] - t0 - AHEAD * KEYS)
+                _offsets(tables[s], h, t0 + AHEAD * KEYS, na, bs, k.shape[2], ahead)
+                _prefetch_rows(k, ahead, na)
+                _prefetch_rows(v, ahead, na)
         taken[:] = False
         while True:
             count = _group(tables, lens, s0, s1, t0, bs, taken, members)
@@ -132,7 +137,8 @@ def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
             n = 0
             for i in range(count):
                 n = max(n, min(lens[members[i]] - t0, KEYS))
-            _rows(k, tables[members[0]], h, t0, n, kc, hd)
+            _offsets(tables[members[0]], h, t0, n, bs, k.shape[2], offs)
+            _rows(k, offs, n, kc, hd)
             r8 = -(-count * g // 8) * 8
             st, gq = st_buf[: KEYS * r8].reshape((KEYS, r8)), gq_buf[: hd * r8].reshape((hd, r8))
             go = go_buf[: r8 * hd].reshape((r8, hd))
@@ -143,24 +149,48 @@ def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
             _scores(gq, kc, st, r8, hd)
             _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
             if 2 * count * g <= r8:  # lanes mostly padding: the weighted values along hd instead
-                _accumulate_rows(st, v, tables[members[0]], h, t0, n, go, count * g, offs)
+                _accumulate_rows(st, v, offs, n, go, count * g)
             else:
-                _rows(v, tables[members[0]], h, t0, n, vc, hd)
+                _rows(v, offs, n, vc, hd)
                 _accumulate(st, vc, go, r8, hd)
     _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
 
 
 @register_jitable
-def _prefetch_rows(pool, table, h, t0, n):
-    """Hint kv head h's rows of positions t0 .. t0 + KEYS - 1 (below n) into the caches: a
-    paged layer is read one head's row at a time, at strides the hardware prefetchers follow
-    poorly across blocks, and a step at depth is bound by these reads. No result changes."""
-    bs, kvh, row = pool.shape[1], pool.shape[2], pool.shape[3]
+def _offsets(table, h, t0, n, bs, kvh, offs):
+    """offs[t] = the pool row (a flat index over blocks, positions and kv heads) of kv head h's
+    key at position t0 + t, for t < n, through the block table: one division per block of the
+    chunk, where one per key cost a decode step at depth more than its prefetches."""
+    j = t0 // bs
+    o, t = t0 - j * bs, 0
+    while t < n:
+        base, stop = (table[j] * bs + o) * kvh + h, min(n, t + bs - o)
+        for i in range(t, stop):
+            offs[i] = base + (i - t) * kvh
+        t, j, o = stop, j + 1, 0
+
+
+@register_jitable
+def _rows(pool, offs, n, dst, hd):
+    """dst [KEYS, hd] = the pool rows offs[:n] (n <= KEYS) as float32; zeros after them."""
+    for t in range(KEYS):
+        if t < n:
+            row_into(dst, t * hd, pool, offs[t], hd)
+        else:
+            for d in range(hd):
+                dst[t, d] = 0
+
+
+@register_jitable
+def _prefetch_rows(pool, offs, n):
+    """Hint the pool rows offs[:n] into the caches: a paged layer is read one head's row at a
+    time, at strides the hardware prefetchers follow poorly across blocks, and a step at depth
+    is bound by these reads. No result changes."""
+    row = pool.shape[3]
     line = max(1, 64 // pool.itemsize)  # elements per cache line
-    for t in range(t0, min(t0 + KEYS, n)):
-        at = ((table[t // bs] * bs + t % bs) * kvh + h) * row
+    for t in range(n):
         for e in range(0, row, line):
-            prefetch(pool, at + e)
+            prefetch(pool, offs[t] * row + e)
 
 
 @register_jitable
@@ -189,15 +219,13 @@ def _scatter(go_buf, gm, gs, members, count, g, s0, o, m, sums):
 
 
 @register_jitable
-def _accumulate_rows(st, v, table, h, t0, n, o, rows, offs):
+def _accumulate_rows(st, v, offs, n, o, rows):
     """_accumulate's sums for the first `rows` rows of o [r8, hd] (rows <= r8 / 2), with 16 of
     hd for 4 rows in registers and V read from the pool as stored, each of its values converted
     once for the 4: each value still gains its n weighted values in key order, so its bits are
     _accumulate's (which adds the chunk's padding keys as + 0: so does _store, which only makes
     a -0 +0). Rows past `rows` up to a multiple of 4 are padding rows of o, summed and unread."""
-    bs, kvh, hd, R8 = v.shape[1], v.shape[2], o.shape[1], st.shape[1]
-    for t in range(n):
-        offs[t] = (table[(t0 + t) // bs] * bs + (t0 + t) % bs) * kvh + h  # the pool rows
+    hd, R8 = o.shape[1], st.shape[1]
     pad = n < KEYS
     for r in range(0, rows, 4):
         for d in range(0, hd - 8, 16):
