@@ -21,6 +21,7 @@ add() and cancel() may be called from other threads; step() runs on the engine's
 """
 
 import threading
+import time
 from collections import deque
 from typing import Protocol
 
@@ -29,7 +30,7 @@ import numpy as np
 from localkv.engine import Engine
 from localkv.kv.step_plan import StepPlan
 from localkv.sequence import Sequence
-from localkv.spec.control import share
+from localkv.spec.control import cost_of, share
 
 
 class Request(Protocol):
@@ -99,7 +100,11 @@ class Scheduler:
         if not plan.seqs:
             self._reap()
             return False
+        alone = len(plan.seqs) == 1 and plan.counts[0] == 1 + drafts[0] and not owners[0].prefilling()
+        t0 = time.perf_counter()
         logits = self.engine.step(plan, drafts=drafts) if any(drafts) else self.engine.step(plan)
+        if alone and self.spec_max:  # one decoding sequence: what a drafted row costs, measured
+            cost_of(self.engine).observe(plan.counts[0], time.perf_counter() - t0)
         rows: dict[int, dict[int, np.ndarray]] = {}
         at = 0
         for seq, d, req in zip(plan.seqs, drafts, owners):

@@ -1,5 +1,6 @@
 """How much to draft: the settings' checks, the draft length a branch earns from its
-acceptance, the share each decoding sequence gets of a step, and where speculation cannot run.
+acceptance and the measured cost of a wider pass, the share each decoding sequence gets of a
+step, and where speculation cannot run.
 
 Defaults, and why: k_max 8, since a verify pass of 1 + 8 rows still costs about one pass over
 the weights on a memory-bound decode (issue 31's target row), while longer drafts are rarely
@@ -8,6 +9,7 @@ did, and 2 still finds the places where a rewrite resumes copying; a single toke
 earlier occurrence nearly everywhere (every "the", every "(") and drafts noise, which costs a
 wider pass each step on text that quotes nothing (the free-chat control)."""
 
+import weakref
 from dataclasses import dataclass, replace
 
 from localkv.errors import LocalkvError
@@ -18,6 +20,15 @@ from localkv.spec.ngram import NgramIndex
 MODES = ("off", "ngram", "draft")
 K_MAX, NGRAM_MAX, NGRAM_MIN = 8, 4, 2
 MAX_REST = 16  # most lookups a branch skips after drafts rejected outright in a row
+# a drafted row's cost as a share of a 1-row decode pass, until the engine has measured it
+# (scripts/verify_width.py, 1 + 8 rows: 2.05 steps on the 1B Q4_K_M, 2.59 on SmolLM2)
+ROW_PRIOR = 0.2
+SMOOTH = 0.2  # weight of the newest pass in the measured costs
+MARGIN = 0.03  # gain a draft must promise over a plain step: timing noise is not a gain
+DECAY = 0.8  # weight of a branch's earlier passes in its acceptance, each pass
+# ... and each time no draft paid: the evidence fades slowly, so a branch whose drafts were
+# rejected tries again now and then (a stretch of copying starts) without paying often
+FADE = 0.95
 
 
 def check(mode: str, k_max: int, n_max: int, n_min: int, draft_model: str | None = None) -> None:
@@ -56,17 +67,61 @@ def share(n_decodes: int, room: int, k_max: int) -> int:
     return max(0, min(k_max, min(room, 2 * k_max) // n_decodes))
 
 
+class PassCost:
+    """What the engine's passes cost, measured as they run: a 1-row decode pass (seconds), and
+    a pass of 1 + j rows as a multiple of it, per j (the cost is not linear in j: the kernels
+    take rows in blocks). One per engine (cost_of), so every request and turn drafts by what the
+    machine has shown, under whatever load it has now; a width not yet measured is assumed at
+    ROW_PRIOR a row, so that it is tried once and then known."""
+
+    def __init__(self, k_max: int = 64):
+        self.one = 0.0  # seconds of a pass of one decoding row (0: none seen yet)
+        self.ratio = [1 + ROW_PRIOR * j for j in range(k_max + 1)]  # [j]: a pass of 1 + j rows
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A pass of one decoding sequence with rows - 1 drafted tokens took `seconds`."""
+        if rows == 1:
+            self.one = seconds if not self.one else (1 - SMOOTH) * self.one + SMOOTH * seconds
+        elif self.one and rows - 1 < len(self.ratio):
+            self.ratio[rows - 1] = (1 - SMOOTH) * self.ratio[rows - 1] + SMOOTH * max(1.0, seconds / self.one)
+
+    def best(self, k: int, accept: float) -> int:
+        """The draft length of at most k with the most tokens per unit of time, when each
+        drafted token is accepted with probability `accept` after its predecessors were (a pass
+        of j drafted rows gives 1 + accept + ... + accept**j tokens); 0 when no length beats a
+        plain step by MARGIN."""
+        best, gain, tokens, p = 0, 1.0 + MARGIN, 1.0, 1.0
+        for j in range(1, min(k, len(self.ratio) - 1) + 1):
+            p *= accept
+            tokens += p
+            if tokens / self.ratio[j] > gain:
+                best, gain = j, tokens / self.ratio[j]
+        return best
+
+
+_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def cost_of(engine) -> PassCost:
+    """The engine's PassCost (the scheduler feeds it, every branch's drafting reads it)."""
+    cost = _COSTS.get(engine)
+    if cost is None:
+        cost = _COSTS[engine] = PassCost(engine.config.spec_max)
+    return cost
+
+
 def for_branch(mode: str, engine, sampler: Sampler, stop_ids: frozenset, prompt_len: int) -> "Speculator | None":
     """A branch's drafting under its request's --spec (None: off); `sampler` is the branch's (a
     draft model draws with its params on a random stream of its own, and a copy of its grammar
     matcher)."""
     cfg = engine.config
     if mode == "ngram":
-        return Speculator.ngram(cfg.spec_max, cfg.spec_ngram_min, cfg.spec_ngram_max)
+        return Speculator(NgramIndex(cfg.spec_ngram_min, cfg.spec_ngram_max), cfg.spec_max, cost=cost_of(engine))
     if mode != "draft":
         return None
     own = Sampler(replace(sampler.p, logprobs=None), stream=1, breakers=sampler.breakers)
-    return Speculator.drafting(cfg.spec_max, DraftModel(engine.draft, own, sampler, stop_ids, prompt_len))
+    model = DraftModel(engine.draft, own, sampler, stop_ids, prompt_len)
+    return Speculator(None, cfg.spec_max, model)  # its own steps cost too: PassCost does not see them
 
 
 @dataclass(slots=True)
@@ -76,17 +131,23 @@ class Speculator:
     after a rejection: a branch that copies its context drafts long, one that does not drafts one
     token at a time, and a new copying stretch is back to k_max within three passes. Drafts
     rejected outright in a row also rest the drafting for 1, 2, 4 .. up to MAX_REST lookups,
-    so text that quotes nothing pays for a wider pass only now and then."""
+    so text that quotes nothing pays for a wider pass only now and then. Under prompt lookup
+    the draft is then cut to the length with the most expected tokens per unit of time (the
+    engine's measured PassCost, the branch's recent acceptance), and none is proposed when no
+    length beats a plain step."""
 
     index: NgramIndex | None  # prompt lookup's (None: a draft model drafts)
     k_max: int
     model: DraftModel | None = None
+    cost: PassCost | None = None  # the engine's measured pass costs (prompt lookup's; None: draft k)
     k: int = 0
     drafted: int = 0  # tokens drafted and verified
     accepted: int = 0  # of those, accepted
     passes: int = 0  # verify passes (steps in which the branch had a draft)
     misses: int = 0  # verify passes in a row that accepted nothing
     rest: int = 0  # lookups left to skip
+    taken: float = 1.0  # drafted tokens accepted, recent passes weighing more (a prior of 1)
+    refused: float = 1.0  # drafted tokens rejected, likewise (at most one a pass)
 
     def __post_init__(self):
         self.k = self.k or self.k_max
@@ -95,9 +156,10 @@ class Speculator:
     def ngram(cls, k_max: int, n_min: int, n_max: int) -> "Speculator":
         return cls(NgramIndex(n_min, n_max), k_max)
 
-    @classmethod
-    def drafting(cls, k_max: int, model: DraftModel) -> "Speculator":
-        return cls(None, k_max, model)
+    def acceptance(self) -> float:
+        """The chance that a drafted token is accepted, its predecessors being (from the
+        accepted prefixes and rejections of recent passes)."""
+        return self.taken / (self.taken + self.refused)
 
     def propose(self, tokens: list[int], limit: int, siblings: tuple["Speculator", ...] = ()) -> list[int]:
         """A draft of at most min(k, limit) tokens to follow `tokens` (all verified), from them or
@@ -105,9 +167,15 @@ class Speculator:
         if self.rest:
             self.rest -= 1
             return []
+        k = min(self.k, limit)
+        if self.cost is not None:
+            k = self.cost.best(k, self.acceptance())
+            if not k:  # not worth a wider pass now: the evidence fades, so drafting is tried again
+                self.taken, self.refused = self.taken * FADE + (1 - FADE), self.refused * FADE + (1 - FADE)
+                return []
         if self.model is not None:
-            return self.model.draft(tokens, min(self.k, limit))
-        return self.index.draft(tokens, min(self.k, limit), tuple(s.index for s in siblings if s.index is not None))
+            return self.model.draft(tokens, k)
+        return self.index.draft(tokens, k, tuple(s.index for s in siblings if s.index is not None))
 
     def law(self, i: int) -> Law | None:
         """The law the draft's token i was drawn from (None: proposed with certainty, or greedy)."""
@@ -125,6 +193,8 @@ class Speculator:
         self.drafted += drafted
         self.accepted += accepted
         self.passes += 1
+        self.taken = DECAY * self.taken + accepted
+        self.refused = DECAY * self.refused + (accepted < drafted)
         self.k = min(self.k_max, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
         self.misses = self.misses + 1 if accepted == 0 else 0
         self.rest = min(MAX_REST, 1 << (self.misses - 1)) if self.misses > 1 else 0
