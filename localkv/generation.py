@@ -178,10 +178,11 @@ class Generation:
         self.advance(live, [rows[b.seq.id] for b in live])
         self._after_advance()
 
-    def draft(self, seq: Sequence, limit: int) -> int:
+    def draft(self, seq: Sequence, limit: int, decoding: int = 1) -> int:
         """Replace the draft after seq's pending token with a new one of at most `limit` tokens
-        (0: none), bounded so that verifying it never passes max_tokens or the context; returns
-        its length. Only the tokens of a draft are pending past the one the branch sampled."""
+        (0: none), bounded so that verifying it never passes max_tokens or the context, for a
+        pass of `decoding` decoding sequences; returns its length. Only the tokens of a draft
+        are pending past the one the branch sampled."""
         b = next((b for b in self.result.branches if b.seq is seq), None)
         if b is None or b.spec is None:
             return 0
@@ -192,7 +193,7 @@ class Generation:
         if room <= 0 or b.finish_reason:
             return 0
         siblings = tuple(o.spec for o in self.result.branches if o is not b and o.spec is not None)
-        proposal = b.spec.propose(seq.tokens, room, siblings)
+        proposal = b.spec.propose(seq.tokens, room, siblings, decoding)
         seq.tokens.extend(proposal)
         b.drafted = len(proposal)
         return b.drafted

@@ -46,7 +46,7 @@ class Request(Protocol):
 
     def prompt_computed(self) -> int: ...  # prompt tokens whose K/V are computed (0 before admit)
 
-    def draft(self, seq: Sequence, limit: int) -> int: ...  # a new draft of <= limit tokens after seq's pending one
+    def draft(self, seq: Sequence, limit: int, decoding: int = 1) -> int: ...  # a new draft of <= limit tokens
 
     def on_logits(self, rows: dict[int, np.ndarray]) -> None: ...  # seq id -> logits (a drafted seq: one per token)
 
@@ -100,11 +100,11 @@ class Scheduler:
         if not plan.seqs:
             self._reap()
             return False
-        alone = len(plan.seqs) == 1 and plan.counts[0] == 1 + drafts[0] and not owners[0].prefilling()
+        decoding = all(n == 1 + d for n, d in zip(plan.counts, drafts)) and not any(r.prefilling() for r in owners)
         t0 = time.perf_counter()
         logits = self.engine.step(plan, drafts=drafts) if any(drafts) else self.engine.step(plan)
-        if alone and self.spec_max:  # one decoding sequence: what a drafted row costs, measured
-            cost_of(self.engine).observe(plan.counts[0], time.perf_counter() - t0)
+        if decoding and self.spec_max:  # what a pass of so many rows costs, measured for the drafts
+            cost_of(self.engine).observe(sum(plan.counts), time.perf_counter() - t0)
         rows: dict[int, dict[int, np.ndarray]] = {}
         at = 0
         for seq, d, req in zip(plan.seqs, drafts, owners):
@@ -215,10 +215,11 @@ class Scheduler:
         for i, (seq, req) in enumerate(decode + prefill):
             if left <= 0:
                 break
-            d = req.draft(seq, min(limit, left - 1)) if limit and i < len(decode) and seq.id not in undrafted else 0
+            drafting = limit and i < len(decode) and seq.id not in undrafted
+            d = req.draft(seq, min(limit, left - 1), len(decode)) if drafting else 0
             n = self.engine.chunk_counts([seq], min(left, self.chunk if not d else 1 + d))[0]
             if d and n < 1 + d:  # the KV policy's chunk limit cut the draft
-                d = req.draft(seq, n - 1)
+                d = req.draft(seq, n - 1, len(decode))
             if req.prefilling():
                 n = min(n, self._until_waited_blocks(req) or n)
             seqs.append(seq)

@@ -68,34 +68,42 @@ def share(n_decodes: int, room: int, k_max: int) -> int:
 
 
 class PassCost:
-    """What the engine's passes cost, measured as they run: a 1-row decode pass (seconds), and
-    a pass of 1 + j rows as a multiple of it, per j (the cost is not linear in j: the kernels
-    take rows in blocks). One per engine (cost_of), so every request and turn drafts by what the
-    machine has shown, under whatever load it has now; a width not yet measured is assumed at
-    ROW_PRIOR a row, so that it is tried once and then known."""
+    """What the engine's decode passes cost, measured as they run: seconds per pass by its
+    rows (one per decoding sequence, plus their drafts). One per engine (cost_of), so every
+    request and turn drafts by what the machine has shown, under whatever load it has now. The
+    cost is not linear in the rows (the kernels take rows in blocks); a width not yet measured
+    is assumed to cost ROW_PRIOR of a 1-row pass per row, so that it is tried and then known."""
 
-    def __init__(self, k_max: int = 64):
-        self.one = 0.0  # seconds of a pass of one decoding row (0: none seen yet)
-        self.ratio = [1 + ROW_PRIOR * j for j in range(k_max + 1)]  # [j]: a pass of 1 + j rows
+    def __init__(self, rows_max: int = 256):
+        self.seconds = [0.0] * (rows_max + 1)  # [r]: a pass of r decoding rows (0: none seen yet)
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A pass of one decoding sequence with rows - 1 drafted tokens took `seconds`."""
-        if rows == 1:
-            self.one = seconds if not self.one else (1 - SMOOTH) * self.one + SMOOTH * seconds
-        elif self.one and rows - 1 < len(self.ratio):
-            self.ratio[rows - 1] = (1 - SMOOTH) * self.ratio[rows - 1] + SMOOTH * max(1.0, seconds / self.one)
+        """A pass whose sequences all decode (each its token and its draft) ran `rows` rows in
+        `seconds`."""
+        if 0 < rows < len(self.seconds):
+            old = self.seconds[rows]
+            self.seconds[rows] = seconds if not old else (1 - SMOOTH) * old + SMOOTH * seconds
 
-    def best(self, k: int, accept: float) -> int:
-        """The draft length of at most k with the most tokens per unit of time, when each
-        drafted token is accepted with probability `accept` after its predecessors were (a pass
-        of j drafted rows gives 1 + accept + ... + accept**j tokens); 0 when no length beats a
-        plain step by MARGIN."""
-        best, gain, tokens, p = 0, 1.0 + MARGIN, 1.0, 1.0
-        for j in range(1, min(k, len(self.ratio) - 1) + 1):
+    def ratio(self, base: int, rows: int) -> float:
+        """A pass of `rows` rows as a multiple of one of `base` rows (measured, else the prior's)."""
+        a, b = self.seconds[base], self.seconds[rows] if rows < len(self.seconds) else 0.0
+        if a and b:
+            return max(1.0, b / a)
+        return (1 + ROW_PRIOR * (rows - 1)) / (1 + ROW_PRIOR * (base - 1))
+
+    def best(self, k: int, accept: float, decoding: int = 1) -> int:
+        """The draft length of at most k that makes a pass of `decoding` sequences give the most
+        tokens per unit of time, when each drafted token is accepted with probability `accept`
+        after its predecessors were (j drafted rows add accept + ... + accept**j tokens to the
+        pass's `decoding`); 0 when no length beats the pass without it by MARGIN."""
+        base = max(1, min(decoding, len(self.seconds) - 1))
+        best, gain, extra, p = 0, 1.0 + MARGIN, 0.0, 1.0
+        for j in range(1, k + 1):
             p *= accept
-            tokens += p
-            if tokens / self.ratio[j] > gain:
-                best, gain = j, tokens / self.ratio[j]
+            extra += p
+            g = (base + extra) / (base * self.ratio(base, base + j))
+            if g > gain:
+                best, gain = j, g
         return best
 
 
@@ -106,7 +114,7 @@ def cost_of(engine) -> PassCost:
     """The engine's PassCost (the scheduler feeds it, every branch's drafting reads it)."""
     cost = _COSTS.get(engine)
     if cost is None:
-        cost = _COSTS[engine] = PassCost(engine.config.spec_max)
+        cost = _COSTS[engine] = PassCost()
     return cost
 
 
@@ -161,21 +169,25 @@ class Speculator:
         accepted prefixes and rejections of recent passes)."""
         return self.taken / (self.taken + self.refused)
 
-    def propose(self, tokens: list[int], limit: int, siblings: tuple["Speculator", ...] = ()) -> list[int]:
+    def propose(
+        self, tokens: list[int], limit: int, siblings: tuple["Speculator", ...] = (), decoding: int = 1
+    ) -> list[int]:
         """A draft of at most min(k, limit) tokens to follow `tokens` (all verified), from them or
-        from the siblings' tokens (a fork's other branches)."""
+        from the siblings' tokens (a fork's other branches), for a pass in which `decoding`
+        sequences decode."""
         if self.rest:
             self.rest -= 1
             return []
         k = min(self.k, limit)
-        if self.cost is not None:
-            k = self.cost.best(k, self.acceptance())
-            if not k:  # not worth a wider pass now: the evidence fades, so drafting is tried again
-                self.taken, self.refused = self.taken * FADE + (1 - FADE), self.refused * FADE + (1 - FADE)
-                return []
         if self.model is not None:
             return self.model.draft(tokens, k)
-        return self.index.draft(tokens, k, tuple(s.index for s in siblings if s.index is not None))
+        draft = self.index.draft(tokens, k, tuple(s.index for s in siblings if s.index is not None))
+        if draft and self.cost is not None:
+            j = self.cost.best(len(draft), self.acceptance(), decoding)
+            if not j:  # not worth a wider pass now: the evidence fades, so a copy that starts is drafted
+                self.taken, self.refused = self.taken * FADE + (1 - FADE), self.refused * FADE + (1 - FADE)
+            draft = draft[:j]
+        return draft
 
     def law(self, i: int) -> Law | None:
         """The law the draft's token i was drawn from (None: proposed with certainty, or greedy)."""

@@ -20,7 +20,7 @@ from localkv.generation import Generation, _history
 from localkv.kv.evict import EvictConfig
 from localkv.sampling import Constraint, SamplingParams
 from localkv.scheduler import Scheduler
-from localkv.spec.control import Speculator
+from localkv.spec.control import PassCost, Speculator
 from localkv.spec.ngram import NgramIndex
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -44,7 +44,7 @@ def oracle(monkeypatch, want: dict[tuple, list[int]], seed: int = 0):
     rng = np.random.default_rng(seed)
     calls = []
 
-    def propose(self, tokens, limit, siblings=()):
+    def propose(self, tokens, limit, siblings=(), decoding=1):
         full = next((w for w in want.values() if w[: len(tokens)] == tokens), None)
         if full is None:  # a sampled reply: random drafts
             full = tokens + rng.integers(3, 261, limit).tolist()
@@ -189,7 +189,7 @@ def test_max_tokens_and_the_end_token_cut_a_draft(models, monkeypatch):  # noqa:
     assert got.tokens == want.tokens and got.finish_reason == "length"
     eng = engine(path, spec="ngram")
     stop = next(iter(eng.tokenizer.stop_ids))
-    monkeypatch.setattr(Speculator, "propose", lambda self, toks, limit, siblings=(): [stop] * limit)
+    monkeypatch.setattr(Speculator, "propose", lambda self, toks, limit, siblings=(), decoding=1: [stop] * limit)
     ended = run(eng, params=replace(GREEDY, ignore_eos=False))
     assert ended.finish_reason in ("stop", "length")
 
@@ -252,6 +252,7 @@ def test_each_branch_of_a_fork_drafts_from_its_siblings_too(models, monkeypatch)
     monkeypatch.setattr(
         NgramIndex, "draft", lambda self, toks, k, others=(): seen.append(len(others)) or draft(self, toks, k, others)
     )
+    monkeypatch.setattr(PassCost, "best", lambda self, k, accept, decoding=1: k)  # every draft found, drafted
     sampled = replace(GREEDY, temperature=0.9, seed=3)
     r = run(engine(path, spec="ngram"), params=sampled, n=3)
     assert seen and set(seen) == {2} and r.speculation()["drafted"] > 0
