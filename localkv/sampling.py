@@ -281,12 +281,13 @@ class Sampler:
         self, logits: np.ndarray, history: Sequence[int] = (), draft: int | None = None, q: Law | None = None
     ) -> int:
         """The next token. draft: a speculative draft's token for this position. Proposed with
-        certainty (prompt lookup: q None, one-hot), it is accepted with probability p(draft)
-        under the distribution every transform above leaves, else replaced by a draw from that
-        distribution without it, renormalised. Drawn from a draft model's law q (distribution()
-        of its row), it is accepted with probability min(1, p/q), else replaced by a draw from
-        max(0, p - q) renormalised (Leviathan et al.). Either way the token's law is p's,
-        whatever was drafted. Greedy returns the argmax as without a draft."""
+        certainty (prompt lookup: q None, one-hot), the token is drawn exactly as without a
+        draft, one draw of this sampler's stream, and the caller keeps the draft where they
+        agree: accepted with probability p(draft), as the rule for a one-hot q has it, and the
+        text is the one no speculation gives, whatever was drafted or how long. Drawn from a
+        draft model's law q (distribution() of its row), it is accepted with probability
+        min(1, p/q), else replaced by a draw from max(0, p - q) renormalised (Leviathan et
+        al.): the token's law is p's. Greedy returns the argmax as without a draft."""
         allowed = self.matcher.allowed() if self.matcher is not None else None
         row, cand = self.masked(logits, history, allowed)
         tok = self._draw(row, cand, draft, q)
@@ -339,14 +340,6 @@ class Sampler:
         idx, probs = self._distribution(logits, cand)
         if draft is not None and q is not None:
             return self._accept_or_resample(logits.size, idx, probs, draft, q)
-        if draft is not None:
-            at = np.flatnonzero(idx == draft)
-            if at.size and self.rng.random() < probs[at[0]]:
-                return draft
-            if at.size:  # rejected: the residual max(0, p - q) is p without the draft
-                probs = probs.copy()
-                probs[at[0]] = 0.0
-                probs /= probs.sum()
         return int(idx[self.rng.choice(len(idx), p=probs)])
 
     def _accept_or_resample(self, size: int, idx: np.ndarray, probs: np.ndarray, draft: int, q: Law) -> int:

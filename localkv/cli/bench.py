@@ -57,6 +57,7 @@ SUITE = typer.Argument(
     "spec_max",
     "draft_model",
     flags={"threads": ("-t", "--threads")},
+    defaults={"spec": "off"},  # llama-bench's plain decode, unless a suite is asked to speculate
 )
 def bench_command(
     n_prompt: int = typer.Option(512, "-p", "--n-prompt", help="speed: prompt tokens of the pp test (0: skip it)."),

@@ -4,7 +4,8 @@
 EngineConfig`; `@sampling_options()` adds the sampling flags and hands it `sampling: Sampling`,
 the flags given, which resolve() turns into SamplingParams once the model is known (a model's
 catalog entry may set its own defaults: `--help` says "model default" for those). Defaults come
-from those dataclasses, so `--help` and the library agree.
+from those dataclasses, so `--help` and the library agree, except --spec: the commands
+speculate by prompt lookup unless told (spec.control.COMMANDS_DEFAULT), the library does not.
 """
 
 import functools
@@ -21,6 +22,7 @@ from localkv.errors import LocalkvError
 from localkv.hub.catalog import sampling_for
 from localkv.kv.evict import EvictConfig
 from localkv.sampling import MAX_LOGPROBS, Constraint, SamplingParams
+from localkv.spec import control as speculation
 
 _ENGINE, _EVICT, _SAMPLING = EngineConfig(), EvictConfig(), SamplingParams()
 _SIZES = {f.name: f.default for f in fields(EngineConfig)}  # sizes as written (EngineConfig keeps bytes)
@@ -86,12 +88,13 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         "V's format alone (llama.cpp's -ctv): the V half of --kv-dtype (K keeps its own).",
     ),
     "spec": (
-        str,
-        _ENGINE.spec,
+        str | None,
+        None,
         ("--spec",),
-        "Speculative decoding: off, ngram (draft the next tokens from the context's own earlier text) or "
-        "draft (a small model of the same vocabulary drafts them, --draft-model); each draft is verified in "
-        "one pass and the text is the same. Off under --evict sliding, h2o or offload.",
+        f"Speculative decoding: ngram (draft the next tokens from the context's own earlier text, as long as "
+        f"a draft pays), draft (a small model of the same vocabulary drafts them, --draft-model) or off; each "
+        f"draft is verified in one pass and greedy text is the same. Default: {speculation.COMMANDS_DEFAULT}, "
+        f"draft with --draft-model. Off under --evict sliding, h2o or offload.",
     ),
     "draft_model": (
         str | None,
@@ -241,8 +244,8 @@ def engine_config(values: dict) -> EngineConfig:
     """An EngineConfig from the engine options' values (missing ones take their defaults),
     validated before any model loads."""
     v = {name: spec[1] for name, spec in ENGINE_OPTIONS.items()} | values
-    if v["draft_model"] and v["spec"] == "off":  # a draft model given is a draft model asked for
-        v["spec"] = "draft"
+    if v["spec"] is None or (v["draft_model"] and v["spec"] == "off"):  # a draft model given is one asked for
+        v["spec"] = "draft" if v["draft_model"] else speculation.COMMANDS_DEFAULT
     evict = EvictConfig(policy=v["evict"], budget=v["kv_budget"], sinks=v["sinks"])
     names = {f.name for f in fields(EngineConfig)} - {"evict", "prefix_cache"}
     kept = {k: v[k] for k in names if k in v}

@@ -18,6 +18,10 @@ from localkv.spec.draft import DraftModel
 from localkv.spec.ngram import NgramIndex
 
 MODES = ("off", "ngram", "draft")
+# what the commands (run, chat, fork, serve) speculate with unless told: prompt lookup drafts only
+# as long as a draft pays (PassCost), so text that copies nothing runs as fast as without it
+# (BENCHMARKS.md, "Speculation by default"); EngineConfig, the library's, keeps "off"
+COMMANDS_DEFAULT = "ngram"
 K_MAX, NGRAM_MAX, NGRAM_MIN = 8, 4, 2
 MAX_REST = 16  # most lookups a branch skips after drafts rejected outright in a row
 # a drafted row's cost as a share of a 1-row decode pass, until the engine has measured it

@@ -105,6 +105,22 @@ def test_greedy_text_is_the_same_with_speculation(models, name, monkeypatch):  #
     assert 0 < s["accepted"] < s["drafted"] and max(calls) > 1
 
 
+def test_sampled_text_is_the_same_with_prompt_lookup_drafts_of_any_length(models, monkeypatch):  # noqa: F811
+    """A seeded, sampled reply with penalties: each verified position draws its token as a plain
+    step does, so random drafts of random lengths (what the measured pass costs make of a draft
+    varies with the machine's load) leave the text as it was; some are accepted."""
+    path = models("llama-Q4_1")
+    for seed in range(4):  # the test model's logits lie far apart: at 60 its draws leave the argmax
+        params = replace(GREEDY, temperature=60.0, top_k=40, repeat_penalty=1.1, max_tokens=48, seed=seed)
+        want = run(engine(path), params=params)
+        monkeypatch.undo()
+        oracle(monkeypatch, {0: PROMPT + want.tokens}, seed=seed)
+        got = run(engine(path, spec="ngram", spec_max=6), params=params)
+        assert tokens(got) == tokens(want), f"seed {seed}"
+        s = got.speculation()
+        assert 0 < s["accepted"] < s["drafted"]
+
+
 def test_forked_branches_speculate_each_on_its_own(models, monkeypatch):  # noqa: F811
     path = models("llama-Q4_1")
     want = run(engine(path), n=3)
