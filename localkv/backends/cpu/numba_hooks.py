@@ -6,7 +6,9 @@ private name it needs is missing.
 - tables_deferred: loading kernels from numba's cache without loading its compiler tables
   (0.125 s of a start), and without numba's "llvm_lock" events (a third of each LLVM call);
 - absent: modules numba imports and never uses for these kernels read as absent (scipy.linalg:
-  about 0.2 s and 50 MB; numba's own scipy and yaml imports: 16 ms).
+  about 0.2 s and 50 MB; numba's own scipy and yaml imports: 16 ms);
+- NO_NRT: the kernels' inner functions compiled without numba's reference counting (a 9-row
+  Q4_0 pass 1.80 -> 1.22 ms, 64 rows of Q8_0 8.03 -> 6.76 ms: "numba's private hooks").
 
 Each load from numba's cache first "refreshes" its CPU target: it imports numba's whole library
 of typing and lowering implementations (numpy, dicts, strings, random, ...) and installs them in
@@ -102,3 +104,10 @@ def absent(*names: str):
         for name in names:
             if name in sys.modules and sys.modules[name] is None:
                 del sys.modules[name]
+
+
+# numba's private jit option `_nrt`: False compiles a function without its reference-counting
+# runtime (NRT). The kernels' small per-super-block helpers (register_jitable, overloads) take
+# array arguments; compiled with NRT, each call would count a reference to each array up and
+# down, which the block-type kernels feel (the module's docstring has the figures).
+NO_NRT = {"_nrt": False}

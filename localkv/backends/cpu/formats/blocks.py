@@ -31,6 +31,7 @@ from numba import types
 from numba.extending import NativeValue, models, overload, register_jitable, register_model, typeof_impl, unbox
 
 from localkv.backends.cpu.formats.types import BLOCK_TYPES, FLOAT_TYPES, activation_group, block_size
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import fjoin, fmul, fsplat, hgather
 from localkv.backends.cpu.simd.u8x32 import (
     at,
@@ -171,7 +172,7 @@ def group(qt, w, blk, j):
     """(u, sa, sb, ma, mb) of group j of the block at byte blk of w (see the module doc)."""
 
 
-@overload(group, jit_options={"_nrt": False})
+@overload(group, jit_options=NO_NRT)
 def _group(qt, w, blk, j):
     return _DECODERS[qt.qname]
 
@@ -209,7 +210,7 @@ def _q2_k(qt, w, blk, j):
     return u, d * np.float32(sa & 15), d * np.float32(sb & 15), -dmin * np.float32(sa >> 4), -dmin * np.float32(sb >> 4)
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _q3_k_scale(w, blk, t):
     lo = (at(w, blk + 96 + (t & 7)) >> (4 * (t >> 3))) & 15
     hi = (at(w, blk + 104 + (t & 3)) >> (2 * (t >> 2))) & 3
@@ -224,7 +225,7 @@ def _q3_k(qt, w, blk, j):
     return u, sa, sb, np.float32(-4) * sa, np.float32(-4) * sb
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _k_scale_min(w, o, j):
     """Scale and min of group j from the 12 packed bytes at w[o:] (Q4_K, Q5_K)."""
     if j < 4:
@@ -233,7 +234,7 @@ def _k_scale_min(w, o, j):
     return sc, (at(w, o + j + 4) >> 4) | ((at(w, o + j) >> 6) << 4)
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _q4_k_u(w, blk, j):
     return band(shr(load32(w, blk + 16 + 32 * (j >> 1)), 4 * (j & 1)), 15)
 
@@ -253,7 +254,7 @@ def _q5_k(qt, w, blk, j):
     return u, s, s, m, m
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _q6_k_u(w, blk, j):
     h, r = j >> 2, j & 3
     lo = band(shr(load32(w, blk + 64 * h + 32 * (r & 1)), 4 * (r >> 1)), 15)
@@ -261,7 +262,7 @@ def _q6_k_u(w, blk, j):
     return bor(lo, shl(hi, 4))
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _q6_k_scale(w, blk, k):
     """The signed 8-bit scale of Q6_K's 16-value sub-block k."""
     return (at(w, blk + 192 + k) ^ 128) - 128
@@ -285,7 +286,7 @@ def k_ints(qt, w, blk, j):
     activation sums): Q4_K's 6-bit scale and min twice, Q6_K's two signed scales twice."""
 
 
-@overload(k_ints, jit_options={"_nrt": False})
+@overload(k_ints, jit_options=NO_NRT)
 def _k_ints(qt, w, blk, j):
     if qt.qname == "Q4_K":
 

@@ -12,6 +12,7 @@ from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels import PAR
 from localkv.backends.cpu.kernels.matmul_few import chunk, chunks
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import bload, fadd, fload, fma, fzero, hload, hsum
 
 
@@ -19,13 +20,13 @@ def load8(qt, w, off):
     """8 weights from flat element off of w as an F32x8."""
 
 
-@overload(load8, jit_options={"_nrt": False})
+@overload(load8, jit_options=NO_NRT)
 def _load8(qt, w, off):
     return {"F32": lambda qt, w, off: fload(w, off), "F16": lambda qt, w, off: hload(w, off),
             "BF16": lambda qt, w, off: bload(w, off)}[qt.qname]  # fmt: skip
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _float_dot(qt, w, base, x, xo, K):
     """Weight row (from element base) . activations x (from element xo), K a multiple of 8."""
     a0, a1, a2, a3 = fzero(), fzero(), fzero(), fzero()

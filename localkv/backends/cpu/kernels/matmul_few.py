@@ -28,6 +28,7 @@ from numba.extending import register_jitable
 
 from localkv.backends.cpu.formats.blocks import act_group, geometry, group, lanes_product
 from localkv.backends.cpu.kernels import EXACT_PAR, SER
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import (
     expand,
     fadd,
@@ -94,7 +95,7 @@ def quantized(x, gs):
     return xq, dx, xs16
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def chunks(ws):
     """Work items over the stacked matrices: chunks of CHUNK rows, none spanning two matrices
     (a kernel then takes its matrix out of the tuple once per chunk, not once per row)."""
@@ -105,7 +106,7 @@ def chunks(ws):
     )
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def chunk(ws, offs, counts, c):
     """(matrix index, first row, end row, output column of row 0) of chunk c."""
     c = np.int64(c)  # prange's index may be unsigned; unsigned - signed is a float in numba
@@ -114,7 +115,7 @@ def chunk(ws, offs, counts, c):
     return i, c * CHUNK, min((c + 1) * CHUNK, ws[i].shape[0]), offs[i]
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _lanes_step(qt, w, blk, j, g, inp, a, m):
     """Group j of the block at blk (group g of the row) . 8 activation rows, into a and m
     (inp: lanes_inputs' xi, dxv, xsa, xsb of one block)."""
@@ -126,7 +127,7 @@ def _lanes_step(qt, w, blk, j, g, inp, a, m):
     return a, fadd(m, fma(fsplat(ma), fload(xsa, 8 * g), fmul(fsplat(mb), fload(xsb, 8 * g))))
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def walk(step, qt, w, base, inp, ng):
     """The groups of one weight row (from byte base) through step(qt, w, blk, j, g, inp, a, m),
     8 lanes at a time, in the order that fixes the lanes' sums: group g into accumulator
@@ -139,7 +140,7 @@ def walk(step, qt, w, base, inp, ng):
     return fadd(fadd(a0, a1), fadd(m0, m1))
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def walk_from(step, qt, w, base, inp, ng, z):
     """walk's four accumulators (a0, a1, m0, m1: its result is (a0 + a1) + (m0 + m1)), each
     starting at z (F32x8, F32x16, or a tuple of them when step runs several weight rows)."""

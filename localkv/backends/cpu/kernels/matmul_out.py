@@ -26,6 +26,7 @@ from numba.extending import register_jitable
 from localkv.backends.cpu.formats.blocks import GATHERED, act_group, group, product, scales8
 from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import PREFETCH, chunk, chunks, quantized, walk
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import fadd, fma, fmul, fsplat, ijoin, lane, tofloat
 from localkv.backends.cpu.simd.u8x32 import at, halves, izero, load32, prefetch, quad_sums
 
@@ -40,7 +41,7 @@ def out_rows(qtype: str) -> int:
     return 2 if qtype in GATHERED else 1
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _four(qt, w, o, blk, j, xv):
     """Group j of the blocks at blk of 4 weight rows (their byte offsets o) . activations xv:
     (quad_sums of the 4 dots, the 4 rows' sa, sb, ma, mb as 4-tuples)."""
@@ -57,7 +58,7 @@ def _four(qt, w, o, blk, j, xv):
     return p, (sa0, sa1, sa2, sa3), (sb0, sb1, sb2, sb3), (ma0, ma1, ma2, ma3), (mb0, mb1, mb2, mb3)
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _out_step(qt, w, blk, j, g, inp, a, m):
     """Group j of the block at blk of 8 weight rows (group g of the rows) . one activation
     row, into a and m: _lanes_step's float ops, lane l for weight row l. inp: the rows' byte
@@ -74,7 +75,7 @@ def _out_step(qt, w, blk, j, g, inp, a, m):
     return a, fadd(m, fma(ma, xsa, fmul(mb, xsb)))
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _rows(n, last, nbytes):
     """The byte offsets of weight rows n..n+7 (the last row repeated past last), as two 4-tuples."""
     lo = (n * nbytes, min(n + 1, last) * nbytes, min(n + 2, last) * nbytes, min(n + 3, last) * nbytes)
@@ -82,7 +83,7 @@ def _rows(n, last, nbytes):
                 min(n + 7, last) * nbytes)  # fmt: skip
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _from_first(lo, hi):
     """The 8 rows' byte offsets (_rows) less the first one's, as I32x8: scales8's gather."""
     b = lo[0]

@@ -22,6 +22,7 @@ from numba.extending import overload, register_jitable
 from localkv.backends.cpu.formats.blocks import group
 from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import CHUNK, PREFETCH, chunk, chunks, walk_from
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import fadd, fma, fmul, fstore, tofloat
 from localkv.backends.cpu.simd.u8x32 import prefetch
 from localkv.backends.cpu.simd.x16 import has_vnni512, lanes_dot16, lanes_dot16_7, load16, splat16, zero16
@@ -46,7 +47,7 @@ def _product_of(qt, u, xi, off):
     return lambda qt, u, xi, off: lanes_dot16_7(u, xi, off)
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _wide_step(qt, w, blk, j, g, inp, a, m):
     """matmul_few._lanes_step for 16 rows (inp: lanes_inputs(qt, x, 16)'s xi, dxv, xsa, xsb)."""
     xi, dxv, xsa, xsb = inp
@@ -57,7 +58,7 @@ def _wide_step(qt, w, blk, j, g, inp, a, m):
     return a, fadd(m, fma(splat16(ma), load16(xsa, 16 * g), fmul(splat16(mb), load16(xsb, 16 * g))))
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def transpose16(vb, tb):
     """tb = the 16 x 16 floats of vb transposed (both small, in L1: moves, no rounding). Writing
     a chunk's outputs to out a column at a time (a scalar store per token row, each to another

@@ -16,6 +16,7 @@ from numba.extending import overload, register_jitable
 from localkv.backends.cpu.formats.blocks import geometry
 from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import _quantize, chunk, chunks
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.u8x32 import at, half, prefetch
 from localkv.backends.cpu.simd.wide import q4k_sums, q6k_sums
 
@@ -97,7 +98,7 @@ def _prepare(qt, x, xq, dx, xs16, xa, bs, r):
     arrange(qt, xq, xa, bs, r)
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _step(qt, w, blk, dx, sb, i, m, acc, low):
     """The float step of one row's super-block sb: two float32 sums, op by op (no fastmath: one
     sequence of roundings whichever kernel runs it)."""
@@ -105,7 +106,7 @@ def _step(qt, w, blk, dx, sb, i, m, acc, low):
     return acc + np.float32(i) * s, low + np.float32(m) * t
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _exact_row(qt, w, base, xa, bs, dx, r, nb):
     """One weight row . activation row r: each super-block's integers exact, then two float32
     sums in super-block order, written out op by op (no fastmath: one sequence of roundings)."""
@@ -120,7 +121,7 @@ def _exact_row(qt, w, base, xa, bs, dx, r, nb):
     return acc - low
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _exact_rows4(qt, w, base, xa, bs, dx, r, nb):
     """_exact_row for activation rows r..r+3, each weight super-block decoded once for the four:
     the same integers and float steps per row, so the same bits."""

@@ -30,6 +30,7 @@ from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import CHUNK, chunk, chunks
 from localkv.backends.cpu.kernels.matmul_wide import transpose16
 from localkv.backends.cpu.kernels.superblock_packed import group_bytes, packed_ints, row_scales16
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.amx import tile_config, tile_dot_u8i8, tile_load, tile_release, tile_store, tile_zero
 from localkv.backends.cpu.simd.f32x8 import fadd, fmul, fstore, fsub, tofloat
 from localkv.backends.cpu.simd.u8x32 import scaled_bytes, store32
@@ -92,7 +93,7 @@ def _bias(qt):
     return lambda qt: k
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _decode(qt, p, base, nsb, i, ad, ms):
     """Weight row i of a packed row group (from byte base of p) as the tiles multiply it: each
     value times its half's integer scale, plus bias(qt), split into a low and a high byte (both
@@ -111,7 +112,7 @@ def _decode(qt, p, base, nsb, i, ad, ms):
             store32(a, o + 4096, hi)
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _dots(ad, sb, xb, cbuf):
     """The integer dots of super-block sb for the chunk's 16 weight rows (ad) x the block's 16
     activation rows (xb: lanes_inputs' layout is the tiles'), as two int32 tiles into cbuf:
@@ -144,7 +145,7 @@ def _dots(ad, sb, xb, cbuf):
     tile_store(1, cbuf, 256, 64)
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _rows(qt, p, base, sb, rows, cbuf, ps, ss, dx, mp, acc, low):
     """Per weight row r of the chunk: super-block sb's two exact integers (the dots' digits
     joined, the bias taken back; the offsets' as pairs_dot16 of the activations' pair sums ps

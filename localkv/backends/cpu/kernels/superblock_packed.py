@@ -22,6 +22,7 @@ from numba.extending import overload, register_jitable
 from localkv.backends.cpu.formats.packed import GROUP, GROUP_BYTES
 from localkv.backends.cpu.kernels import EXACT_PAR
 from localkv.backends.cpu.kernels.matmul_few import CHUNK, _quantize, chunk, chunks
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import fadd, fmul, fstore, fsub, lane, tofloat
 from localkv.backends.cpu.simd.grouped import gather32, hload16, q4k_group, q6k_group
 from localkv.backends.cpu.simd.u8x32 import at, band, bor, half, prefetch, shl, shr
@@ -85,7 +86,7 @@ def packed_ints(qt, p, o, n, j):
     integer scales of its two 16-value halves, the integer factors of their sums)."""
 
 
-@overload(packed_ints, jit_options={"_nrt": False})
+@overload(packed_ints, jit_options=NO_NRT)
 def _packed_ints(qt, p, o, n, j):
     if qt.qname == "Q4_K":
 
@@ -128,7 +129,7 @@ def _row_scales16(qt, p, o, n, dx):
     return q6k
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _prepare(qt, x, xq, dx, xs16, xs, r):
     """Row r's int8 activations (superblock's, per 256) and their sum pairs per group into xs."""
     _quantize(x[r : r + 1], xq[r : r + 1], dx[r : r + 1], xs16[r : r + 1], 256)
@@ -141,7 +142,7 @@ def _prepare(qt, x, xq, dx, xs16, xs, r):
         xs[r, q] = (lo & 0xFFFF) | (hi << 16)
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _row(qt, p, base, nb, xq, xs, dx, r):
     """One activation row against the group at byte base of p: 16 outputs."""
     gb, pairs, K = group_bytes(qt), sum_pairs(qt), xq.shape[1]
@@ -155,14 +156,14 @@ def _row(qt, p, base, nb, xq, xs, dx, r):
     return fsub(acc, low)
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _step(qt, p, o, dx, i, m, acc, low):
     """superblock._step for the 16 lanes: two float32 sums, op by op."""
     s, t = scales16(qt, p, o, splat16(dx))
     return fadd(acc, fmul(tofloat(i), s)), fadd(low, fmul(tofloat(m), t))
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _rows4(qt, p, base, nb, xq, xs, dx, r):
     """_row for activation rows r..r+3, each super-block's weights unpacked once for the four."""
     gb, pairs, K, S = group_bytes(qt), sum_pairs(qt), xq.shape[1], xs.shape[1]
@@ -184,7 +185,7 @@ def _rows4(qt, p, base, nb, xq, xs, dx, r):
     return fsub(a0, l0), fsub(a1, l1), fsub(a2, l2), fsub(a3, l3)
 
 
-@register_jitable(_nrt=False)
+@register_jitable(**NO_NRT)
 def _store(out, r, col, n0, n1, v):
     if n1 - n0 == GROUP:
         fstore(out, r * out.shape[1] + col + n0, v)
