@@ -194,6 +194,9 @@ class Generation:
             return 0
         siblings = tuple(o.spec for o in self.result.branches if o is not b and o.spec is not None)
         proposal = b.spec.propose(seq.tokens, room, siblings, decoding)
+        m = b.sampler.matcher
+        if m is not None and b.spec.model is None:  # a grammar's forced tokens, or a draft it takes
+            proposal = m.guide(proposal, room)
         seq.tokens.extend(proposal)
         b.drafted = len(proposal)
         return b.drafted

@@ -118,6 +118,15 @@ class GrammarMatcher:
         the grammar could."""
         return bool(self._m.consume_token(token))
 
+    def guide(self, draft: list[int], limit: int) -> list[int]:
+        """A speculative draft from here: the tokens the grammar forces next (a schema's keys
+        and punctuation; llguidance's fast-forward tokens), at most limit, or else the part of
+        `draft` the grammar takes, cut at its first token the mask would refuse."""
+        forced = self._m.compute_ff_tokens()
+        if forced:
+            return forced[:limit]
+        return draft[: self._m.validate_tokens(draft)] if draft else draft
+
     @property
     def accepting(self) -> bool:
         """Whether the text so far is a complete match."""
@@ -186,6 +195,12 @@ class LazyMatcher:
         """Take a token that was not drawn under this mask; whether the reply can go on."""
         self.accept(token)
         return not self._dead
+
+    def guide(self, draft: list[int], limit: int) -> list[int]:
+        """GrammarMatcher.guide once triggered; before, any draft (the reply is free text)."""
+        if self._dead:
+            return []
+        return self._m.guide(draft, limit) if self._m is not None else draft
 
     @property
     def triggered(self) -> bool:

@@ -243,6 +243,18 @@ class Gate:
             self.spent += not forced
             self._thinking(self._tok.token_bytes(token))
 
+    def guide(self, draft: list[int], limit: int) -> list[int]:
+        """A speculative draft from here (GrammarMatcher.guide): a forced tag's tokens; in the
+        answer, what its matcher makes of the draft; while thinking, the draft as it is; none
+        while the reply may still open its thinking."""
+        if self._forced:
+            return self._forced[:limit]
+        if self._dead or self.state == OPENING:
+            return []
+        if self.state == ANSWER and self.inner is not None:
+            return self.inner.guide(draft, limit)
+        return draft
+
     def copy(self) -> "Gate":
         """An independent gate at the same position (a draft model drafts on a copy)."""
         c = Gate.__new__(Gate)

@@ -200,6 +200,8 @@ class Matcher(Protocol):
 
     def copy(self) -> "Matcher": ...  # an independent matcher at the same position
 
+    def guide(self, draft: list[int], limit: int) -> list[int]: ...  # a prompt-lookup draft made valid here
+
 
 def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest values of a 1-D row (in no particular order). The k-th largest
