@@ -1,6 +1,7 @@
 """The speculative-sampling rule for a draft proposed with certainty (prompt lookup's q is
-one-hot): a drafted token is accepted with probability p(token), else the draw is from p without
-it, renormalised; so the token's law is p's, whatever was drafted, after every transform."""
+one-hot): the position draws its token as a plain step does, one draw of the sampler's stream,
+and the draft is kept where they agree; so the drafted token comes out with probability
+p(token), the token's law is p's after every transform, and the draws are a plain run's."""
 
 import numpy as np
 import pytest
@@ -49,3 +50,10 @@ def test_the_draft_is_accepted_with_its_probability(params):
 def test_greedy_ignores_the_draft():
     s = Sampler(SamplingParams(temperature=0))
     assert [s(LOGITS, (), d) for d in (None, 0, 3, 5)] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["plain", "truncated-and-penalized"])
+def test_the_draws_are_a_plain_runs_whatever_is_drafted(params):
+    plain, drafted = Sampler(params), Sampler(params)
+    drafts = np.random.default_rng(1).integers(0, LOGITS.size, 500)
+    assert [drafted(LOGITS, HISTORY, int(d)) for d in drafts] == [plain(LOGITS, HISTORY) for _ in drafts]
