@@ -86,10 +86,13 @@ class Result:
 
     def speculation(self) -> dict:
         """Drafted and accepted tokens over the branches, verify passes, accepted tokens per
-        verify pass, and tokens per forward pass (what speculation buys: 1.0 without it)."""
+        verify pass, tokens per forward pass (1.0 without speculation) and the gain: tokens per
+        unit of time against plain decoding, the verify passes weighed by what the engine
+        measured a pass of their width to cost (spec.control.PassCost)."""
         sp = [b.spec for b in self.branches if b.spec is not None]
         drafted, accepted = sum(s.drafted for s in sp), sum(s.accepted for s in sp)
         verify, passes = sum(s.passes for s in sp), sum(b.passes for b in self.branches)
+        steps = passes - verify + sum(s.steps for s in sp)
         return {
             "mode": self.spec,
             "drafted": drafted,
@@ -97,6 +100,7 @@ class Result:
             "verify_passes": verify,
             "accepted_per_verify": round(accepted / verify, 3) if verify else 0.0,
             "tokens_per_pass": round(self.completion_tokens / passes, 3) if passes else 0.0,
+            "gain": round(self.completion_tokens / steps, 3) if steps else 0.0,
         }
 
     def timings(self) -> dict:

@@ -158,6 +158,7 @@ class Speculator:
     passes: int = 0  # verify passes (steps in which the branch had a draft)
     misses: int = 0  # verify passes in a row that accepted nothing
     rest: int = 0  # lookups left to skip
+    steps: float = 0.0  # what its verify passes cost, in 1-row decode passes (PassCost's measure)
     taken: float = 1.0  # drafted tokens accepted, recent passes weighing more (a prior of 1)
     refused: float = 1.0  # drafted tokens rejected, likewise (at most one a pass)
 
@@ -209,6 +210,7 @@ class Speculator:
         self.drafted += drafted
         self.accepted += accepted
         self.passes += 1
+        self.steps += self.cost.ratio(1, 1 + drafted) if self.cost is not None else 1 + drafted
         self.taken = DECAY * self.taken + accepted
         self.refused = DECAY * self.refused + (accepted < drafted)
         self.k = min(self.k_max, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
