@@ -373,6 +373,8 @@ class Generation:
         r.peak_blocks = max(r.peak_blocks, eng.kv.blocks_held(held))
         for b in r.branches:
             if b.finish_reason and b.seq is not None:
+                if b.spec is not None:  # its last verified tokens, for the requests after it
+                    b.spec.learn(b.seq.tokens)
                 self._persist(b.seq)
                 b.stored = b.seq.num_stored
                 self._free(b.seq)

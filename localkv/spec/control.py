@@ -16,6 +16,7 @@ from localkv.errors import LocalkvError
 from localkv.sampling import Law, Sampler
 from localkv.spec.draft import DraftModel
 from localkv.spec.ngram import NgramIndex
+from localkv.spec.shared import SharedNgrams
 
 MODES = ("off", "ngram", "draft")
 # what the commands (run, chat, fork, serve) speculate with unless told: prompt lookup drafts only
@@ -111,15 +112,25 @@ class PassCost:
         return best
 
 
-_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LEARNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> (PassCost, SharedNgrams)
+
+
+def _learned(engine) -> tuple[PassCost, SharedNgrams]:
+    got = _LEARNED.get(engine)
+    if got is None:
+        got = _LEARNED[engine] = (PassCost(), SharedNgrams())
+    return got
 
 
 def cost_of(engine) -> PassCost:
     """The engine's PassCost (the scheduler feeds it, every branch's drafting reads it)."""
-    cost = _COSTS.get(engine)
-    if cost is None:
-        cost = _COSTS[engine] = PassCost()
-    return cost
+    return _learned(engine)[0]
+
+
+def pool_of(engine) -> SharedNgrams:
+    """The engine's shared n-gram pool (every prompt-lookup branch records into it and drafts
+    from it where its own context finds nothing)."""
+    return _learned(engine)[1]
 
 
 def for_branch(mode: str, engine, sampler: Sampler, stop_ids: frozenset, prompt_len: int) -> "Speculator | None":
@@ -128,7 +139,8 @@ def for_branch(mode: str, engine, sampler: Sampler, stop_ids: frozenset, prompt_
     matcher)."""
     cfg = engine.config
     if mode == "ngram":
-        return Speculator(NgramIndex(cfg.spec_ngram_min, cfg.spec_ngram_max), cfg.spec_max, cost=cost_of(engine))
+        index = NgramIndex(cfg.spec_ngram_min, cfg.spec_ngram_max)
+        return Speculator(index, cfg.spec_max, cost=cost_of(engine), pool=pool_of(engine))
     if mode != "draft":
         return None
     own = Sampler(replace(sampler.p, logprobs=None), stream=1, breakers=sampler.breakers)
@@ -152,6 +164,8 @@ class Speculator:
     k_max: int
     model: DraftModel | None = None
     cost: PassCost | None = None  # the engine's measured pass costs (prompt lookup's; None: draft k)
+    pool: SharedNgrams | None = None  # the engine's shared n-grams (prompt lookup's)
+    pooled: int = 0  # tokens of the branch recorded in the pool so far
     k: int = 0
     drafted: int = 0  # tokens drafted and verified
     accepted: int = 0  # of those, accepted
@@ -186,13 +200,23 @@ class Speculator:
         k = min(self.k, limit)
         if self.model is not None:
             return self.model.draft(tokens, k)
+        self.learn(tokens)
         draft = self.index.draft(tokens, k, tuple(s.index for s in siblings if s.index is not None))
+        if not draft and self.pool is not None:  # what other requests (or earlier turns) wrote
+            draft = self.pool.draft(tokens, k)
         if draft and self.cost is not None:
             j = self.cost.best(len(draft), self.acceptance(), decoding)
             if not j:  # not worth a wider pass now: the evidence fades, so a copy that starts is drafted
                 self.taken, self.refused = self.taken * FADE + (1 - FADE), self.refused * FADE + (1 - FADE)
             draft = draft[:j]
         return draft
+
+    def learn(self, tokens: list[int]) -> None:
+        """Record the branch's verified tokens not yet in the engine's shared pool (`tokens`
+        only grows between calls, as the index's list)."""
+        if self.pool is not None and len(tokens) > self.pooled:
+            self.pool.record(tokens, self.pooled, len(tokens))
+            self.pooled = len(tokens)
 
     def law(self, i: int) -> Law | None:
         """The law the draft's token i was drawn from (None: proposed with certainty, or greedy)."""
