@@ -304,7 +304,7 @@ class Engine:
         if n_prompt >= ctx:
             whose = "the model's context" if ctx == self.model_config.ctx_len else "the context (--ctx)"
             raise ContextOverflow(f"prompt is {n_prompt} tokens; {whose} holds {ctx} (shorten the prompt)")
-        if ev.policy == "none" and ev.budget is not None and n_prompt > ev.budget:
+        if self.policy.bounded_context and ev.budget is not None and n_prompt > ev.budget:
             raise BudgetReached(
                 f"prompt is {n_prompt} tokens, more than the KV budget of {ev.budget} "
                 "(raise --kv-budget or choose an --evict policy)"
@@ -333,7 +333,7 @@ class Engine:
         and the tokens one of them holds: the full prompt blocks once, the rest per fork; under a
         KV budget, at most the budget's share each (policy none: at most the context)."""
         ev, bs = self.policy.config, self.block_size
-        total = n_prompt + n_new if ev.policy != "none" else min(n_prompt + n_new, self.ctx)
+        total = min(n_prompt + n_new, self.ctx) if self.policy.bounded_context else n_prompt + n_new
         if ev.budget is not None:
             total = min(total, ev.budget + bs)
         shared = min(n_prompt, total) // bs if n_seqs > 1 else 0  # full prompt blocks every fork shares

@@ -336,7 +336,7 @@ class Generation:
         return not b.finish_reason
 
     def _ends_context(self, length: int) -> bool:
-        return length >= self.engine.ctx and self.engine.policy.config.policy == "none"
+        return length >= self.engine.ctx and self.engine.policy.bounded_context
 
     def _emit(self, b: Branch, text: str, last: bool = False):
         """Stream a branch's text, its thinking apart, its answer past its stop strings, with the

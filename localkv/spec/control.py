@@ -55,9 +55,8 @@ def check(mode: str, k_max: int, n_max: int, n_min: int, draft_model: str | None
 def unavailable(engine) -> str:
     """Why this engine's requests cannot speculate ('' when they can): a rejected draft is rolled
     back, which a KV policy that evicted or scored for the drafted tokens cannot undo."""
-    policy = engine.policy.config.policy
-    if policy != "none":
-        return f"--evict {policy} cannot roll back rejected drafts"
+    if not engine.policy.can_roll_back:
+        return f"--evict {engine.policy.config.policy} cannot roll back rejected drafts"
     return ""
 
 

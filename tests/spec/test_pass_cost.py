@@ -1,7 +1,10 @@
 """A draft is as long as its expected gain says: PassCost's measured pass widths against a
 branch's measured acceptance (spec/control)."""
 
-from localkv.spec.control import MARGIN, ROW_PRIOR, PassCost, Speculator
+from test_one_answer import models  # noqa: F401 (a fixture)
+from test_speculation import engine
+
+from localkv.spec.control import MARGIN, ROW_PRIOR, PassCost, Speculator, unavailable
 from localkv.spec.ngram import NgramIndex
 
 
@@ -57,3 +60,12 @@ def test_a_branch_that_stops_drafting_tries_again_later():
         tries += 1
         assert tries < 200, "a refused branch never drafted again"
     assert tries > 2
+
+
+def test_whether_speculation_runs_is_the_policys_to_say(models):  # noqa: F811
+    """spec.control asks the policy what it can do, not its name: a policy that says it cannot
+    roll back turns speculation off, whatever it is called."""
+    eng = engine(models("llama-Q4_1"), spec="ngram")
+    assert unavailable(eng) == ""
+    eng.policy.can_roll_back = False
+    assert "cannot roll back" in unavailable(eng)

@@ -29,6 +29,9 @@ __all__ = ["POLICIES", "AttendExtras", "EvictConfig", "NoPolicy", "Policy", "Roo
 class NoPolicy:
     """Policy none: nothing leaves a table; with a budget, a step past it raises BudgetReached."""
 
+    can_roll_back = True
+    bounded_context = True
+
     def __init__(self, config: EvictConfig, pool: BlockPool, stats: Stats):
         self.config = config.validate(pool.block_size)
 

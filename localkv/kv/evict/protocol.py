@@ -57,6 +57,8 @@ class Policy(Protocol):
     forgets them, or raises LocalkvError, changing nothing, if the policy acted on them."""
 
     config: EvictConfig
+    can_roll_back: bool  # a step's last tokens can be forgotten after its forward (speculation)
+    bounded_context: bool  # a sequence ends at the context (True), or runs past it by evicting
 
     def chunk_limit(self) -> int | None: ...  # most tokens one step may append to a sequence
 

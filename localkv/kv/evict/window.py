@@ -154,6 +154,9 @@ class WindowPolicy:
     oldest other unshared full blocks leave the table. Subclasses implement remove (where
     they go) and, when attention reads more than the table, extras and after_forward."""
 
+    can_roll_back = False  # what a step's tokens did (victims, attention mass, recalls) stays done
+    bounded_context = False  # a sequence runs past the context: its oldest keys leave
+
     def __init__(self, config: EvictConfig, pool: BlockPool, stats: Stats):
         self.config = config.validate(pool.block_size)
         self.pool, self.stats, self.block_size = pool, stats, pool.block_size
