@@ -10,6 +10,7 @@ from localkv.cli.options import ENGINE_OPTIONS, SAMPLING_OPTIONS, engine_config
 from localkv.config import EngineConfig
 from localkv.errors import LocalkvError
 from localkv.kv.evict import EvictConfig
+from localkv.spec.control import COMMANDS_DEFAULT
 from localkv.units import format_size, parse_size
 
 
@@ -53,7 +54,10 @@ def test_dict_round_trip_keeps_every_field():
 
 
 def test_option_defaults_come_from_the_dataclasses():
-    assert engine_config({}) == EngineConfig().validate()
+    """The dataclasses' defaults, but the commands speculate where the library does not."""
+    assert engine_config({}) == EngineConfig(spec=COMMANDS_DEFAULT).validate()
+    assert EngineConfig().spec == "off" and COMMANDS_DEFAULT == "ngram"
+    assert engine_config({"draft_model": "x.gguf"}).spec == "draft"
     cfg = engine_config({"no_cache": True, "evict": "sliding", "kv_budget": 256, "sinks": 16})
     assert not cfg.prefix_cache and cfg.evict == EvictConfig(policy="sliding", budget=256, sinks=16)
 
