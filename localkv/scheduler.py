@@ -67,6 +67,7 @@ class Scheduler:
         self.engine, self.max_seqs = engine, max_seqs
         self.chunk = engine.config.prefill_chunk
         self.spec_max = engine.config.spec_max if engine.config.spec != "off" else 0
+        self.cost = cost_of(engine) if self.spec_max else None  # fed with the decode passes' times
         self.token_budget = max(token_budget or self.chunk, 1)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
@@ -100,11 +101,12 @@ class Scheduler:
         if not plan.seqs:
             self._reap()
             return False
-        decoding = all(n == 1 + d for n, d in zip(plan.counts, drafts)) and not any(r.prefilling() for r in owners)
+        timed = self.cost is not None and all(n == 1 + d for n, d in zip(plan.counts, drafts))
+        timed = timed and not any(r.prefilling() for r in owners)  # a pass whose sequences all decode
         t0 = time.perf_counter()
         logits = self.engine.step(plan, drafts=drafts) if any(drafts) else self.engine.step(plan)
-        if decoding and self.spec_max:  # what a pass of so many rows costs, measured for the drafts
-            cost_of(self.engine).observe(sum(plan.counts), time.perf_counter() - t0)
+        if timed:  # what a pass of so many rows costs, measured for the drafts
+            self.cost.observe(sum(plan.counts), time.perf_counter() - t0)
         rows: dict[int, dict[int, np.ndarray]] = {}
         at = 0
         for seq, d, req in zip(plan.seqs, drafts, owners):

@@ -138,8 +138,7 @@ def for_branch(mode: str, engine, sampler: Sampler, stop_ids: frozenset, prompt_
     matcher)."""
     cfg = engine.config
     if mode == "ngram":
-        index = NgramIndex(cfg.spec_ngram_min, cfg.spec_ngram_max)
-        return Speculator(index, cfg.spec_max, cost=cost_of(engine), pool=pool_of(engine))
+        return Speculator.ngram(cfg.spec_max, cfg.spec_ngram_min, cfg.spec_ngram_max, cost_of(engine), pool_of(engine))
     if mode != "draft":
         return None
     own = Sampler(replace(sampler.p, logprobs=None), stream=1, breakers=sampler.breakers)
@@ -179,8 +178,10 @@ class Speculator:
         self.k = self.k or self.k_max
 
     @classmethod
-    def ngram(cls, k_max: int, n_min: int, n_max: int) -> "Speculator":
-        return cls(NgramIndex(n_min, n_max), k_max)
+    def ngram(
+        cls, k_max: int, n_min: int, n_max: int, cost: PassCost | None = None, pool: SharedNgrams | None = None
+    ) -> "Speculator":
+        return cls(NgramIndex(n_min, n_max), k_max, cost=cost, pool=pool)
 
     def acceptance(self) -> float:
         """The chance that a drafted token is accepted, its predecessors being (from the

@@ -30,7 +30,8 @@ class SharedNgrams:
         n, slots = self.n, len(self._key)
         for p in range(max(start, n), end):
             h = hash(tuple(tokens[p - n : p]))
-            self._key[h % slots], self._next[h % slots] = h, tokens[p]
+            i = h % slots
+            self._key[i], self._next[i] = h, tokens[p]
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens after `tokens`, each the one recorded after the N before it (the draft's
@@ -41,9 +42,10 @@ class SharedNgrams:
         ctx, out = list(tokens[-n:]), []
         while len(out) < k:
             h = hash(tuple(ctx))
-            if h == 0 or self._key[h % slots] != h:
+            i = h % slots
+            if h == 0 or self._key[i] != h:
                 break
-            t = int(self._next[h % slots])
+            t = int(self._next[i])
             out.append(t)
             ctx = ctx[1:] + [t]
         return out
