@@ -235,16 +235,17 @@ class Engine:
 
     # ------------------------------------------------------------ prefix cache
 
-    def open_sequence(self, prompt_ids: list[int]) -> tuple[Sequence, int]:
+    def open_sequence(self, prompt_ids: list[int], record: bool = True) -> tuple[Sequence, int]:
         """A fresh sequence for a prompt, its leading blocks taken from the prefix cache
-        (pool, then disk) when enabled. Returns it and the number of prompt tokens reused."""
+        (pool, then disk) when enabled. Returns it and the number of prompt tokens reused;
+        `record`: count the lookup in the disk tier's hit rate (a request's, not a warm's)."""
         seq = Sequence(list(prompt_ids))
         if not self.prefix_caching:
             return seq, 0
         mem, disk = self.kv.match_prefix(
             seq, _DiskPrefix(self.disk, self.model_config.fingerprint, self.pool) if self.disk else None
         )
-        if self.disk:
+        if self.disk and record:
             self.disk.record(len(prompt_ids), mem + disk)
         return seq, mem + disk
 

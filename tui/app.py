@@ -39,8 +39,10 @@ from localkv.tui.worker import (
     ReplyDone,
     ReplyProgress,
     ReplyStarted,
+    Warmed,
     build_engine,
     generate,
+    warm,
 )
 
 WIDE = 100  # below this many columns only one side panel is shown at a time
@@ -102,6 +104,8 @@ class ChatApp(App):
         if self.at:
             self.system = _branch_system(self.store.path(self.at))
         self._stop = threading.Event()  # set by Esc/Ctrl-C and on exit; the worker checks it between pieces
+        self._warming = False  # a worker prefills the next turn's start (busy is True meanwhile)
+        self._queued: str | None = None  # a question sent while it did: asked once the warm stops
         self._reply: _Reply | None = None
         self._snap: KVSnapshot | None = None  # the worker's latest copy of the KV numbers
 
@@ -249,12 +253,18 @@ class ChatApp(App):
         self.prompt.remember(text)
         if text.startswith("/"):
             await self._command(text)
+        elif self._warming:  # the warm ends at its next chunk; this question follows
+            self._stop.set()
+            self._queued = text
         elif self.busy:
             await self.transcript.say("busy: wait for the reply, or press Esc to stop it", error=True)
         else:
-            user_view, view = ChatMessage("user", text), ChatMessage("assistant")
-            await self.transcript.add(user_view, view)
-            self._start(_Reply(view, user_view, text), self.params)
+            await self._ask(text)
+
+    async def _ask(self, text: str) -> None:
+        user_view, view = ChatMessage("user", text), ChatMessage("assistant")
+        await self.transcript.add(user_view, view)
+        self._start(_Reply(view, user_view, text), self.params)
 
     async def _command(self, line: str) -> None:
         for effect in cmd.run(self, line):
@@ -426,4 +436,19 @@ class ChatApp(App):
         if event.error:
             await self.transcript.say(event.error, error=True)
         self._snap = self.panel.snapshot = event.snap
-        self._reply, self.busy = None, False
+        self._reply = None
+        if event.next_prefix and self.engine.prefix_caching:  # busy until the warm ends
+            self._warming = True
+            work = partial(warm, self.engine, event.next_prefix, self.post_message, self._stop)
+            self.run_worker(work, name="warm", group="engine", exclusive=True, thread=True)
+        else:
+            self.busy = False
+
+    @on(Warmed)
+    async def _warmed(self, event: Warmed) -> None:
+        self._warming, self.busy = False, False
+        if event.error:
+            await self.transcript.say(event.error, error=True)
+        if self._queued is not None:
+            text, self._queued = self._queued, None
+            await self._ask(text)

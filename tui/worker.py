@@ -5,11 +5,11 @@ handlers on the UI thread. Only one such worker runs at a time (see the rule in 
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from textual.message import Message
 
-from localkv import reasoning
+from localkv import next_turn, reasoning
 from localkv.config import EngineConfig
 from localkv.conversations.turn import Turn
 from localkv.engine import Engine
@@ -66,6 +66,14 @@ class ReplyDone(Message):
     cid: str | None = None
     user_id: str | None = None
     reply_id: str | None = None
+    next_prefix: list[int] = field(default_factory=list)  # the next turn's start, to warm (next_turn.py)
+
+
+@dataclass
+class Warmed(Message):
+    """The warm after a reply ended (or was stopped: new input came); `error` if it failed."""
+
+    error: str = ""
 
 
 @dataclass
@@ -124,7 +132,19 @@ def generate(
             done.cid, done.reply_id = turn.conversation_id, ids[0]
         except LocalkvError as e:
             done.error = f"error: not saved: {e}"
+    if n == 1 and r.finish_reason is not None and not error and not stop.is_set():
+        done.next_prefix = next_turn.prefix_ids(tok, turn.messages(prompt), r.text, params)
     post(done)
+
+
+def warm(engine: Engine, ids: list[int], post: Post, stop: threading.Event) -> None:
+    """Prefill the next turn's start (ReplyDone.next_prefix) while the user reads and types;
+    `stop` (set by new input) ends it between chunks."""
+    try:
+        next_turn.warm(engine, ids, stop.is_set)
+        post(Warmed())
+    except Exception as e:  # the chat goes on; the next turn prefills what is missing
+        post(Warmed(error_line(e)))
 
 
 def _progress_to(post: Post) -> Callable[[PrefillProgress], None]:

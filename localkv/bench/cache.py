@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
+from localkv import next_turn, reasoning
 from localkv.bench.options import Options
 from localkv.bench.peer import peer_env
 from localkv.bench.report import Column, LoadMeter, Report, Target, median, ratio
@@ -32,6 +34,7 @@ QUESTIONS = [
     "Is there a warranty?",
     "How do I apply it to my program?",
 ]
+THINK_BUDGET = 32  # thinking tokens per reply of a thinking model in the scripted chat
 CACHE_FULL = dict(system=2000, turns=10, reply=24)
 CACHE_QUICK = dict(system=64, turns=3, reply=4)
 CHILD_TIMEOUT = 900
@@ -54,6 +57,9 @@ CHAT_COLUMNS = [
     Column("reusable_tokens", "reusable"),
     Column("hit_rate", "hit rate", "%"),
     Column("ttft_s", "TTFT s", ".3f"),
+    Column("reasoning_tokens", "thinking"),
+    Column("warmed_tokens", "warmed after"),
+    Column("warm_s", "warm s", ".3f"),
 ]
 
 
@@ -180,27 +186,33 @@ def _ttft(rows: list[dict], engine: str, cond: str) -> float | None:
 # ------------------------------------------------------------------ chat hit rate
 
 
-def chat(eng: Engine, system: str, turns: int, reply: int, o: Options) -> list[dict]:
+def chat(eng: Engine, system: str, turns: int, reply: int, o: Options, warm: bool = True) -> list[dict]:
     """A scripted chat in one engine: each turn's prompt = system + all earlier turns + a new
-    question; its prefix hits against what a perfect cache could reuse."""
-    bs = eng.block_size
+    question; its prefix hits against what a perfect cache could reuse. A thinking model thinks
+    THINK_BUDGET tokens each turn. After each reply the next turn's prefix is warmed as `chat` and
+    `serve` do (next_turn.py; `warm` False: not, to compare); its tokens and time are columns of
+    their own."""
+    bs, tok = eng.block_size, eng.tokenizer
+    think = THINK_BUDGET if reasoning.family(tok.chat_template) else -1
+    params = SamplingParams(temperature=0.0, max_tokens=reply + max(think, 0), reasoning_budget=think)
     messages = [{"role": "system", "content": system}]
-    prev: list[int] = []
+    prev: list[list[int]] = []
     rows = []
     for i in range(turns):
         messages.append({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]})
-        ids = chat_ids(eng, messages)
-        eng.check_fits(len(ids), reply)
+        text, plan = reasoning.chat(tok, messages, params)
+        ids = tok.encode(text)
+        eng.check_fits(len(ids), params.max_tokens)
         o.say(f"cache chat turn {i + 1}/{turns}: {len(ids)}-token prompt")
-        common = 0
-        for a, b in zip(prev, ids):
-            if a != b:
-                break
-            common += 1
+        common = max((_common(p, ids) for p in prev), default=0)
         reusable = min(common, len(ids) - 1) // bs * bs  # whole blocks, never the last token
-        r = Generation(eng, ids, SamplingParams(temperature=0.0, max_tokens=reply)).run()
+        r = Generation(eng, ids, params, reasoning=plan).run()
+        t0 = time.perf_counter()
+        after = next_turn.prefix_ids(tok, messages, r.text, params)
+        warmed = next_turn.warm(eng, after) if warm else 0
+        warm_s = time.perf_counter() - t0
         messages.append({"role": "assistant", "content": r.text})
-        prev = ids + r.tokens
+        prev = [ids + r.tokens, after]
         rows.append(
             {
                 "turn": i + 1,
@@ -209,9 +221,16 @@ def chat(eng: Engine, system: str, turns: int, reply: int, o: Options) -> list[d
                 "reusable_tokens": reusable,
                 "hit_rate": r.cached_tokens / len(ids),
                 "ttft_s": r.ttft_s,
+                "reasoning_tokens": r.branches[0].reasoning_tokens,
+                "warmed_tokens": warmed,
+                "warm_s": warm_s,
             }
         )
     return rows
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 # ------------------------------------------------------------------ report
@@ -255,9 +274,11 @@ def _notes(o: Options, reply: int) -> list[str]:
         "create_completion's cache lookup and load_state) to the first sampled token, greedy; the model "
         "load before it is the 'model load' column; the prompt is written to the cache after the timing",
         "chat: each turn's prompt = system + all previous turns + the new question, replies generated "
-        f"greedily ({reply} tokens at most), one engine, prefix cache in memory; reusable = the "
-        "previous prompt + reply's tokens this prompt starts with, in whole blocks (what a perfect "
-        "cache could hit), never the last token",
+        f"greedily ({reply} tokens at most; a thinking model thinks {THINK_BUDGET} tokens first), one "
+        "engine, prefix cache in memory; reusable = the previous prompt + reply's tokens, or the "
+        "prefix warmed after the reply, this prompt starts with, in whole blocks (what a perfect "
+        "cache could hit), never the last token; warmed after = tokens prefilled once the reply "
+        "ended, the next turn's prefix as the template writes it (as chat and serve do while idle)",
     ]
     if not o.vs:
         notes.append("add --vs llama.cpp for llama-cpp-python's cold and LlamaDiskCache warm TTFT")

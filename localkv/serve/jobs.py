@@ -6,6 +6,7 @@ job means. The routes render the Job's events in their API's shape; none reads a
 import asyncio
 import hmac
 import json
+from collections.abc import Callable
 from dataclasses import replace
 
 import anyio
@@ -13,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from localkv import reasoning
+from localkv import next_turn, reasoning
 from localkv.errors import ContextOverflow, LocalkvError, PoolExhausted
 from localkv.events import Event, Failed
 from localkv.generation import Generation
@@ -90,11 +91,20 @@ async def submit(runner: Runner, ask: Ask, plan: Plan | None = None) -> Job:
     `plan`: a chat's tools (toolcalls.prepare)."""
     gens = await run_in_threadpool(build, runner.engine, ask, plan, runner.opts.defaults)
     try:
-        return runner.submit(gens, asyncio.get_running_loop())
+        return runner.submit(gens, asyncio.get_running_loop(), _next_prefix(runner.engine, ask, plan, gens))
     except QueueFull as e:
         raise ApiError(429, str(e), code="server_busy") from None
     except ShuttingDown as e:  # the signal came while the prompt was being tokenized
         raise stopping(str(e)) from None
+
+
+def _next_prefix(engine, ask: Ask, plan: Plan | None, gens: list[Generation]) -> Callable[[], list[int]] | None:
+    """For a chat with one reply: the next turn's prefix once the reply is known, to warm while
+    idle (next_turn.py). A client that asked for several replies may send back any."""
+    if ask.kind != "chat" or len(gens) != 1 or gens[0].n != 1:
+        return None
+    g, tok = gens[0], engine.tokenizer
+    return lambda: next_turn.prefix_ids(tok, ask.messages, g.result.text, g.params, ask.template_vars, plan)
 
 
 def build(engine, ask: Ask, plan: Plan | None = None, defaults: dict | None = None) -> list[Generation]:

@@ -44,6 +44,7 @@ class Counters:
     requests: dict[str, int] = field(default_factory=dict)  # outcome -> count
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    warmed_tokens: int = 0  # prefilled while idle: finished chats' next prefixes (next_turn.py)
     generated_tokens: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
 
@@ -104,6 +105,10 @@ _HELP = {
     ),
     "localkv_prompt_tokens_total": ("counter", "Prompt tokens of accepted requests"),
     "localkv_cached_prompt_tokens_total": ("counter", "Prompt tokens of accepted requests taken from the prefix cache"),
+    "localkv_warmed_tokens_total": (
+        "counter",
+        "Tokens prefilled while idle: finished chats' next prompts as the template writes them",
+    ),
     "localkv_generated_tokens_total": ("counter", "Tokens generated"),
     "localkv_time_to_first_token_seconds": ("histogram", "From a request's arrival to its first token"),
 }
@@ -150,6 +155,7 @@ def render(counters: Counters, snap: Snapshot | None) -> str:
         put("localkv_requests_total", n, f'{{outcome="{outcome}"}}')
     put("localkv_prompt_tokens_total", counters.prompt_tokens)
     put("localkv_cached_prompt_tokens_total", counters.cached_tokens)
+    put("localkv_warmed_tokens_total", counters.warmed_tokens)
     put("localkv_generated_tokens_total", counters.generated_tokens)
     head("localkv_time_to_first_token_seconds")
     out += counters.ttft.lines("localkv_time_to_first_token_seconds")

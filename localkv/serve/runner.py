@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from localkv import next_turn
 from localkv.config import EngineConfig, ServeOptions
 from localkv.engine import Engine
 from localkv.errors import LocalkvError
@@ -37,6 +38,7 @@ class ShuttingDown(LocalkvError):
 
 
 STOPPING = "the server is shutting down"
+WARMS = 8  # finished chats whose next prefix waits for an idle moment
 
 
 @dataclass(eq=False, slots=True)
@@ -53,6 +55,7 @@ class Job:
     failed: bool = False  # a Failed event was pushed: nothing follows it
     stopped: bool = False  # failed because the server stopped, not because a step broke
     cancelled: bool = False
+    after: Callable[[], list[int]] | None = None  # once answered: the tokens to warm while idle (next_turn.py)
     _waking: bool = False  # a wake is on its way to the loop: do not send another
 
     def take(self) -> list[Event]:
@@ -125,6 +128,7 @@ class Runner:
         self._jobs: list[Job] = []  # the engine thread's list
         self._new: deque[Job] = deque()
         self._calls: deque[tuple[Callable, Future]] = deque()
+        self._warms: deque[Callable[[], list[int]]] = deque(maxlen=WARMS)  # newest kept: the likeliest next
         self._in_flight = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -152,8 +156,12 @@ class Runner:
     def ready(self) -> bool:
         return self.state == "ready"
 
-    def submit(self, gens: list[Generation], loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue the generations of one request; QueueFull when the server holds its limit."""
+    def submit(
+        self, gens: list[Generation], loop: asyncio.AbstractEventLoop, after: Callable[[], list[int]] | None = None
+    ) -> Job:
+        """Queue the generations of one request; QueueFull when the server holds its limit.
+        `after`: once they are answered, the token ids to prefill while the server is idle (a
+        chat's next prefix, next_turn.py), computed then in the engine's thread."""
         with self._lock:
             o = self.opts
             if self.draining:
@@ -165,7 +173,7 @@ class Runner:
                     f"+ --max-queue {o.max_queue}); retry later"
                 )
             self._in_flight += len(gens)
-        job = Job(gens, loop, asyncio.Event())
+        job = Job(gens, loop, asyncio.Event(), after=after)
         self._new.append(job)
         for g in gens:
             self.scheduler.add(g)
@@ -247,6 +255,8 @@ class Runner:
                 self._cut()
             elif sched.busy:
                 self._step()
+            elif self._warms and not self.draining and not self._calls and not self._new:
+                self._warm(self._warms.pop())
             elif not self._calls and not self._new:
                 self._wake.wait()
 
@@ -258,6 +268,14 @@ class Runner:
                     fut.set_result(fn())
                 except BaseException as e:  # handed to the caller
                     fut.set_exception(e)
+
+    def _warm(self, prefix: Callable[[], list[int]]):
+        """Nothing to run: prefill a finished chat's next prefix, until new work comes (a
+        submit or call sets the wake). A warm only saves time later: a failure is logged."""
+        try:
+            self.counters.warmed_tokens += next_turn.warm(self.engine, prefix(), stop=self._wake.is_set)
+        except Exception:
+            self.log(f"localkv serve: warming a chat's next prompt failed:\n{traceback.format_exc()}")
 
     def _step(self):
         try:
@@ -322,6 +340,8 @@ class Runner:
 
     def _finish(self, job: Job):
         job.done = True
+        if job.after is not None and not (job.failed or job.cancelled):
+            self._warms.append(job.after)
         with self._lock:  # submit() counts refusals from the HTTP thread
             self.counters.count("error" if job.failed else "cancelled" if job.cancelled else "completed")
             self._in_flight -= len(job.gens)

@@ -3,6 +3,8 @@ read by the official clients: OpenAI's `reasoning_content` (an extra field of th
 the streamed deltas) and Ollama's `message.thinking`, whole and streamed; thinking turned off by
 reasoning_effort, chat_template_kwargs and Ollama's think; /api/show's thinking capability."""
 
+import time
+
 import httpx
 import ollama
 import openai
@@ -12,6 +14,7 @@ from thinking_models import scripted, write
 from localkv.config import EngineConfig, ServeOptions
 from localkv.errors import LocalkvError
 from localkv.model.tokenizer import Tokenizer
+from localkv.serve.metrics import parse
 from localkv.serve.server import BackgroundServer
 
 REPLY = "<think>\nThe capital: Paris.\n</think>\n\nParis."
@@ -141,3 +144,28 @@ def test_the_servers_no_think_is_the_default_a_request_can_override(model, tok, 
 def test_a_bad_server_wide_budget_fails_at_start():
     with pytest.raises(LocalkvError, match="reasoning budget"):
         ServeOptions(defaults={"reasoning_budget": -5}).validate()
+
+
+def test_a_finished_chat_is_warmed_while_idle_so_the_next_turn_hits_up_to_its_question(
+    server, oai, tok, monkeypatch, name
+):
+    """The template drops turn 1's thinking from turn 2's prompt; the server prefills turn 2's
+    prefix as the template writes it once turn 1 is answered, so turn 2 misses only its question."""
+    scripted(monkeypatch, tok, REPLY)
+    system = {"role": "system", "content": "You answer in one word, and you think first. " * 8}
+    first = [system, *ASK]
+    warmed = metric(server, "localkv_warmed_tokens_total")
+    m = oai.chat.completions.create(model=name, messages=first, max_tokens=40, temperature=0).choices[0].message
+    deadline = time.monotonic() + 60
+    while metric(server, "localkv_warmed_tokens_total") == warmed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "localkv_warmed_tokens_total") > warmed
+    second = [*first, {"role": "assistant", "content": m.content}, {"role": "user", "content": "And of Spain?"}]
+    r = oai.chat.completions.create(model=name, messages=second, max_tokens=40, temperature=0)
+    text = tok.render_chat(second, variables={"enable_thinking": True})
+    before_question = len(tok.encode(text[: text.index("And of Spain?")]))
+    assert r.usage.prompt_tokens_details.cached_tokens >= (before_question - 1) // 16 * 16
+
+
+def metric(server, key: str) -> float:
+    return parse(httpx.get(server.url + "/metrics", timeout=60).text).get(key, 0.0)

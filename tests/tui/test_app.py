@@ -4,6 +4,7 @@ each widget in its own test module."""
 
 import asyncio
 import re
+import time
 from dataclasses import replace
 
 import pytest
@@ -450,3 +451,32 @@ async def test_title_and_ready_line_name_the_model_as_the_catalog_does(real_mode
         assert app.engine.model_config.name != "smollm2-135m"
         assert app.title == "smollm2-135m"
         assert notices(app)[-1] == ("ready: smollm2-135m, KV policy none", False)
+
+
+@pytest.mark.asyncio
+async def test_a_question_sent_while_the_next_turn_warms_stops_the_warm_and_is_answered(engine, monkeypatch):
+    """After a reply the worker prefills the next turn's start (busy meanwhile); a question sent
+    then ends that warm at once and is asked when it has stopped."""
+    stopped = []
+
+    def slow_warm(eng, ids, stop):
+        deadline = time.monotonic() + (20 if not stopped else 0)  # the first: until new input asks it to stop
+        while not stop() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopped.append(stop())
+        return 0
+
+    monkeypatch.setattr("localkv.tui.worker.next_turn.warm", slow_warm)
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press(*"hello", "enter")
+        for _ in range(1000):
+            await pilot.pause(0.02)
+            if app._warming:
+                break
+        assert app._warming and app.busy
+        await pilot.press(*"again", "enter")
+        await idle(pilot)
+        assert stopped[0] is True  # ended by the question, not by its timeout
+        assert [m for m in messages(app) if m[0] == "user"] == [("user", "hello"), ("user", "again")]
+        assert not app._warming and app._queued is None

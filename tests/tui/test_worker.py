@@ -13,9 +13,11 @@ from localkv.tui.worker import (
     ReplyChunk,
     ReplyDone,
     ReplyStarted,
+    Warmed,
     build_engine,
     error_line,
     generate,
+    warm,
 )
 
 GREEDY = SamplingParams(temperature=0, seed=0, max_tokens=24)
@@ -111,3 +113,16 @@ def test_build_engine_posts_the_error_when_it_fails(tmp_path):
 def test_error_line_names_a_bug_as_one():
     assert error_line(LocalkvError("pool full")) == "error: pool full"
     assert error_line(KeyError("k")) == "error: internal error: KeyError: 'k'"
+
+
+def test_a_reply_names_the_next_turns_start_and_warming_it_makes_the_next_turn_hit(engine, fake_clock):
+    store = ConversationStore()
+    first = run(engine, Turn(store), "hello", fake_clock())[-1]
+    assert first.next_prefix
+    posted = []
+    warm(engine, first.next_prefix, posted.append, threading.Event())
+    assert posted == [Warmed()]
+    path = store.path(first.reply_id)
+    turn = Turn(store, first.cid, first.reply_id, [{"role": m.role, "content": m.content} for m in path])
+    started = run(engine, turn, "again", fake_clock())[0]
+    assert started.cached_tokens == len(first.next_prefix) // engine.block_size * engine.block_size
