@@ -46,8 +46,12 @@ def prefix_ids(
         a, b = (_ids(tok, [*done, {"role": "user", "content": p}], params, tools, extra) for p in PROBES)
     except LocalkvError:
         return []
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return a[:n]
+    return a[: common_length(a, b)]
+
+
+def common_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _ids(tok: Tokenizer, messages: list[dict], params: SamplingParams, tools, extra) -> list[int]:

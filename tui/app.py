@@ -436,19 +436,17 @@ class ChatApp(App):
         if event.error:
             await self.transcript.say(event.error, error=True)
         self._snap = self.panel.snapshot = event.snap
-        self._reply = None
-        if event.next_prefix and self.engine.prefix_caching:  # busy until the warm ends
-            self._warming = True
+        self._reply, self._warming = None, bool(event.next_prefix)
+        self.busy = self._warming  # busy until the warm ends
+        if self._warming:
             work = partial(warm, self.engine, event.next_prefix, self.post_message, self._stop)
             self.run_worker(work, name="warm", group="engine", exclusive=True, thread=True)
-        else:
-            self.busy = False
 
     @on(Warmed)
     async def _warmed(self, event: Warmed) -> None:
-        self._warming, self.busy = False, False
+        self._warming = self.busy = False
         if event.error:
             await self.transcript.say(event.error, error=True)
-        if self._queued is not None:
-            text, self._queued = self._queued, None
+        if (text := self._queued) is not None:
+            self._queued = None
             await self._ask(text)

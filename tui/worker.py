@@ -132,7 +132,7 @@ def generate(
             done.cid, done.reply_id = turn.conversation_id, ids[0]
         except LocalkvError as e:
             done.error = f"error: not saved: {e}"
-    if n == 1 and r.finish_reason is not None and not error and not stop.is_set():
+    if n == 1 and r.finish_reason is not None and not error and not stop.is_set() and engine.prefix_caching:
         done.next_prefix = next_turn.prefix_ids(tok, turn.messages(prompt), r.text, params)
     post(done)
 

@@ -204,7 +204,7 @@ def chat(eng: Engine, system: str, turns: int, reply: int, o: Options, warm: boo
         ids = tok.encode(text)
         eng.check_fits(len(ids), params.max_tokens)
         o.say(f"cache chat turn {i + 1}/{turns}: {len(ids)}-token prompt")
-        common = max((_common(p, ids) for p in prev), default=0)
+        common = max((next_turn.common_length(p, ids) for p in prev), default=0)
         reusable = min(common, len(ids) - 1) // bs * bs  # whole blocks, never the last token
         r = Generation(eng, ids, params, reasoning=plan).run()
         t0 = time.perf_counter()
@@ -227,10 +227,6 @@ def chat(eng: Engine, system: str, turns: int, reply: int, o: Options, warm: boo
             }
         )
     return rows
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 # ------------------------------------------------------------------ report
