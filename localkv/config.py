@@ -99,6 +99,10 @@ class ServeOptions:
     api_key: str | None = None
     log_requests: bool = False
     shutdown_timeout: float = 15.0  # seconds requests in flight may take to finish on SIGTERM/SIGINT
+    # KV events for KV-aware routers (serve/kv_events.py): ZeroMQ endpoints, the topic frame
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
     # sampling for requests that do not set it, over the model's catalog defaults (--no-think,
     # --reasoning-budget: llama-server's server-wide reasoning settings)
     defaults: dict = field(default_factory=dict)
@@ -115,5 +119,7 @@ class ServeOptions:
             raise LocalkvError(f"invalid --batch-tokens {self.batch_tokens}: must be >= 1")
         if not 0 <= self.shutdown_timeout <= 86400:  # also refuses NaN
             raise LocalkvError(f"invalid --shutdown-timeout {self.shutdown_timeout:g}: must be in 0..86400 seconds")
+        if self.kv_events_replay and not self.kv_events:
+            raise LocalkvError("--kv-events-replay needs --kv-events (the endpoint the events are published at)")
         SamplingParams(**self.defaults).validate()  # at start, not in every request
         return self

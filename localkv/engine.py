@@ -265,7 +265,8 @@ class Engine:
                     disk.keep(fp, h)
                     continue
                 bid = seq.block_table[i]
-                if not disk.put(fp, name, h, toks, self.pool.k[:, bid], self.pool.v[:, bid]):
+                parent = seq.block_hashes[i - 1] if i else None
+                if not disk.put(fp, name, h, toks, self.pool.k[:, bid], self.pool.v[:, bid], parent):
                     blocks = i  # disabled (unwritable) or full: a warning says which
                     break
         if disk.full and disk.warning is None:

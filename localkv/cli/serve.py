@@ -53,6 +53,21 @@ def serve(
         help="On SIGTERM or Ctrl-C, seconds the requests in flight may take to finish; then each "
         "ends with an error. New requests get 503 meanwhile; a second signal stops at once.",
     ),
+    kv_events: str | None = typer.Option(
+        None,
+        "--kv-events",
+        help="Publish the prefix cache's block stores and removals (memory and disk) at this ZeroMQ "
+        "endpoint, in vLLM's KV event format, for KV-aware routers (e.g. tcp://*:5557).",
+        show_default=False,
+    ),
+    kv_events_replay: str | None = typer.Option(
+        None,
+        "--kv-events-replay",
+        help="A ZeroMQ endpoint that resends recent event batches from a sequence number on request "
+        "(vLLM's replay socket, e.g. tcp://*:5558).",
+        show_default=False,
+    ),
+    kv_events_topic: str = typer.Option(D.kv_events_topic, "--kv-events-topic", help="The events' topic frame."),
     *,
     engine: EngineConfig,
 ):
@@ -73,6 +88,9 @@ def serve(
         key,
         log_requests,
         shutdown_timeout=shutdown_timeout,
+        kv_events=kv_events,
+        kv_events_replay=kv_events_replay,
+        kv_events_topic=kv_events_topic,
         defaults={k: v for k, v in given.items() if v is not None},
     )
     run_server(engine, opts, say=err)

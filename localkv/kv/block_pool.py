@@ -21,6 +21,7 @@ import numpy as np
 
 from localkv import kv_format
 from localkv.errors import PoolExhausted
+from localkv.kv.block_events import MEMORY, BlockLog
 from localkv.stats import Stats
 
 
@@ -30,6 +31,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None  # set once full and registered for prefix reuse
     tokens: tuple[int, ...] = ()  # the block's token ids, to verify a hash hit
+    parent: int | None = None  # the previous block's hash in the chain (for KV events)
 
 
 class BlockPool:
@@ -61,6 +63,7 @@ class BlockPool:
         self._warm: list[int] = []  # freed blocks without a hash, most recent last (may hold stale ids)
         self.cached: dict[int, int] = {}  # prefix hash -> block id
         self.stats = stats or Stats()
+        self.log: BlockLog | None = None  # told what becomes findable by hash and what stops being
 
     @property
     def num_blocks(self) -> int:
@@ -97,8 +100,8 @@ class BlockPool:
         bid, _ = self.free_queue.popitem(last=False)
         block = self.blocks[bid]
         if block.hash is not None:
-            del self.cached[block.hash]
-        block.ref_count, block.hash, block.tokens = 1, None, ()
+            self._forget(block)
+        block.ref_count = 1
         return bid
 
     def incref(self, bid: int):
@@ -121,19 +124,27 @@ class BlockPool:
                         b for b in dict.fromkeys(self._warm) if b in self.free_queue and self.blocks[b].hash is None
                     ]
 
-    def register(self, bid: int, h: int, tokens: tuple[int, ...]):
-        """Make a full block findable by its prefix hash (first writer wins)."""
+    def register(self, bid: int, h: int, tokens: tuple[int, ...], parent: int | None = None):
+        """Make a full block findable by its prefix hash (first writer wins); parent: the hash
+        of the block before it in its chain."""
         block = self.blocks[bid]
         if block.hash is None and h not in self.cached:
-            block.hash, block.tokens = h, tokens
+            block.hash, block.tokens, block.parent = h, tokens, parent
             self.cached[h] = bid
+            if self.log is not None:
+                self.log.stored(h, parent, tokens, MEMORY)
 
     def unregister(self, bid: int):
         """Make a block no longer findable by its hash (its tokens are about to change)."""
         block = self.blocks[bid]
         if block.hash is not None:  # then cached[hash] is this block (first writer wins)
-            del self.cached[block.hash]
-            block.hash, block.tokens = None, ()
+            self._forget(block)
+
+    def _forget(self, block: Block):
+        del self.cached[block.hash]
+        if self.log is not None:
+            self.log.removed(block.hash, MEMORY)
+        block.hash, block.tokens, block.parent = None, (), None
 
     def lookup(self, h: int, tokens: tuple[int, ...]) -> int | None:
         bid = self.cached.get(h)

@@ -114,7 +114,7 @@ class KVManager:
             if not ok:  # a corrupt or vanished entry: the chain ends before it
                 hit = i
                 break
-            self.pool.register(bid, h, toks)
+            self.pool.register(bid, h, toks, hashes[i - 1] if i else None)
         for bid in seq.block_table[hit:]:
             self.pool.release(bid)
         del seq.block_table[hit:]
@@ -136,9 +136,9 @@ class KVManager:
             return
         seq.block_hashes = self.chain(seq.tokens, n_full, seq.block_hashes)
         for i in range(done, n_full):
-            self.pool.register(
-                seq.block_table[i], seq.block_hashes[i], tuple(seq.tokens[i * self.bs : (i + 1) * self.bs])
-            )
+            toks = tuple(seq.tokens[i * self.bs : (i + 1) * self.bs])
+            parent = seq.block_hashes[i - 1] if i else None
+            self.pool.register(seq.block_table[i], seq.block_hashes[i], toks, parent)
 
     # ------------------------------------------------------------ sharing
 

@@ -43,6 +43,7 @@ class Damaged(Exception):
 
 
 FIELDS = frozenset({"fingerprint", "model", "hash", "checksum", "dtype", "tokens", "shape"})
+PARENT = "parent"  # optional: the hash of the block before it (a first block, or an older entry, has none)
 MAX_DIM = 1 << 16  # layers, block size, KV heads or head dim beyond this is damage, not a model
 MAX_TOKEN = 1 << 31  # token ids are below this in every vocabulary
 _HEX = frozenset("0123456789abcdef")
@@ -63,11 +64,11 @@ def _ints(x, low: int, high: int) -> bool:
 def header_ok(m) -> bool:
     """The JSON header has exactly the fields this version writes, each of the type and in the
     range a real entry has. Anything else (a list where a string belongs, a bool for an int, a
-    huge number, a missing or extra field) is damage, checked before any value is used: a value
+    huge number, a missing or unknown field) is damage, checked before any value is used: a value
     of the wrong type must never reach code that hashes, compares or sizes it."""
     return (
         type(m) is dict
-        and m.keys() == FIELDS
+        and (m.keys() == FIELDS or (m.keys() == FIELDS | {PARENT} and _hex(m[PARENT], 32)))
         and _text(m["fingerprint"], 256)
         and _text(m["model"], 1024)
         and _hex(m["hash"], 32)

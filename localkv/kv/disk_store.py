@@ -33,7 +33,8 @@ import numpy as np
 from localkv import kv_format
 from localkv.home import STALE_AGE, home, private_dir
 from localkv.kv import disk_counters as counters
-from localkv.kv.disk_entry import Damaged, all_finite, decode, encode, holds_entry, read_file, read_header
+from localkv.kv.block_events import DISK, BlockLog, Stored
+from localkv.kv.disk_entry import PARENT, Damaged, all_finite, decode, encode, holds_entry, read_file, read_header
 from localkv.kv.disk_files import TMP, make_dirs, orphan, real_dirs, unlink, write_atomic
 from localkv.kv.evict.protocol import to_host
 
@@ -73,6 +74,7 @@ class DiskStore:
         self._kept: set[Path] | None = None  # a prompt's entries while it is written (prefix())
         self.full = False  # the last prefix() found no room for all of its blocks
         self._lock = threading.Lock()  # reads may run on two threads
+        self.log: BlockLog | None = None  # told of the entries this process writes and removes
 
     def path(self, fingerprint: str, h: int) -> Path:
         x = f"{h:032x}"
@@ -141,6 +143,11 @@ class DiskStore:
             with self._lock:
                 if unlink(path) and self._total is not None:
                     self._total -= size
+            self._tell_removed(path)
+
+    def _tell_removed(self, path: Path):
+        if self.log is not None:
+            self.log.removed(int(path.name[:32], 16), DISK)
 
     # ----------------------------------------------------------------- write
 
@@ -161,10 +168,12 @@ class DiskStore:
         if self._kept is not None:
             self._kept.add(self.path(fingerprint, h))
 
-    def put(self, fingerprint: str, model_name: str, h: int, tokens, k: np.ndarray, v: np.ndarray) -> bool:
+    def put(
+        self, fingerprint: str, model_name: str, h: int, tokens, k: np.ndarray, v: np.ndarray, parent: int | None = None
+    ) -> bool:
         """Store one block (k, v: [layers, block_size, kv_heads, head_dim]) unless present; a
-        block holding NaN or Inf is not stored. Never raises for I/O: a failure disables
-        writes for this process and sets warning."""
+        block holding NaN or Inf is not stored; parent: the hash of the block before it. Never
+        raises for I/O: a failure disables writes for this process and sets warning."""
         k, v = to_host(k), to_host(v)  # a GPU pool's block: copied to the host (CuPy has no implicit copy)
         if k.shape != v.shape or k.ndim != 4 or k.shape[1] != len(tokens):
             raise ValueError(f"k {k.shape} and v {v.shape} must both be [layers, {len(tokens)}, heads, dim]")
@@ -195,7 +204,7 @@ class DiskStore:
             "tokens": [int(t) for t in tokens],
             "dtype": kv_format.of(kv).stored,
             "shape": list(k.shape),
-        }
+        } | ({PARENT: f"{parent:032x}"} if parent is not None else {})
         chunks = encode(meta, memoryview(kv).cast("B"))
         try:
             if self._total is None:
@@ -212,6 +221,8 @@ class DiskStore:
         self._total += sum(len(c) for c in chunks)
         if self._kept is not None:
             self._kept.add(path)
+        if self.log is not None:
+            self.log.stored(h, parent, tuple(meta["tokens"]), DISK)
         if self._total > self.max_bytes:
             self._enforce_cap()
             if self._kept is not None and self._total > self.max_bytes:  # nothing but the prompt is left
@@ -262,14 +273,20 @@ class DiskStore:
         out = []
         for d in self._dirs(self.root, _NS):
             for sub in self._dirs(d, _SUB):
-                with contextlib.suppress(OSError), os.scandir(sub) as it:
-                    for f in it:
-                        if _FILE.fullmatch(f.name) and f.name.startswith(sub.name):
-                            with contextlib.suppress(OSError):
-                                st = f.stat(follow_symlinks=False)
-                                out.append(_Entry(Path(f.path), st.st_size, st.st_mtime))
-                        elif temps is not None and TMP.fullmatch(f.name):
-                            temps.append(Path(f.path))
+                out += self._scan_dir(sub, temps)
+        return out
+
+    @staticmethod
+    def _scan_dir(sub: Path, temps: list | None = None) -> list[_Entry]:
+        out = []
+        with contextlib.suppress(OSError), os.scandir(sub) as it:
+            for f in it:
+                if _FILE.fullmatch(f.name) and f.name.startswith(sub.name):
+                    with contextlib.suppress(OSError):
+                        st = f.stat(follow_symlinks=False)
+                        out.append(_Entry(Path(f.path), st.st_size, st.st_mtime))
+                elif temps is not None and TMP.fullmatch(f.name):
+                    temps.append(Path(f.path))
         return out
 
     @staticmethod
@@ -312,6 +329,7 @@ class DiskStore:
                     continue  # a prompt's first blocks, being written: see prefix()
                 if unlink(e.path):
                     removed += 1
+                    self._tell_removed(e.path)
                 total -= e.size
         self._total = total
         return removed
@@ -354,6 +372,20 @@ class DiskStore:
             }
             rows.append((row, ok))
         return sorted(rows, key=lambda r: -r[0]["last_used"])
+
+    def blocks(self, fingerprint: str) -> list[Stored]:
+        """One model's valid entries as the log tells them (an entry written before entries
+        named their parent is told as a first block)."""
+        out = []
+        for d in self._dirs(self.root, _NS):
+            for sub in self._dirs(d, _SUB) if d.name == _ns(fingerprint) else ():
+                for e in self._scan_dir(sub):
+                    with contextlib.suppress(FileNotFoundError):
+                        m = read_header(e.path)
+                        if m is not None and m["fingerprint"] == fingerprint:
+                            parent = int(m[PARENT], 16) if PARENT in m else None
+                            out.append(Stored(int(m["hash"], 16), parent, tuple(m["tokens"]), DISK))
+        return out
 
     def ls(self) -> list[dict]:
         """Every entry, most recently used first; damaged ones with the model DAMAGED."""

@@ -19,7 +19,18 @@ from starlette.routing import Route
 from localkv.hub.catalog import DEFAULT_MODEL
 from localkv.hub.ollama_store import OllamaRef, is_ollama
 from localkv.serve import metrics, ollama_routes
-from localkv.serve.jobs import EventStream, authorize, failure, read_json, ready, submit, tool_plan, unavailable, whole
+from localkv.serve.jobs import (
+    EventStream,
+    authorize,
+    failure,
+    read_json,
+    ready,
+    render,
+    submit,
+    tool_plan,
+    unavailable,
+    whole,
+)
 from localkv.serve.openai import ApiError, Ask, parse_chat, parse_completion
 from localkv.serve.replies import DONE, Reply, sse
 from localkv.serve.runner import Job, Runner
@@ -44,6 +55,8 @@ def create_app(runner: Runner, api_key: str | None = None) -> Starlette:
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions/render", render_chat, methods=["POST"]),
+        Route("/v1/completions/render", render_completion, methods=["POST"]),
         *ollama_routes.routes(),  # Ollama's API, its own error shape
     ]
     handlers = {HTTPException: _http_error, ApiError: _api_error, Exception: _internal_error}
@@ -147,6 +160,26 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     authorize(request)
     return await _answer(request, parse_completion(await read_json(request)))
+
+
+async def render_chat(request: Request) -> JSONResponse:
+    """vLLM's render: the prompt's token ids as this server would compute them (a KV-aware
+    router hashes them into blocks to find the node holding them)."""
+    authorize(request)
+    return JSONResponse((await _render(request, parse_chat(await read_json(request))))[0])
+
+
+async def render_completion(request: Request) -> JSONResponse:
+    authorize(request)
+    return JSONResponse(await _render(request, parse_completion(await read_json(request))))
+
+
+async def _render(request: Request, ask: Ask) -> list[dict]:
+    runner = ready(request)
+    _check_model(request, ask.model)
+    plan = tool_plan(ask, runner.engine.tokenizer)
+    _, prompts, _ = await run_in_threadpool(render, runner.engine, ask, plan, runner.opts.defaults)
+    return [{"model": request.app.state.model_id, "token_ids": ids} for ids in prompts]
 
 
 async def _answer(request: Request, ask: Ask) -> Response:

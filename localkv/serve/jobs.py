@@ -111,13 +111,7 @@ def build(engine, ask: Ask, plan: Plan | None = None, defaults: dict | None = No
     """The request's prompts as token ids and its Generations (checked against the context and
     the whole pool); `plan`: a chat's tools; `defaults`: the server's sampling for what the
     request does not set. Runs in a worker thread: nothing here changes the engine."""
-    values = {k: v for k, v in ask.values.items() if v is not None}
-    values = (defaults or {}) | values | ({"constraint": plan.constraint} if plan and plan.constraint else {})
-    try:
-        params = sampling_for(engine.path, values)  # the catalog's defaults, the server's, then the request's
-    except LocalkvError as e:
-        raise bad(str(e)) from None
-    prompts, thinking = _prompts(engine, ask, plan, params)
+    params, prompts, thinking = render(engine, ask, plan, defaults)
     try:
         n, each = ask.n, [_within(params, ask, len(ids), engine.ctx) for ids in prompts]
         return [
@@ -130,6 +124,18 @@ def build(engine, ask: Ask, plan: Plan | None = None, defaults: dict | None = No
         raise ApiError(413, str(e), "max_tokens", "request_too_large") from None
     except LocalkvError as e:
         raise bad(str(e)) from None
+
+
+def render(engine, ask: Ask, plan: Plan | None = None, defaults: dict | None = None):
+    """The request's sampling, the token ids of each of its prompts, and a chat reply's thinking
+    (a thinking model's): what build() runs, and what /v1/*/render show a router."""
+    values = {k: v for k, v in ask.values.items() if v is not None}
+    values = (defaults or {}) | values | ({"constraint": plan.constraint} if plan and plan.constraint else {})
+    try:
+        params = sampling_for(engine.path, values)  # the catalog's defaults, the server's, then the request's
+    except LocalkvError as e:
+        raise bad(str(e)) from None
+    return (params, *_prompts(engine, ask, plan, params))
 
 
 def _prompts(engine, ask: Ask, plan: Plan | None, params) -> tuple[list[list[int]], reasoning.Plan | None]:

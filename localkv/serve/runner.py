@@ -26,6 +26,7 @@ from localkv.errors import LocalkvError
 from localkv.events import Delta, Event, Failed
 from localkv.generation import Generation
 from localkv.scheduler import Scheduler
+from localkv.serve.kv_events import Publisher
 from localkv.serve.metrics import Counters, Snapshot
 
 
@@ -137,6 +138,8 @@ class Runner:
         self._deadline = 0.0  # time.monotonic() past which the requests in flight are ended
         self._thread: threading.Thread | None = None
         self.on_state: Callable[[str], None] | None = None  # called (engine thread) once ready or failed
+        o = self.opts  # bound now: a busy endpoint is an error before the model loads
+        self.events = Publisher(o.kv_events, o.kv_events_replay, o.kv_events_topic) if o.kv_events else None
 
     # ------------------------------------------------------------ the HTTP side
 
@@ -218,6 +221,8 @@ class Runner:
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self.events is not None:
+            self.events.close()
 
     # ------------------------------------------------------------ the engine's thread
 
@@ -226,6 +231,8 @@ class Runner:
         try:
             self.engine = self.make_engine(self.config)
             self.scheduler = Scheduler(self.engine, max_seqs=self.opts.max_seqs, token_budget=self.opts.batch_tokens)
+            if self.events is not None:
+                self.events.watch(self.engine)
         except BaseException as e:  # any failure to load is reported, not raised in a thread
             self.error = str(e) if isinstance(e, LocalkvError) else f"internal error: {type(e).__name__}: {e}"
             self.state = "failed"
