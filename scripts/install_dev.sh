@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs localkv with everything its tests need: the dev tools and the llama-cpp-python peer
+# Installs localkv with everything its tests need: the dev tools, the routers of the fleet tests
+# and the llama-cpp-python peer
 # (built from source the first time, about 8 minutes; pip caches the wheel afterwards).
 #
 # llama.cpp's AMX matrix multiply segfaults on some Intel Xeon (Sapphire Rapids) hosts at the
@@ -13,7 +14,7 @@ no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
     export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
 fi
-pip install -e '.[dev,peer]'
+pip install -e '.[dev,peer,cluster]'
 has_amx() {
     python -c "import sys, llama_cpp; sys.exit('AMX_INT8 = 1' not in llama_cpp.llama_print_system_info().decode())"
 }

@@ -55,6 +55,8 @@ def create_app(runner: Runner, api_key: str | None = None) -> Starlette:
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        *(Route(path, model_info, methods=["GET"]) for path in ("/model_info", "/get_model_info")),
+        *(Route(path, server_info, methods=["GET"]) for path in ("/server_info", "/get_server_info")),
         Route("/v1/chat/completions/render", render_chat, methods=["POST"]),
         Route("/v1/completions/render", render_completion, methods=["POST"]),
         *ollama_routes.routes(),  # Ollama's API, its own error shape
@@ -130,6 +132,33 @@ async def get_model(request: Request) -> JSONResponse:
     authorize(request)
     _check_model(request, request.path_params["model"])
     return JSONResponse(_model_card(request))
+
+
+async def model_info(request: Request) -> JSONResponse:
+    """SGLang's worker info, which sglang-router reads to name the model it lists at /v1/models
+    (without it, it lists 'unknown', and clients that take the name from there get 404s). The
+    name is known before the model loads; the rest once it has."""
+    authorize(request)
+    runner: Runner = request.app.state.runner
+    info = _names(request) | {"is_generation": True}
+    if runner.ready:
+        cfg = runner.engine.model_config
+        info |= {"model_type": cfg.arch, "max_context_length": runner.engine.ctx, "vocab_size": cfg.vocab_size}
+    return JSONResponse(info)
+
+
+async def server_info(request: Request) -> JSONResponse:
+    authorize(request)
+    runner: Runner = request.app.state.runner
+    info = _names(request) | {"tp_size": 1, "dp_size": 1, "max_running_requests": runner.opts.max_seqs}
+    if runner.ready:
+        info["kv_block_size"] = runner.engine.block_size
+    return JSONResponse(info)
+
+
+def _names(request: Request) -> dict:
+    name = request.app.state.model_id
+    return {"model_path": name, "tokenizer_path": name, "served_model_name": name}
 
 
 def _check_model(request: Request, name: str | None):
