@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,28 @@ async def replay(
                     h.pop()  # the question is asked again next turn, as a user would
             done += now
     return done
+
+
+FULL = dict(conversations=9, turns=4, words=300, gen=32)
+QUICK = dict(conversations=3, turns=3, words=16, gen=8)
+
+
+def conversations_row(url: str, model: str | None, quick: bool) -> dict:
+    """`localkv bench serve --url`'s replay row: the hit rate the server (a router: the fleet)
+    gives to conversations it saw before."""
+    size = QUICK if quick else FULL
+    t0 = time.perf_counter()
+    histories = openings(documents(size["conversations"], size["words"]))
+    turns = asyncio.run(replay(url, histories, size["turns"], model, size["gen"]))
+    lost = [t.error for t in turns if t.error]
+    if lost:
+        raise LocalkvError(f"--url {url}: {len(lost)} of the replay's requests failed: {lost[0]}")
+    return {
+        "load": f"{size['conversations']} conversations x {size['turns']} turns",
+        "hit_rate": hit_rate(turns),
+        "wall_s": time.perf_counter() - t0,
+        "tokens": sum(t.prompt_tokens for t in turns),
+    }
 
 
 def hit_rate(turns: list[Turn], first: int = 1) -> float:

@@ -10,7 +10,9 @@ sampled tokens. Measured three ways, each on a fresh server (an empty prefix cac
 With --url, the first two runs go to that server instead (any OpenAI-compatible one: llama-server,
 vLLM, SGLang, Ollama), the same bodies (EOS held off both ways: ignore_eos and min_tokens) with
 the `model` it lists; the report has the same shape. The workload is cut by the local model's
-tokenizer (-m), so the same text goes to every server.
+tokenizer (-m), so the same text goes to every server. A third run replays conversations of
+several turns, each opening with a document of its own (bench/fleet.py): its hit rate over turns
+2..T is what a router in front of several nodes keeps of the prefix cache.
 
 Reported per run: aggregate tokens/s (generated tokens over the wall time of the whole load),
 TTFT and inter-token latency p50/p99 as the clients saw them, the prefix cache's hit rate over
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from localkv.bench.fleet import conversations_row
 from localkv.bench.options import Options, size_flag
 from localkv.bench.report import Column, LoadMeter, Report, Target, median, ratio
 from localkv.bench.serve_load import (
@@ -104,6 +107,9 @@ def run(o: Options) -> Report:
         rows.append(_row("llama-cpp-python server", f"{size['clients']} at once", runs["peer"]))
     if runs["f16"]:
         rows.append(_row(engine, f"{size['clients']} at once", runs["f16"]))
+    if o.url:  # the multi-turn replay: behind a router, the fleet's hit rate
+        o.say(f"serve: {engine}, conversations of several turns, each opening with its own document")
+        rows.append({"engine": engine} | conversations_row(o.url, served, o.quick))
     rep = Report(
         "serve",
         f"OpenAI server under load: {size['clients']} streaming clients, a shared {n_sys}-token system prompt + a "

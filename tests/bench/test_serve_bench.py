@@ -59,7 +59,9 @@ def test_bench_serve_url_gives_the_same_report_for_another_server(tmp_path, caps
     config = EngineConfig(model=str(tiny), disk_cache=False, kv_mem="16MiB")
     with BackgroundServer(config) as s:
         rep = _report(capsys, "-m", str(tiny), "--url", s.url + "/v1")
+    replayed = rep["rows"].pop()  # the multi-turn replay: a fleet's hit rate when --url is a router
     assert _shape(rep) == _shape(own)
+    assert replayed["load"] == "3 conversations x 3 turns" and replayed["hit_rate"] > 0.5
     burst, serial = rep["rows"]
     assert burst["engine"] == f"tiny at {s.url}" and burst["tokens"] == serial["tokens"] == 4 * 8
     assert burst["hit_rate"] > 0.9 and burst["peak_blocks"] is None  # usage says; /metrics is not asked
@@ -74,8 +76,9 @@ def test_bench_serve_url_against_llama_cpp_pythons_server(tmp_path, capsys):
         rep = _report(capsys, "-m", str(tiny), "--url", server.url)
     finally:
         server.stop()
-    burst, serial = rep["rows"]
-    assert [r["load"] for r in rep["rows"]] == ["4 at once", "one at a time"]
+    burst, serial, replayed = rep["rows"]
+    assert [r["load"] for r in rep["rows"]] == ["4 at once", "one at a time", "3 conversations x 3 turns"]
+    assert replayed["hit_rate"] == 0  # llama-cpp-python's usage reports no cached tokens
     assert burst["tokens"] == serial["tokens"] == 4 * 8 and burst["hit_rate"] is None  # its usage has no cache
     assert burst["engine"].endswith(f"at {server.url}") and burst["ttft_p50"] > 0
 
