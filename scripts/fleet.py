@@ -74,9 +74,7 @@ def main():
 
             def restart(t: int):
                 if t == 1:
-                    nodes[0].kill()
-                    nodes[0].start().wait()
-                    time.sleep(3)  # the router's health checks (every second) and its subscription
+                    r.restart(nodes[0])
 
             turns, wall = run(r.url, a, restart)
             back = nodes[0].metric("localkv_requests_total"), nodes[0].metric("localkv_disk_hit_tokens_total")

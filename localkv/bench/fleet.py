@@ -70,10 +70,19 @@ async def _ask(client: httpx.AsyncClient, url: str, model: str | None, history: 
 
 
 async def replay(
-    url: str, histories: list[list[dict]], turns: int, model: str | None = None, gen: int = 16, on_turn=None
+    url: str,
+    histories: list[list[dict]],
+    turns: int,
+    model: str | None = None,
+    gen: int = 16,
+    on_turn=None,
+    at_once: bool = True,
 ):
     """Send turn t of every conversation at once, then turn t + 1 with the answers in; on_turn(t)
-    runs before each turn (a test kills or restarts a node there). Returns every Turn."""
+    runs before each turn (a test kills or restarts a node there). at_once=False: the turns after
+    the first one request after another, so that a router weighs the cache alone (no node is
+    busier than another); the first still spreads the conversations over the nodes by load.
+    Returns every Turn."""
     done: list[Turn] = []
     async with httpx.AsyncClient(timeout=600) as client:
         for t in range(turns):
@@ -84,7 +93,11 @@ async def replay(
                 q = QUESTIONS[t % len(QUESTIONS)].format(topic=TOPICS[(c + t) % len(TOPICS)])
                 history.append({"role": "user", "content": q})
                 now.append(Turn(c, t))
-            await asyncio.gather(*(_ask(client, url, model, h, out, gen) for h, out in zip(histories, now)))
+            asks = [_ask(client, url, model, h, out, gen) for h, out in zip(histories, now)]
+            if at_once or t == 0:
+                await asyncio.gather(*asks)
+            for ask in [] if at_once or t == 0 else asks:
+                await ask
             for h, out in zip(histories, now):
                 if out.error:
                     h.pop()  # the question is asked again next turn, as a user would
@@ -193,6 +206,26 @@ class Router:
     def wait(self) -> "Router":
         self.proc.wait_ready(120)
         return self
+
+    def wait_health(self, node: "Node", healthy: bool, within: float = 120.0):
+        """Wait until the router (vllm-router: its /workers) holds node as healthy, or not."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                workers = httpx.get(self.url + "/workers", timeout=10).json()["workers"]
+                if any(w["url"] == node.url and w["is_healthy"] == healthy for w in workers):
+                    return
+            time.sleep(0.2)
+        raise LocalkvError(f"the router did not see {node.url} {'up' if healthy else 'down'} in {within:.0f}s")
+
+    def restart(self, node: "Node"):
+        """Kill node (-9), let the router notice, start it again and wait until the router routes
+        to it and has had its events (a subscriber gets the whole state at once)."""
+        node.kill()
+        self.wait_health(node, False)
+        node.start().wait()
+        self.wait_health(node, True)
+        time.sleep(0.5)  # the subscription reaches the node, its snapshot the router
 
     def stop(self):
         self.proc.stop()
