@@ -251,9 +251,11 @@ class Engine:
 
     def persist_prompt(self, seq: Sequence, n_prompt: int, n_cached: int = 0):
         """Write the prompt's full blocks to the disk tier so a later process can skip their
-        prefill. Generated tokens are not written: the next turn's prompt carries them anyway.
-        Blocks past the cached prefix that the store already holds were never read back, so
-        they are checked (a corrupt entry is dropped by read) before being trusted."""
+        prefill. Generated tokens are not written: the next turn's prompt carries them anyway,
+        and writes them here (a reply's blocks are a memory hit then, and not on disk yet: a hit
+        is written unless the store holds it). Blocks past the cached prefix that the store
+        already holds were never read back, so they are checked (a corrupt entry is dropped by
+        read) before being trusted."""
         if not self.disk or not seq.hashable:
             return
         fp, name, bs, disk = self.model_config.fingerprint, self.model_config.name, self.block_size, self.disk
@@ -261,7 +263,7 @@ class Engine:
         with disk.prefix():
             for i in range(blocks):
                 h, toks = seq.block_hashes[i], tuple(seq.tokens[i * bs : (i + 1) * bs])
-                if i < n_cached // bs or (disk.contains(fp, h) and disk.read(fp, h, toks) is not None):
+                if disk.contains(fp, h) and (i < n_cached // bs or disk.read(fp, h, toks) is not None):
                     disk.keep(fp, h)
                     continue
                 bid = seq.block_table[i]

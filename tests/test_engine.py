@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -337,3 +338,19 @@ def test_a_start_runs_with_the_cyclic_collector_paused(gguf_path, monkeypatch):
         assert seen == [False, False] and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_next_turn_writes_the_reply_blocks_it_found_in_memory(gguf_path):
+    """Turn 2's prompt opens with turn 1's prompt and reply; the reply's blocks are a memory hit
+    but were never written (replies are not), so turn 2 writes them: the disk holds its whole
+    chain, and a later process restores all of it."""
+    eng = engine(gguf_path, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reply = Generation(eng, PROMPT, params).run().branches[0].tokens
+    second = PROMPT + reply + PROMPT[:9]
+    res = Generation(eng, second, replace(params, max_tokens=1)).run()
+    assert res.cached_tokens >= len(PROMPT) + 16  # the reply's full blocks came from memory
+    fp, hashes = eng.model_config.fingerprint, eng.kv.chain(second, len(second) // 8)
+    assert all(eng.disk.contains(fp, h) for h in hashes)
+    later = engine(gguf_path, block_size=8)
+    assert later.open_sequence(second)[1] == len(hashes) * 8
