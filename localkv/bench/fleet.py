@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -20,9 +19,10 @@ from pathlib import Path
 
 import httpx
 
-from localkv.bench.serve_load import ServerProcess
+from localkv.bench.serve_load import ServerProcess, free_port
 from localkv.bench.text import TEXT
 from localkv.errors import LocalkvError
+from localkv.serve.metrics import parse
 
 QUESTIONS = [
     "Summarize the part of the document about {topic} in two sentences.",
@@ -96,8 +96,9 @@ async def replay(
             asks = [_ask(client, url, model, h, out, gen) for h, out in zip(histories, now)]
             if at_once or t == 0:
                 await asyncio.gather(*asks)
-            for ask in [] if at_once or t == 0 else asks:
-                await ask
+            else:
+                for ask in asks:
+                    await ask
             for h, out in zip(histories, now):
                 if out.error:
                     h.pop()  # the question is asked again next turn, as a user would
@@ -136,12 +137,6 @@ def hit_rate(turns: list[Turn], first: int = 1) -> float:
 # ------------------------------------------------------------------ processes
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Node:
     """`localkv serve` on a fixed port with its KV events on another (a restart keeps both, as
     a router is configured with them), its own LOCALKV_HOME unless given a shared one."""
@@ -174,8 +169,8 @@ class Node:
 
     def metric(self, name: str) -> float:
         """A /metrics counter, summed over its labels."""
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        return sum(float(x.split()[-1]) for x in text.splitlines() if x.split("{")[0].split(" ")[0] == name)
+        values = parse(httpx.get(self.url + "/metrics", timeout=30).text)
+        return sum(v for key, v in values.items() if key.split("{")[0] == name)
 
 
 def router_cmd(policy: str, nodes: list[Node], port: int, model: str, block_size: int) -> list[str]:

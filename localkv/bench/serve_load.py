@@ -77,11 +77,16 @@ def localkv_server(model: Path, threads: int, kv_mem: str, home: str, extra: tup
     return ServerProcess(cmd, None, "/health", env=os.environ | {"LOCALKV_HOME": home, "LOCALKV_API_KEY": ""})
 
 
+def free_port() -> int:
+    """A free loopback port, handed over (the server binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def llama_cpp_server(model: Path, threads: int, n_ctx: int) -> ServerProcess:
     """llama-cpp-python's OpenAI server (`python -m llama_cpp.server`) on the same GGUF."""
-    with socket.socket() as s:  # a free port, handed over (the server binds it a moment later)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx), "--verbose", "False"]
     cmd += ["--interrupt_requests", "False"]  # queue concurrent requests (its default cuts the running one off)

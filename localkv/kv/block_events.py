@@ -66,10 +66,6 @@ class BlockLog:
             live = {m: dict(blocks) for m, blocks in self._live.items()}
         return [Cleared(), *(e for blocks in live.values() for e in chain_order(blocks))]
 
-    def holds(self, medium: str) -> set[int]:
-        with self._lock:
-            return set(self._live[medium])
-
 
 def chain_order(blocks: dict[int, Stored]) -> list[Stored]:
     """The blocks with each one after its parent (when its parent is among them)."""

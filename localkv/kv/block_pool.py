@@ -31,7 +31,6 @@ class Block:
     ref_count: int = 0
     hash: int | None = None  # set once full and registered for prefix reuse
     tokens: tuple[int, ...] = ()  # the block's token ids, to verify a hash hit
-    parent: int | None = None  # the previous block's hash in the chain (for KV events)
 
 
 class BlockPool:
@@ -129,7 +128,7 @@ class BlockPool:
         of the block before it in its chain."""
         block = self.blocks[bid]
         if block.hash is None and h not in self.cached:
-            block.hash, block.tokens, block.parent = h, tokens, parent
+            block.hash, block.tokens = h, tokens
             self.cached[h] = bid
             if self.log is not None:
                 self.log.stored(h, parent, tokens, MEMORY)
@@ -144,7 +143,7 @@ class BlockPool:
         del self.cached[block.hash]
         if self.log is not None:
             self.log.removed(block.hash, MEMORY)
-        block.hash, block.tokens, block.parent = None, (), None
+        block.hash, block.tokens = None, ()
 
     def lookup(self, h: int, tokens: tuple[int, ...]) -> int | None:
         bid = self.cached.get(h)

@@ -141,9 +141,11 @@ class DiskStore:
         with contextlib.suppress(OSError):
             size = os.lstat(path).st_size
             with self._lock:
-                if unlink(path) and self._total is not None:
+                gone = unlink(path)
+                if gone and self._total is not None:
                     self._total -= size
-            self._tell_removed(path)
+            if gone:
+                self._tell_removed(path)
 
     def _tell_removed(self, path: Path):
         if self.log is not None:
