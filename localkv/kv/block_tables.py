@@ -2,7 +2,6 @@
 copy-on-write, freeing."""
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -17,13 +16,6 @@ def block_hash(salt: bytes, parent: int | None, tokens) -> int:
     h.update((parent or 0).to_bytes(16, "little"))
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
     return int.from_bytes(h.digest()[:16], "little")
-
-
-def _run_loads(disk, jobs: list) -> list[bool]:
-    if len(jobs) < 2:
-        return [disk.load(h, toks, bid) for _, h, toks, bid in jobs]
-    with ThreadPoolExecutor(max_workers=2) as ex:
-        return list(ex.map(lambda job: disk.load(*job[1:]), jobs))
 
 
 class KVManager:
@@ -86,10 +78,10 @@ class KVManager:
     def match_prefix(self, seq: Sequence, disk=None) -> tuple[int, int]:
         """Attach cached blocks for the leading full blocks of a fresh sequence's prompt: from
         the pool, else from the disk tier into fresh blocks. disk, if given, has
-        contains(hash) -> bool and load(hash, tokens, block id) -> bool (fills the pool block;
-        safe to call from two threads at once). Disk blocks are found in chain order, then
-        loaded two at a time (reading, checking and converting an entry releases the GIL);
-        the chain stops at the first block that fails to load. The last prompt token is
+        contains(hash) -> bool and load(hash, tokens, block id) -> bool (fills the pool block).
+        Disk blocks are found in chain order, then loaded on this thread (a second one made
+        the load slower: the GIL passes back and forth between the two per block); the chain
+        stops at the first block that fails to load. The last prompt token is
         never matched: its logits are needed. Returns (tokens hit in memory, tokens loaded
         from disk)."""
         if seq.block_table:
@@ -108,7 +100,7 @@ class KVManager:
                 bid = self.pool.allocate()
                 jobs.append((i, h, toks, bid))
             seq.block_table.append(bid)
-        loaded = _run_loads(disk, jobs)
+        loaded = [disk.load(h, toks, bid) for _, h, toks, bid in jobs]
         hit = len(seq.block_table)
         for (i, h, toks, bid), ok in zip(jobs, loaded):
             if not ok:  # a corrupt or vanished entry: the chain ends before it

@@ -34,7 +34,17 @@ from localkv import kv_format
 from localkv.home import STALE_AGE, home, private_dir
 from localkv.kv import disk_counters as counters
 from localkv.kv.block_events import DISK, BlockLog, Stored
-from localkv.kv.disk_entry import PARENT, Damaged, all_finite, decode, encode, holds_entry, read_file, read_header
+from localkv.kv.disk_entry import (
+    PARENT,
+    Damaged,
+    ReadBuffer,
+    all_finite,
+    decode,
+    encode,
+    holds_entry,
+    read_file,
+    read_header,
+)
 from localkv.kv.disk_files import TMP, make_dirs, orphan, real_dirs, unlink, write_atomic
 from localkv.kv.evict.protocol import to_host
 
@@ -74,6 +84,7 @@ class DiskStore:
         self._kept: set[Path] | None = None  # a prompt's entries while it is written (prefix())
         self.full = False  # the last prefix() found no room for all of its blocks
         self._lock = threading.Lock()  # reads may run on two threads
+        self._buffer = ReadBuffer()  # load_into's reads: copied out at once
         self.log: BlockLog | None = None  # told of the entries this process writes and removes
 
     def path(self, fingerprint: str, h: int) -> Path:
@@ -99,23 +110,23 @@ class DiskStore:
     def load_into(self, fingerprint: str, h: int, tokens, k_out: np.ndarray, v_out: np.ndarray) -> bool:
         """get() straight into two (pool) arrays [layers, block_size, kv_heads, head_dim] of
         the entry's own dtype; False (outputs untouched) on a miss, and an entry in another
-        dtype is one (K/V are never converted on the way in). Thread-safe: the engine loads a
-        prompt's blocks two at a time."""
-        got = self.read(fingerprint, h, tokens)
+        dtype is one (K/V are never converted on the way in). Thread-safe."""
+        got = self.read(fingerprint, h, tokens, self._buffer)
         if got is None or got.shape[1:] != k_out.shape or got.dtype != k_out.dtype:
             return False
         np.copyto(k_out, got[0], casting="unsafe")
         np.copyto(v_out, got[1], casting="unsafe")
         return True
 
-    def read(self, fingerprint: str, h: int, tokens) -> np.ndarray | None:
+    def read(self, fingerprint: str, h: int, tokens, into: ReadBuffer | None = None) -> np.ndarray | None:
         """The verified payload as [2, layers, block_size, kv_heads, head_dim] in its stored
-        dtype (a view of the file's bytes), or None; a file that fails a check is deleted."""
+        dtype (a view of the file's bytes; read into `into`'s buffer if given: valid until this
+        thread's next read), or None; a file that fails a check is deleted."""
         path = self.path(fingerprint, h)
         if not real_dirs(path):
             return None
         try:
-            data = read_file(path, self.max_bytes)
+            data = read_file(path, self.max_bytes, into)
             got = None if data is None else decode(data)
             if got is None:
                 return None

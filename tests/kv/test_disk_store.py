@@ -62,6 +62,47 @@ def test_round_trip_fp16_within_tolerance_and_fp32_exact(tmp_path):
         assert len(data) - entry.FIXED.size - entry.FIXED.unpack_from(data)[2] == 2 * k.size * itemsize
 
 
+def test_load_into_reuses_its_buffer_across_sizes_and_threads(tmp_path):
+    """load_into reads through one buffer per thread: a bigger entry after a smaller one (while
+    a view of the smaller read lives on), and two threads at once, each get their own bytes."""
+    store = DiskStore(tmp_path, dtype="float16")
+    small, big = block(1), block(2)
+    wide = (SHAPE[0], SHAPE[1], SHAPE[2] * 4, SHAPE[3])
+    rng = np.random.default_rng(3)
+    kb, vb = (rng.standard_normal(wide).astype(np.float32) for _ in range(2))
+    assert store.put(FP, "tiny", *small) and store.put(FP, "tiny", big[0], big[1], kb, vb)
+    held = store.read(FP, small[0], small[1], store._buffer)  # a view that outlives the next read
+    for h, t, k, v in ((small[0], small[1], small[2], small[3]), (big[0], big[1], kb, vb)):
+        k_out, v_out = np.zeros(k.shape, np.float16), np.zeros(v.shape, np.float16)
+        assert store.load_into(FP, h, t, k_out, v_out)
+        assert np.array_equal(k_out, k.astype(np.float16)) and np.array_equal(v_out, v.astype(np.float16))
+    assert np.array_equal(held[0], small[2].astype(np.float16))
+    outs = {}
+
+    def load(name, h, t, shape):
+        for _ in range(50):
+            k_out, v_out = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+            assert store.load_into(FP, h, t, k_out, v_out)
+        outs[name] = k_out
+
+    threads = [
+        threading.Thread(target=load, args=a) for a in (("s", small[0], small[1], SHAPE), ("b", big[0], big[1], wide))
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert np.array_equal(outs["s"], small[2].astype(np.float16)) and np.array_equal(outs["b"], kb.astype(np.float16))
+
+
+def test_the_checksum_is_zlibs_crc32(tmp_path):
+    """Entries written before the checksum moved to ISA-L still verify: the same CRC-32."""
+    import zlib
+
+    meta, payload = {"a": 1}, os.urandom(1000)
+    assert entry.digest(meta, payload) == f"{zlib.crc32(payload, zlib.crc32(entry._canon(meta))):08x}"
+
+
 def test_entry_path_layout_and_skip_if_present(tmp_path):
     store = DiskStore(tmp_path)
     h, t, k, v = block(1)
