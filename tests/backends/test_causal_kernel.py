@@ -102,3 +102,23 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(window):
     for T in (1, 9):
         part = attend(q[-T:], k, v, [table] * KVH, 120, window=window)
         assert np.array_equal(part, whole[-T:]), T
+
+
+@pytest.mark.parametrize("window", [0, 700])
+def test_spans_on_their_own_threads_give_the_bits_of_a_tile_walking_them(window, monkeypatch):
+    """A short pass deep in a context runs each (kv head, span) as a job and folds the spans
+    after (split); a long one walks a tile's spans in turn. Which one ran changes no bit, and
+    each matches numpy."""
+    import numba
+
+    k, v = pool(100), pool(100)
+    tables = [RNG.permutation(100)] * KVH
+    q = RNG.standard_normal((40, KVH * G, HD)).astype(np.float32)
+    for T in (1, 9, 32, 40):
+        got = {}
+        for threads in (1, 64):  # 1: every pass walks its spans; 64: a pass of few tiles splits them
+            monkeypatch.setattr(numba, "get_num_threads", lambda threads=threads: threads)
+            got[threads] = attend(q[-T:], k, v, tables, 1590, window=window)
+        assert np.array_equal(got[1], got[64]), T
+        ref = reference(q[-T:], k, v, np.asarray(tables), 1590, 0.125, window=window)
+        np.testing.assert_allclose(got[64], ref, atol=2e-5)

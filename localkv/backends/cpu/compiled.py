@@ -93,11 +93,13 @@ def causal_attention(
     -2 - i for block i of extra = (K, V) [kvh, nx, bs, row] in the pool's formats (blocks
     recalled from an offload tier). softcap > 0: Gemma 2's soft-capped scores; window > 0: a
     query sees its `window` newest keys. Call only when attends(hd)."""
+    import numba
+
     T, H, hd = q.shape
     nb, bs, kvh, _ = k_layer.shape
     kernels = state.attention
     g = H // kvh
-    QT = kernels.QT if T > kernels.QT else min(T, kernels.QT_SHORT)  # query tokens per tile
+    QT = min(T, kernels.QT)  # query tokens per tile: one tile for a short pass, its spans the jobs
     tiles, full, RT = -(-T // QT), T // QT, -(-QT * g // 8) * 8
     # [kvh, tiles, hd, RT]: a tile's rows ordered (token, head), transposed, scaled, zero rows
     # after QT * g; one strided pass over q (a zero-padded copy only for a last tile not full)
@@ -121,7 +123,8 @@ def causal_attention(
         xk, xv = (np.ascontiguousarray(a) for a in extra)
     out = np.empty((kvh, tiles, RT, hd), np.float32)
     args = (qt, _bits(k_layer), _bits(v_layer), _table(tables), _bits(xk), _bits(xv), n_ctx - T, T, QT, g)
-    kernels.paged_causal(*args, np.float32(softcap), window, out)
+    split = kvh * tiles < 2 * numba.get_num_threads() and n_ctx > kernels.SPAN  # else every thread has tiles
+    kernels.paged_causal(*args, np.float32(softcap), window, split, out)
     out = out[:, :, : QT * g].reshape(kvh, tiles, QT, g, hd).transpose(1, 2, 0, 3, 4)
     return out.reshape(tiles * QT, H, hd)[:T]
 

@@ -239,9 +239,6 @@ def _softmax_step(st, n, o, m, total, top):
 
 
 QT = 32  # query tokens per tile of the causal kernel
-# ... and for a pass of at most QT tokens (a turn after a cached prompt, a short chunk): one
-# tile of 32 would leave one job per kv head for the threads, most of its rows padding
-QT_SHORT = 8
 
 
 @register_jitable
@@ -319,48 +316,92 @@ def _empty(o, m, sums):
     sums[:] = 0
 
 
+@register_jitable
+def _span_part(qt, k, v, tables, extra_k, extra_v, h, c, lo, hi, first, g, rows, softcap, window, o, m, sums):
+    """The softmax state (o, m, sums), from empty, of tile c's rows of kv head h over the keys
+    lo .. hi - 1 (one span's, or less: lo a multiple of KEYS), chunk by chunk at lo, lo + KEYS..."""
+    hd, RT = qt.shape[2], qt.shape[3]
+    kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
+    st, top = np.empty((KEYS, RT), np.float32), np.empty(RT, np.float32)
+    seen = np.empty(KEYS, np.bool_)
+    _empty(o, m, sums)
+    for t0 in range(lo, hi, KEYS):
+        n = min(hi - t0, KEYS)
+        _sourced_rows(k, extra_k, tables, h, t0, n, kc, hd, seen)
+        _sourced_rows(v, extra_v, tables, h, t0, n, vc, hd, seen)
+        _scores(qt[h, c], kc, st, RT, hd)
+        _cap_and_mask(st, n, t0, first, g, rows, softcap, window, seen)
+        _softmax_step(st, n, o, m, sums, top)
+        _accumulate(st, vc, o, RT, hd)
+
+
+@register_jitable
+def _tile_keys(past, T, QT, c, window):
+    """(first position, first key, end of keys) of tile c: the keys its rows can see, from a
+    multiple of KEYS."""
+    first, end = past + c * QT, past + min(T, (c + 1) * QT)
+    start = max(0, first - window + 1) // KEYS * KEYS if window > 0 else 0
+    return first, start, end
+
+
+@register_jitable
+def _normalise(fo, fs, out):
+    for r in range(fo.shape[0]):
+        inv = np.float32(1) / fs[r] if fs[r] > 0 else np.float32(0)
+        for d in range(fo.shape[1]):
+            out[r, d] = fo[r, d] * inv
+
+
 @njit(**EXACT_PAR)
-def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, window, out):
+def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, window, split, out):
     """Causal attention of a pass's T query tokens (token i at position past + i) over the
     first past + T positions of per-kv-head tables (_sourced_rows): qt [kvh, tiles, hd, RT]
     holds tile c's QT tokens x g query heads of kv head h (rows ordered (token, head), RT >=
     QT * g a multiple of 8, zero padding after; transposed, scaled); out [kvh, tiles, RT, hd]
-    the normalised result. Parallel over (kv head, tile), the tiles paired long with short.
-    Each tile reads the keys its rows can see, chunk by chunk at the positions 0, KEYS,
-    2 * KEYS..., masking the others (_cap_and_mask), one softmax per SPAN of positions, the
-    spans folded in order (_fold): a masked key weighs 0 and a chunk a row sees nothing of
-    leaves it as it was, so each row's bits depend on its own keys only (not on T, QT, the tile
-    or the chunks skipped before a window)."""
+    the normalised result. Each tile reads the keys its rows can see, chunk by chunk at the
+    positions 0, KEYS, 2 * KEYS..., masking the others (_cap_and_mask), one softmax per SPAN of
+    positions (_span_part), the spans folded in order (_fold): a masked key weighs 0 and a
+    chunk a row sees nothing of leaves it as it was, so each row's bits depend on its own keys
+    only (not on T, QT, the tile or the chunks skipped before a window).
+    Parallel over (kv head, tile), the tiles paired long with short; with split, over (kv
+    head, tile, span), then the spans are folded per tile: the same folds in the same order,
+    so the same bits, for a short pass deep in a context (a turn after a cached prompt, a
+    speculative verify), whose few tiles would leave threads idle."""
     kvh, tiles, hd, RT = qt.shape
+    if split:
+        spans = -(-(past + T) // SPAN)
+        po = np.empty((kvh, tiles, spans, RT, hd), np.float32)
+        pm, ps = np.empty((kvh, tiles, spans, RT), np.float32), np.empty((kvh, tiles, spans, RT), np.float32)
+        for job in prange(kvh * tiles * spans):
+            h, c, sp = job // (tiles * spans), job // spans % tiles, job % spans
+            first, start, end = _tile_keys(past, T, QT, c, window)
+            lo, hi = max(start, sp * SPAN), min(end, (sp + 1) * SPAN)
+            rows = min(T - c * QT, QT) * g
+            parts = po[h, c, sp], pm[h, c, sp], ps[h, c, sp]
+            _span_part(qt, k, v, tables, extra_k, extra_v, h, c, lo, hi, first, g, rows, softcap, window, *parts)
+        for job in prange(kvh * tiles):
+            h, c = job // tiles, job % tiles
+            fo, fm, fs = np.empty((RT, hd), np.float32), np.empty(RT, np.float32), np.empty(RT, np.float32)
+            _empty(fo, fm, fs)
+            for sp in range(spans):
+                _fold(fo, fm, fs, po[h, c, sp], pm[h, c, sp], ps[h, c, sp], RT)
+            _normalise(fo, fs, out[h, c])
+        return
     for job in prange(kvh * tiles):
         h, i = job // tiles, job % tiles
         c = i // 2 if i % 2 == 0 else tiles - 1 - i // 2  # 0, last, 1, last - 1, ...
-        kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
-        st, top = np.empty((KEYS, RT), np.float32), np.empty(RT, np.float32)
-        seen = np.empty(KEYS, np.bool_)
         o, m, sums = np.empty((RT, hd), np.float32), np.empty(RT, np.float32), np.empty(RT, np.float32)
         fo, fm, fs = np.empty((RT, hd), np.float32), np.empty(RT, np.float32), np.empty(RT, np.float32)
-        _empty(o, m, sums)
         _empty(fo, fm, fs)
+        first, start, end = _tile_keys(past, T, QT, c, window)
         rows = min(T - c * QT, QT) * g  # the tile's real rows
-        first, end = past + c * QT, past + min(T, (c + 1) * QT)  # the tile's first position; keys seen
-        start = max(0, first - window + 1) // KEYS * KEYS if window > 0 else 0
-        for t0 in range(start, end, KEYS):
-            if t0 % SPAN == 0 and t0 > start:  # a span ends
-                _fold(fo, fm, fs, o, m, sums, RT)
-                _empty(o, m, sums)
-            n = min(end - t0, KEYS)
-            _sourced_rows(k, extra_k, tables, h, t0, n, kc, hd, seen)
-            _sourced_rows(v, extra_v, tables, h, t0, n, vc, hd, seen)
-            _scores(qt[h, c], kc, st, RT, hd)
-            _cap_and_mask(st, n, t0, first, g, rows, softcap, window, seen)
-            _softmax_step(st, n, o, m, sums, top)
-            _accumulate(st, vc, o, RT, hd)
-        _fold(fo, fm, fs, o, m, sums, RT)
-        for r in range(RT):
-            inv = np.float32(1) / fs[r] if fs[r] > 0 else np.float32(0)
-            for d in range(hd):
-                out[h, c, r, d] = fo[r, d] * inv
+        lo = start
+        while lo < end:
+            hi = min(end, (lo // SPAN + 1) * SPAN)
+            _span_part(qt, k, v, tables, extra_k, extra_v, h, c, lo, hi, first, g, rows, softcap, window, o, m, sums)
+            _fold(fo, fm, fs, o, m, sums, RT)
+            lo = hi
+        _normalise(fo, fs, out[h, c])
 
 
 @self_check("base", cost=7.6)
@@ -372,5 +413,9 @@ def check() -> bool:
     tables = np.zeros((2, 1), np.int64)
     tables.flags.writeable = False
     none = np.empty((2, 0, 4, 8), np.uint16)
-    paged_causal(np.ones((2, 1, 8, QT), np.float32), k, k, tables, none, none, 0, 3, QT, 1, np.float32(0), 0, cout)
-    return bool((cout[:, :, :3] == 1.0).all())
+    q = np.ones((2, 1, 8, QT), np.float32)
+    ok = True
+    for split in (False, True):
+        paged_causal(q, k, k, tables, none, none, 0, 3, QT, 1, np.float32(0), 0, split, cout)
+        ok = ok and bool((cout[:, :, :3] == 1.0).all())
+    return ok
