@@ -99,8 +99,9 @@ def causal_attention(
     nb, bs, kvh, _ = k_layer.shape
     kernels = state.attention
     g = H // kvh
-    QT = min(T, kernels.QT)  # query tokens per tile: one tile for a short pass, its spans the jobs
-    tiles, full, RT = -(-T // QT), T // QT, -(-QT * g // 8) * 8
+    tiles = -(-T // kernels.QT)  # at most QT query tokens each, as even as they go: no tile mostly padding
+    QT = -(-T // tiles)
+    full, RT = T // QT, -(-QT * g // 8) * 8  # (tiles = ceil(T / QT) holds for QT = 32)
     # [kvh, tiles, hd, RT]: a tile's rows ordered (token, head), transposed, scaled, zero rows
     # after QT * g; one strided pass over q (a zero-padded copy only for a last tile not full)
     make = np.empty if QT * g == RT else np.zeros

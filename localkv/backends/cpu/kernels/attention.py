@@ -46,6 +46,7 @@ from localkv.backends.cpu.simd.f32x8 import (
     q8load,
 )
 from localkv.backends.cpu.simd.u8x32 import half
+from localkv.backends.cpu.simd.x16 import load16, splat16_at, zero16
 from localkv.kv_format import Q4_0_BYTES, Q8_0_BYTES, QK
 from localkv.sequence import HOLE
 
@@ -191,20 +192,58 @@ def _tile8(a, a0, a_step, b, b0, b_step, b_lane, n, c, c0, c_lane, add):
 
 
 @register_jitable
+def _tile16(a, a0, a_step, b, b0, b_step, b_lane, n, c, c0, c_lane, add):
+    """_tile8 with 16 lanes: each lane the same FMAs in the same order, so the same bits, and
+    one AVX-512 FMA where _tile8 takes two (the products are at the FMA units' limit)."""
+    if add:
+        a_0, a_1 = load16(c, c0), load16(c, c0 + c_lane)
+        a_2, a_3 = load16(c, c0 + 2 * c_lane), load16(c, c0 + 3 * c_lane)
+        a_4, a_5 = load16(c, c0 + 4 * c_lane), load16(c, c0 + 5 * c_lane)
+        a_6, a_7 = load16(c, c0 + 6 * c_lane), load16(c, c0 + 7 * c_lane)
+    else:
+        a_0 = a_1 = a_2 = a_3 = a_4 = a_5 = a_6 = a_7 = zero16()
+    for k in range(n):
+        x, base = load16(a, a0 + k * a_step), b0 + k * b_step
+        a_0 = fma(x, splat16_at(b, base), a_0)
+        a_1 = fma(x, splat16_at(b, base + b_lane), a_1)
+        a_2 = fma(x, splat16_at(b, base + 2 * b_lane), a_2)
+        a_3 = fma(x, splat16_at(b, base + 3 * b_lane), a_3)
+        a_4 = fma(x, splat16_at(b, base + 4 * b_lane), a_4)
+        a_5 = fma(x, splat16_at(b, base + 5 * b_lane), a_5)
+        a_6 = fma(x, splat16_at(b, base + 6 * b_lane), a_6)
+        a_7 = fma(x, splat16_at(b, base + 7 * b_lane), a_7)
+    fstore(c, c0, a_0)
+    fstore(c, c0 + c_lane, a_1)
+    fstore(c, c0 + 2 * c_lane, a_2)
+    fstore(c, c0 + 3 * c_lane, a_3)
+    fstore(c, c0 + 4 * c_lane, a_4)
+    fstore(c, c0 + 5 * c_lane, a_5)
+    fstore(c, c0 + 6 * c_lane, a_6)
+    fstore(c, c0 + 7 * c_lane, a_7)
+
+
+@register_jitable
 def _scores(qt, kc, st, R8, hd):
-    """st [KEYS, R8] = kc @ qt for qt [hd, R8] (the queries transposed): tiles of 8 queries (a
-    vector) x 8 keys (broadcast), summed over hd."""
-    for rb in range(0, R8, 8):
+    """st [KEYS, R8] = kc @ qt for qt [hd, R8] (the queries transposed): tiles of 16 queries (a
+    vector; 8 for the last when R8 is not a multiple of 16) x 8 keys (broadcast), summed over hd."""
+    wide = R8 - R8 % 16
+    for rb in range(0, wide, 16):
+        for tb in range(0, KEYS, 8):
+            _tile16(qt, rb, R8, kc, tb * hd, 1, hd, hd, st, tb * R8 + rb, R8, False)
+    for rb in range(wide, R8, 8):
         for tb in range(0, KEYS, 8):
             _tile8(qt, rb, R8, kc, tb * hd, 1, hd, hd, st, tb * R8 + rb, R8, False)
 
 
 @register_jitable
 def _accumulate(st, vc, o, R8, hd):
-    """o [R8, hd] += st.T @ vc for st [KEYS, R8], vc [KEYS, hd]: tiles of 8 of hd (a vector) x
-    8 queries (broadcast weights), summed over the keys."""
+    """o [R8, hd] += st.T @ vc for st [KEYS, R8], vc [KEYS, hd]: tiles of 16 of hd (a vector;
+    8 for the rest) x 8 queries (broadcast weights), summed over the keys."""
+    wide = hd - hd % 16
     for rb in range(0, R8, 8):
-        for db in range(0, hd, 8):
+        for db in range(0, wide, 16):
+            _tile16(vc, db, hd, st, rb, R8, 1, KEYS, o, rb * hd + db, hd, True)
+        for db in range(wide, hd, 8):
             _tile8(vc, db, hd, st, rb, R8, 1, KEYS, o, rb * hd + db, hd, True)
 
 
@@ -245,21 +284,26 @@ QT = 32  # query tokens per tile of the causal kernel
 def _sourced_rows(pool, extra, tables, h, t0, n, dst, hd, seen):
     """_rows through a per-kv-head table: tables[h, j] maps positions j * bs .. j * bs + bs - 1
     to a pool block (>= 0), to nothing (HOLE: zeros, seen[t] False) or to block -2 - e of
-    extra [kvh, nx, bs, row] (recalled from an offload tier)."""
+    extra [kvh, nx, bs, row] (recalled from an offload tier). A block's rows are taken as a
+    run: one table read and one division per block, not per row."""
     bs, kvh = pool.shape[1], pool.shape[2]
-    for t in range(KEYS):
-        seen[t] = False
+    t = 0
+    while t < KEYS:
         if t < n:
-            e, o = tables[h, (t0 + t) // bs], (t0 + t) % bs
+            e, o0 = tables[h, (t0 + t) // bs], (t0 + t) % bs
+            run = min(bs - o0, n - t)
+        else:
+            e, o0, run = HOLE, 0, KEYS - t
+        for i in range(run):
             if e >= 0:
-                row_into(dst, t * hd, pool, (e * bs + o) * kvh + h, hd)
-                seen[t] = True
+                row_into(dst, (t + i) * hd, pool, (e * bs + o0 + i) * kvh + h, hd)
             elif e < HOLE:
-                row_into(dst, t * hd, extra, (h * extra.shape[1] + (-2 - e)) * bs + o, hd)
-                seen[t] = True
-        if not seen[t]:
-            for d in range(hd):
-                dst[t, d] = 0
+                row_into(dst, (t + i) * hd, extra, (h * extra.shape[1] + (-2 - e)) * bs + o0 + i, hd)
+            else:
+                for d in range(hd):
+                    dst[t + i, d] = 0
+            seen[t + i] = e != HOLE
+        t += run
 
 
 @register_jitable
