@@ -36,7 +36,6 @@ from localkv.backends.cpu.simd.f32x8 import (
     float_of_bits,
     fma,
     fmax,
-    fsplat,
     fsplat_at,
     fstore,
     fweights,
@@ -46,6 +45,7 @@ from localkv.backends.cpu.simd.f32x8 import (
     q8load,
 )
 from localkv.backends.cpu.simd.u8x32 import half
+from localkv.backends.cpu.simd.vec import F32x16
 from localkv.backends.cpu.simd.x16 import load16, splat16_at, zero16
 from localkv.kv_format import Q4_0_BYTES, Q8_0_BYTES, QK
 from localkv.sequence import HOLE
@@ -158,60 +158,52 @@ def _rows(pool, table, h, t0, n, dst, hd):
                 dst[t, d] = 0
 
 
+def wload(arr, off, z):
+    """The floats at arr[off:] as a vector as wide as z (F32x8 or F32x16)."""
+
+
+@overload(wload, inline="always")
+def _wload_impl(arr, off, z):
+    if z == F32x16:
+        return lambda arr, off, z: load16(arr, off)
+    return lambda arr, off, z: fload(arr, off)
+
+
+def wsplat_at(arr, off, z):
+    """arr's float at flat offset off in every lane of a vector as wide as z."""
+
+
+@overload(wsplat_at, inline="always")
+def _wsplat_at_impl(arr, off, z):
+    if z == F32x16:
+        return lambda arr, off, z: splat16_at(arr, off)
+    return lambda arr, off, z: fsplat_at(arr, off)
+
+
 @register_jitable
-def _tile8(a, a0, a_step, b, b0, b_step, b_lane, n, c, c0, c_lane, add):
-    """The register tile of both products: for i < 8, c[c0 + i * c_lane :][:8] = (itself, if
-    add, else 0) + the sum over k < n of the vector a[a0 + k * a_step :][:8] times the scalar
+def _tile(a, a0, a_step, b, b0, b_step, b_lane, n, c, c0, c_lane, add, z):
+    """The register tile of both products: for i < 8, c[c0 + i * c_lane :][:W] = (itself, if
+    add, else 0) + the sum over k < n of the vector a[a0 + k * a_step :][:W] times the scalar
     b[b0 + k * b_step + i * b_lane]: one vector load, 8 broadcasts and 8 FMAs a step, the 8
-    accumulators in registers."""
+    accumulators in registers. W is z's width: 8, or 16 (one AVX-512 FMA for two),
+    each lane the same FMAs in the same order either way, so the same bits."""
     if add:
-        a_0, a_1 = fload(c, c0), fload(c, c0 + c_lane)
-        a_2, a_3 = fload(c, c0 + 2 * c_lane), fload(c, c0 + 3 * c_lane)
-        a_4, a_5 = fload(c, c0 + 4 * c_lane), fload(c, c0 + 5 * c_lane)
-        a_6, a_7 = fload(c, c0 + 6 * c_lane), fload(c, c0 + 7 * c_lane)
+        a_0, a_1 = wload(c, c0, z), wload(c, c0 + c_lane, z)
+        a_2, a_3 = wload(c, c0 + 2 * c_lane, z), wload(c, c0 + 3 * c_lane, z)
+        a_4, a_5 = wload(c, c0 + 4 * c_lane, z), wload(c, c0 + 5 * c_lane, z)
+        a_6, a_7 = wload(c, c0 + 6 * c_lane, z), wload(c, c0 + 7 * c_lane, z)
     else:
-        a_0 = a_1 = a_2 = a_3 = a_4 = a_5 = a_6 = a_7 = fsplat(np.float32(0))
+        a_0 = a_1 = a_2 = a_3 = a_4 = a_5 = a_6 = a_7 = z
     for k in range(n):
-        x, base = fload(a, a0 + k * a_step), b0 + k * b_step
-        a_0 = fma(x, fsplat_at(b, base), a_0)
-        a_1 = fma(x, fsplat_at(b, base + b_lane), a_1)
-        a_2 = fma(x, fsplat_at(b, base + 2 * b_lane), a_2)
-        a_3 = fma(x, fsplat_at(b, base + 3 * b_lane), a_3)
-        a_4 = fma(x, fsplat_at(b, base + 4 * b_lane), a_4)
-        a_5 = fma(x, fsplat_at(b, base + 5 * b_lane), a_5)
-        a_6 = fma(x, fsplat_at(b, base + 6 * b_lane), a_6)
-        a_7 = fma(x, fsplat_at(b, base + 7 * b_lane), a_7)
-    fstore(c, c0, a_0)
-    fstore(c, c0 + c_lane, a_1)
-    fstore(c, c0 + 2 * c_lane, a_2)
-    fstore(c, c0 + 3 * c_lane, a_3)
-    fstore(c, c0 + 4 * c_lane, a_4)
-    fstore(c, c0 + 5 * c_lane, a_5)
-    fstore(c, c0 + 6 * c_lane, a_6)
-    fstore(c, c0 + 7 * c_lane, a_7)
-
-
-@register_jitable
-def _tile16(a, a0, a_step, b, b0, b_step, b_lane, n, c, c0, c_lane, add):
-    """_tile8 with 16 lanes: each lane the same FMAs in the same order, so the same bits, and
-    one AVX-512 FMA where _tile8 takes two (the products are at the FMA units' limit)."""
-    if add:
-        a_0, a_1 = load16(c, c0), load16(c, c0 + c_lane)
-        a_2, a_3 = load16(c, c0 + 2 * c_lane), load16(c, c0 + 3 * c_lane)
-        a_4, a_5 = load16(c, c0 + 4 * c_lane), load16(c, c0 + 5 * c_lane)
-        a_6, a_7 = load16(c, c0 + 6 * c_lane), load16(c, c0 + 7 * c_lane)
-    else:
-        a_0 = a_1 = a_2 = a_3 = a_4 = a_5 = a_6 = a_7 = zero16()
-    for k in range(n):
-        x, base = load16(a, a0 + k * a_step), b0 + k * b_step
-        a_0 = fma(x, splat16_at(b, base), a_0)
-        a_1 = fma(x, splat16_at(b, base + b_lane), a_1)
-        a_2 = fma(x, splat16_at(b, base + 2 * b_lane), a_2)
-        a_3 = fma(x, splat16_at(b, base + 3 * b_lane), a_3)
-        a_4 = fma(x, splat16_at(b, base + 4 * b_lane), a_4)
-        a_5 = fma(x, splat16_at(b, base + 5 * b_lane), a_5)
-        a_6 = fma(x, splat16_at(b, base + 6 * b_lane), a_6)
-        a_7 = fma(x, splat16_at(b, base + 7 * b_lane), a_7)
+        x, base = wload(a, a0 + k * a_step, z), b0 + k * b_step
+        a_0 = fma(x, wsplat_at(b, base, z), a_0)
+        a_1 = fma(x, wsplat_at(b, base + b_lane, z), a_1)
+        a_2 = fma(x, wsplat_at(b, base + 2 * b_lane, z), a_2)
+        a_3 = fma(x, wsplat_at(b, base + 3 * b_lane, z), a_3)
+        a_4 = fma(x, wsplat_at(b, base + 4 * b_lane, z), a_4)
+        a_5 = fma(x, wsplat_at(b, base + 5 * b_lane, z), a_5)
+        a_6 = fma(x, wsplat_at(b, base + 6 * b_lane, z), a_6)
+        a_7 = fma(x, wsplat_at(b, base + 7 * b_lane, z), a_7)
     fstore(c, c0, a_0)
     fstore(c, c0 + c_lane, a_1)
     fstore(c, c0 + 2 * c_lane, a_2)
@@ -229,10 +221,10 @@ def _scores(qt, kc, st, R8, hd):
     wide = R8 - R8 % 16
     for rb in range(0, wide, 16):
         for tb in range(0, KEYS, 8):
-            _tile16(qt, rb, R8, kc, tb * hd, 1, hd, hd, st, tb * R8 + rb, R8, False)
+            _tile(qt, rb, R8, kc, tb * hd, 1, hd, hd, st, tb * R8 + rb, R8, False, zero16())
     for rb in range(wide, R8, 8):
         for tb in range(0, KEYS, 8):
-            _tile8(qt, rb, R8, kc, tb * hd, 1, hd, hd, st, tb * R8 + rb, R8, False)
+            _tile(qt, rb, R8, kc, tb * hd, 1, hd, hd, st, tb * R8 + rb, R8, False, fzero())
 
 
 @register_jitable
@@ -242,9 +234,9 @@ def _accumulate(st, vc, o, R8, hd):
     wide = hd - hd % 16
     for rb in range(0, R8, 8):
         for db in range(0, wide, 16):
-            _tile16(vc, db, hd, st, rb, R8, 1, KEYS, o, rb * hd + db, hd, True)
+            _tile(vc, db, hd, st, rb, R8, 1, KEYS, o, rb * hd + db, hd, True, zero16())
         for db in range(wide, hd, 8):
-            _tile8(vc, db, hd, st, rb, R8, 1, KEYS, o, rb * hd + db, hd, True)
+            _tile(vc, db, hd, st, rb, R8, 1, KEYS, o, rb * hd + db, hd, True, fzero())
 
 
 @register_jitable
