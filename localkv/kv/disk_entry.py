@@ -97,10 +97,16 @@ def _constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+# made once: json.loads and json.dumps with options build a new coder per call, which costs
+# more than the header it reads (a warm start checks one per block)
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique, parse_constant=_constant)
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
+
 def parse_header(raw: bytes) -> dict:
     """The JSON header of raw bytes, checked by header_ok; Damaged for anything else."""
     try:
-        m = json.loads(raw, object_pairs_hook=_unique, parse_constant=_constant)
+        m = _DECODER.decode(raw.decode())
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise Damaged(f"bad header: {type(e).__name__}") from None
     if not header_ok(m):
@@ -109,7 +115,7 @@ def parse_header(raw: bytes) -> dict:
 
 
 def _canon(meta: dict) -> bytes:
-    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    return _ENCODER.encode(meta).encode()
 
 
 def digest(meta: dict, payload) -> str:
