@@ -35,6 +35,7 @@ class EngineConfig:
     evict: EvictConfig = field(default_factory=EvictConfig)  # KV budget per sequence and what happens past it
     offload_dir: str | None = None  # offload policy: spill blocks to a file here instead of RAM
     kv_dtype: str = "auto"  # K/V pool: auto (the backend's default), f32, f16, q8_0, q4_0 or K:V (kv_format.parse)
+    kv_rotate: bool = True  # a quantized K or V is stored rotated (kv/rotation.py); a float pool never is
     ctx: int | None = None  # most tokens one sequence may hold (prompt + reply); None: the model's context
     spec: str = "off"  # speculative decoding: off | ngram | draft (spec/control.py says why the defaults)
     draft_model: str | None = None  # --spec draft: a model of the same vocabulary, resolved as `model` is

@@ -14,6 +14,7 @@ from localkv.kv.block_pool import BlockPool
 from localkv.kv.block_tables import KVManager
 from localkv.kv.disk_store import DiskStore
 from localkv.kv.evict import make_policy
+from localkv.kv.rotation import Rotation
 from localkv.kv.step_plan import StepPlan, commit, plan_step, rollback
 from localkv.model.llama import Llama, Span, check_backend
 from localkv.model.loader import load_model
@@ -65,6 +66,10 @@ class Engine:
         dtype = k_fmt.stored if k_fmt == v_fmt else f"{k_fmt.stored}:{v_fmt.stored}"
         rope = f"rope-{run_cfg.rope_style}{self.model.rope_variant}"
         salt = f"{self.model_config.fingerprint}:{cfg.block_size}:{dtype}:{rope}:{KV_FORMAT}"
+        rot = Rotation.for_formats(k_fmt.quantized, v_fmt.quantized, run_cfg.head_dim, cfg.kv_rotate)
+        self.model.rotation = rot
+        if rot is not None:  # rows turned otherwise are another format
+            salt += f":{rot.tag}"
         self.kv = KVManager(self.pool, salt=salt.encode())
         self.prefix_caching = cfg.prefix_cache
         # entries in the pool's own dtype: loading is a checked copy, no conversion

@@ -87,6 +87,10 @@ class Backend(Protocol):
     def head_rmsnorm(self, x, w, eps: float) -> Any:
         """RMSNorm of every head of x [T, heads, hd] in place, times w [hd] (Qwen3's, Gemma 3's q/k norms)."""
 
+    def rotate(self, x, rotation, undo: bool = False) -> Any:
+        """kv/rotation's M x (undo: M^T x) of rows x [T, heads, hd], a new array: its bits, by
+        whatever means the backend has."""
+
     def write_kv(self, k_layer, v_layer, slots, k, v) -> None:
         """Store K/V [T, kvh, hd] at flat slots (block * block_size + offset) of one layer."""
 

@@ -148,6 +148,11 @@ def gelu_mul(gu):
     return (0.5 * g * (1.0 + cp.tanh(GELU_C * (g + 0.044715 * g * g * g))) * u).astype(gu.dtype)
 
 
+def rotate(x, rotation, undo: bool = False):
+    """kv/rotation's transform on the device: CuPy's element-wise adds, the same butterflies."""
+    return rotation.undo(x, cp) if undo else rotation.apply(x, cp)
+
+
 def head_rmsnorm(x, w, eps: float):
     """RMSNorm of every head of x [T, heads, hd] (a view of the qkv rows) in place, times w [hd]."""
     xf = x.astype(cp.float32)
@@ -223,6 +228,7 @@ class CudaBackend:
     silu_mul = staticmethod(silu_mul)
     gelu_mul = staticmethod(gelu_mul)
     head_rmsnorm = staticmethod(head_rmsnorm)
+    rotate = staticmethod(rotate)
     write_kv = staticmethod(write_kv)
     frozen_table = staticmethod(frozen_table)
     paged_attention = staticmethod(paged_attention)

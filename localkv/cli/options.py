@@ -87,6 +87,13 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         ("-ctv", "--cache-type-v"),
         "V's format alone (llama.cpp's -ctv): the V half of --kv-dtype (K keeps its own).",
     ),
+    "kv_rotate": (
+        bool,
+        _ENGINE.kv_rotate,
+        ("--kv-rotate/--no-kv-rotate",),
+        "Store a quantized K or V rotated (a Hadamard transform of each head, as llama.cpp does): "
+        "q4_0 K/V loses far less. Float K/V are never rotated.",
+    ),
     "spec": (
         str | None,
         None,
@@ -350,10 +357,10 @@ def _with_options(specs: dict, names, flags: dict, defaults: dict, target: str, 
 
 
 def engine_options(*names: str, flags: dict | None = None, defaults: dict | None = None):
-    """Add the engine options (all, or `names`; kv_dtype brings its -ctk / -ctv) to a command,
+    """Add the engine options (all, or `names`; kv_dtype brings -ctk / -ctv and --kv-rotate) to a command,
     passed to it as `engine`."""
     if "kv_dtype" in names:
-        names = (*names, "cache_type_k", "cache_type_v")
+        names = (*names, "cache_type_k", "cache_type_v", "kv_rotate")
     return _with_options(ENGINE_OPTIONS, names, flags or {}, defaults or {}, "engine", engine_config)
 
 

@@ -85,6 +85,7 @@ class Llama:
         self.plain_attention = not (cfg.attn_softcap or self.local)
         # a KV policy's keys by position (PositionedKV) where the backend takes per-kv-head tables
         self.positioned = "head_tables" in backend.caps.attention_options
+        self.rotation = None  # kv/rotation's, set by the engine for a quantized pool
 
     def ensure_positions(self, n: int):
         """RoPE tables for positions up to n."""
@@ -135,6 +136,8 @@ class Llama:
             kl, vl = pool.k[i], pool.v[i]
             backend.write_kv(kl, vl, slots, k, v)
             attn = self._attention(i, q, kl, vl, plan)
+            if self.rotation is not None and self.rotation.v:  # the values were turned: turn back
+                attn = backend.rotate(attn, self.rotation, undo=True)
             backend.add_residual(x, self._post_norm(backend.linear(attn.reshape(T, -1), w[f"{i}.wo"], "wo"), i, "attn"))
             h = backend.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
             gu = backend.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")
@@ -159,6 +162,10 @@ class Llama:
             backend.head_rmsnorm(qkv[:, :H], w[f"{i}.q_norm"], cfg.rms_eps)
             backend.head_rmsnorm(qkv[:, H : H + K], w[f"{i}.k_norm"], cfg.rms_eps)
         backend.rope(qkv[:, : H + K], cos, sin, *self.rope_style)
+        rot = self.rotation
+        if rot is not None:  # one call for the heads that turn: Q and K, V, or all three
+            turn = slice(0 if rot.k else H + K, H + 2 * K if rot.v else H + K)
+            qkv[:, turn] = backend.rotate(qkv[:, turn], rot)
         return qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
 
     def _post_norm(self, out, i: int, which: str):

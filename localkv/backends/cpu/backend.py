@@ -134,6 +134,13 @@ def head_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x
 
 
+def rotate(x: np.ndarray, rotation, undo: bool = False) -> np.ndarray:
+    """kv/rotation's transform of rows x [T, heads, hd]: the kernel's vectors, or numpy's."""
+    if cpu_kernels.active():
+        return cpu_kernels.hadamard(x, rotation, undo)
+    return rotation.undo(x) if undo else rotation.apply(x)
+
+
 def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarray):
     """Store K/V [T, kvh, hd] at flat slots (block * block_size + offset) of one layer's pool,
     each in its layer's format: the one place rows are quantized (once, as they are written)."""
@@ -196,6 +203,7 @@ class CpuBackend:
     silu_mul = staticmethod(silu_mul)
     gelu_mul = staticmethod(gelu_mul)
     head_rmsnorm = staticmethod(head_rmsnorm)
+    rotate = staticmethod(rotate)
     write_kv = staticmethod(write_kv)
     frozen_table = staticmethod(frozen_table)
     paged_attention = staticmethod(paged_attention)

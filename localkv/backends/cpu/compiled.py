@@ -45,6 +45,14 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str = "neox"):
     state.elementwise.rope(x, cos, sin, style != "neox")
 
 
+def hadamard(x: np.ndarray, rotation, undo: bool) -> np.ndarray:
+    """kv/rotation's M x (undo: M^T x) of rows x [T, heads, hd] (a view is fine), a new array,
+    in one kernel. Call only when active()."""
+    out = np.empty(x.shape, np.float32)
+    state.elementwise.hadamard_rows(x, rotation.signs, rotation.block, rotation.scale, undo, out)
+    return out
+
+
 def silu_mul(gu: np.ndarray) -> np.ndarray:
     """silu(gate) * up for gu = [gate | up] (float32 [T, 2f], C- or F-contiguous: a decode step's
     or a prefill pass's matmul output), in the same order. Call only when active()."""

@@ -1,12 +1,14 @@
-"""Single-threaded fused element-wise kernels: one pass where numpy makes several (and
-temporaries), for prefill's memory-bound steps (RMSNorm, RoPE, SwiGLU). No parallel workers."""
+"""Fused element-wise kernels: one pass where numpy makes several (and temporaries), for
+prefill's memory-bound steps (RMSNorm, RoPE, SwiGLU: single-threaded), and the rotation of
+quantized K/V's rows (kv/rotation: parallel over the tokens)."""
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 from numba.extending import register_jitable
 
-from localkv.backends.cpu.kernels import SER, self_check
+from localkv.backends.cpu.kernels import EXACT_PAR, SER, self_check
 from localkv.backends.cpu.kernels.attention import exp
+from localkv.backends.cpu.simd.f32x8 import fadd, fload, fstore, fsub
 
 
 @njit(**SER)
@@ -76,7 +78,37 @@ def rope(x, cos, sin, pairs):
     _rope(x, cos, sin, pairs)
 
 
-@self_check("base", cost=1.1)
+@njit(**EXACT_PAR)
+def hadamard_rows(x, signs, n, scale, undo, out):
+    """out = M x for rows x [T, heads, hd] (a strided view is fine), or M^T x when undo:
+    kv/rotation's transform, the same butterflies in the same order (each float op as written),
+    so its bits. Eight rows at a time, one per vector lane, so that every butterfly is one
+    vector add and one subtract; the groups of eight in parallel."""
+    T, heads, d = x.shape
+    R = T * heads
+    for gi in prange(-(-R // 8)):
+        buf = np.empty((d, 8), np.float32)  # [value, row]
+        for lane in range(8):
+            r = min(gi * 8 + lane, R - 1)  # a last group short of 8 repeats its last row
+            t, hh = r // heads, r % heads
+            for i in range(d):
+                buf[i, lane] = x[t, hh, i] if undo else x[t, hh, i] * signs[i]
+        for b0 in range(0, d, n):
+            h = 1
+            while h < n:
+                for g in range(b0, b0 + n, 2 * h):
+                    for j in range(g, g + h):
+                        a, c = fload(buf, j * 8), fload(buf, (j + h) * 8)
+                        fstore(buf, j * 8, fadd(a, c))
+                        fstore(buf, (j + h) * 8, fsub(a, c))
+                h *= 2
+        for lane in range(min(8, R - gi * 8)):
+            t, hh = (gi * 8 + lane) // heads, (gi * 8 + lane) % heads
+            for i in range(d):
+                out[t, hh, i] = buf[i, lane] * scale * signs[i] if undo else buf[i, lane] * scale
+
+
+@self_check("base", cost=1.6)
 def check() -> bool:
     """The kernels for the array kinds the model passes (a read-only norm weight, a strided qkv
     view, both layouts of SwiGLU's input) against numpy."""
@@ -99,4 +131,18 @@ def check() -> bool:
         got = np.empty((8, 3) if by_rows else (3, 8), np.float32)
         silu_mul(np.ascontiguousarray(gu.T) if by_rows else gu, 8, got, by_rows)
         ok = ok and np.allclose(got.T if by_rows else got, act, rtol=1e-5, atol=1e-6)
-    return ok and np.array_equal(qkv, want)
+    return ok and np.array_equal(qkv, want) and _hadamard_ok(rng)
+
+
+def _hadamard_ok(rng) -> bool:
+    """hadamard_rows in both layouts the model passes (a strided view of the qkv rows, a
+    contiguous attention output): M e_0 is the first sign times the scale everywhere, and undo
+    turns a row back."""
+    signs = np.where(rng.random(16) < 0.5, -1.0, 1.0).astype(np.float32)
+    qkv = np.zeros((9, 3, 16), np.float32)
+    qkv[:, :2, 0] = 1
+    turned = np.empty((9, 2, 16), np.float32)
+    hadamard_rows(qkv[:, :2], signs, 16, np.float32(0.25), False, turned)
+    back = np.empty_like(turned)
+    hadamard_rows(turned, signs, 16, np.float32(0.25), True, back)
+    return bool((turned == signs[0] * np.float32(0.25)).all()) and np.allclose(back, qkv[:, :2], atol=1e-6)
