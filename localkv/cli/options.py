@@ -346,7 +346,8 @@ def _with_options(specs: dict, names, flags: dict, defaults: dict, target: str, 
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            values = {name: kwargs.pop(name) for name in chosen}
+            # an option a Python caller leaves out takes its default, as on the command line
+            values = {name: kwargs.pop(name, defaults.get(name, specs[name][1])) for name in chosen}
             return fn(*args, **kwargs, **{target: build(values)})
 
         wrapper.__signature__ = sig.replace(parameters=params)
