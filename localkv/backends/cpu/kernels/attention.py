@@ -36,17 +36,17 @@ from localkv.backends.cpu.simd.f32x8 import (
     float_of_bits,
     fma,
     fmax,
-    fsplat_at,
     fstore,
     fweights,
     fzero,
     hload,
     q4load,
     q8load,
+    wload,
+    wsplat_at,
 )
 from localkv.backends.cpu.simd.u8x32 import half
-from localkv.backends.cpu.simd.vec import F32x16
-from localkv.backends.cpu.simd.x16 import load16, splat16_at, zero16
+from localkv.backends.cpu.simd.x16 import zero16
 from localkv.kv_format import Q4_0_BYTES, Q8_0_BYTES, QK
 from localkv.sequence import HOLE
 
@@ -156,28 +156,6 @@ def _rows(pool, table, h, t0, n, dst, hd):
         else:
             for d in range(hd):
                 dst[t, d] = 0
-
-
-def wload(arr, off, z):
-    """The floats at arr[off:] as a vector as wide as z (F32x8 or F32x16)."""
-
-
-@overload(wload, inline="always")
-def _wload_impl(arr, off, z):
-    if z == F32x16:
-        return lambda arr, off, z: load16(arr, off)
-    return lambda arr, off, z: fload(arr, off)
-
-
-def wsplat_at(arr, off, z):
-    """arr's float at flat offset off in every lane of a vector as wide as z."""
-
-
-@overload(wsplat_at, inline="always")
-def _wsplat_at_impl(arr, off, z):
-    if z == F32x16:
-        return lambda arr, off, z: splat16_at(arr, off)
-    return lambda arr, off, z: fsplat_at(arr, off)
 
 
 @register_jitable

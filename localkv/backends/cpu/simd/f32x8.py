@@ -258,6 +258,30 @@ def fsplat_at(typingctx, arr, off):
 
 
 @intrinsic
+def wload(typingctx, arr, off, z):
+    """Floats at arr[off:] as a vector as wide as z (F32x8 or F32x16: its type says which)."""
+    if z not in (F32x8, F32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(ptr(context, builder, sig.args[0], args[0], args[1], z.llvm_type), align=4)
+
+    return z(arr, off, z), codegen
+
+
+@intrinsic
+def wsplat_at(typingctx, arr, off, z):
+    """arr's float32 at flat offset off in every lane of a vector as wide as z (fsplat_at's)."""
+    if z not in (F32x8, F32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return splat(builder, builder.load(ptr(context, builder, sig.args[0], args[0], args[1]), align=4), z.llvm_type)
+
+    return z(arr, off, z), codegen
+
+
+@intrinsic
 def float_of_bits(typingctx, bits):
     """The float32 whose bits are the int32 `bits`."""
 

@@ -1,5 +1,5 @@
 """Sixteen lanes: what the 16-row lanes kernel (kernels/matmul_wide) needs beyond f32x8's lane
-ops, which take F32x16 as well as F32x8: a zero, broadcasts, a load, and the 16-row product
+ops, which take F32x16 as well as F32x8: a zero, a broadcast, a load, and the 16-row product
 of a decoded group of 32 weights.
 
 With AVX-512 VNNI the product is one vpdpbusd on a 512-bit register per 4 weights, 16
@@ -46,16 +46,6 @@ def load16(typingctx, arr, off):
 
     def codegen(context, builder, sig, args):
         return builder.load(ptr(context, builder, sig.args[0], args[0], args[1], V16F32), align=4)
-
-    return F32x16(arr, off), codegen
-
-
-@intrinsic
-def splat16_at(typingctx, arr, off):
-    """arr's float32 at flat offset off in every lane (f32x8.fsplat_at's 16-lane twin)."""
-
-    def codegen(context, builder, sig, args):
-        return splat(builder, builder.load(ptr(context, builder, sig.args[0], args[0], args[1]), align=4), V16F32)
 
     return F32x16(arr, off), codegen
 
