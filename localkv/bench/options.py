@@ -51,7 +51,7 @@ class Options:
             args += ["-r", str(self.reps)]
         if threads and suite != "memory":
             args += ["-t", str(threads)]
-        if self.vs and suite in ("speed", "fork", "cache", "spec"):
+        if self.vs and suite in ("speed", "fork", "cache", "spec", "kv"):
             args += ["--vs", self.vs]
         args += ["--quick"] * self.quick + ["--long"] * (self.long and suite == "evict")
         args += ["--url", self.url] if self.url and suite == "serve" else []

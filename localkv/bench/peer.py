@@ -14,11 +14,12 @@ from time import perf_counter
 import numpy as np
 
 import localkv
-from localkv import kv_format
 from localkv.errors import LocalkvError
+from localkv.kv_format import F16, KvFormat
 
 INSTALL_HINT = "pip install -e '.[peer]'"
 PEERS = ("llama.cpp",)  # what --vs accepts
+_GGML_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # llama.cpp's ggml_type of each K/V format (type_k / type_v)
 
 
 def check_vs(vs: str | None):
@@ -72,12 +73,22 @@ def _cpu_has(flag: str) -> bool:
 class PeerRunner:
     name = "llama.cpp"
     chunk = 512  # n_batch: prompt tokens per pass
-    kv_format = kv_format.F16  # llama.cpp's default K and V type
+    kv_format = kv_format_v = F16  # llama.cpp's default K and V type
     flash_attn = False  # llama-cpp-python's default; each row says it
 
-    def __init__(self, path: str | Path, threads: int, n_ctx: int, prompt_lookup: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        threads: int,
+        n_ctx: int,
+        prompt_lookup: bool = False,
+        kv: tuple[KvFormat, KvFormat] | None = None,
+        logits_all: bool = False,
+    ):
         """prompt_lookup: llama-cpp-python's LlamaPromptLookupDecoding as the draft model, at its
-        defaults (as a new user would set it up; it turns on logits for every position)."""
+        defaults (as a new user would set it up; it turns on logits for every position). kv: the
+        K and V formats (type_k / type_v) with flash attention on, which a quantized V needs;
+        None: llama.cpp's defaults. logits_all: keep every position's logits (llm.scores)."""
         why = peer_problem()
         if why:
             raise LocalkvError(f"--vs llama.cpp: {why}")
@@ -85,6 +96,9 @@ class PeerRunner:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding() if prompt_lookup else None
+        if kv is not None:
+            self.kv_format, self.kv_format_v, self.flash_attn = kv[0], kv[1], True
+        types = {} if kv is None else {"type_k": _GGML_TYPES[kv[0].name], "type_v": _GGML_TYPES[kv[1].name]}
         try:
             # n_batch = n_ubatch = 512 and no logits_all: what llama-bench runs by default
             self.llm = llama_cpp.Llama(
@@ -97,9 +111,10 @@ class PeerRunner:
                 flash_attn=self.flash_attn,
                 # with a draft model llama-cpp-python keeps logits for every position but sizes
                 # their buffer by this flag (n_batch rows without it): past 512 tokens it overflows
-                logits_all=prompt_lookup,
+                logits_all=prompt_lookup or logits_all,
                 draft_model=draft,
                 verbose=False,
+                **types,
             )
         except Exception as e:  # llama.cpp reports load failures as ValueError/RuntimeError
             raise LocalkvError(f"llama.cpp could not load {path}: {e}") from None
@@ -126,6 +141,13 @@ class PeerRunner:
     def _argmax(self) -> int:
         # without logits_all, llama.cpp keeps one logits row: the last evaluated token's
         return int(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,)).argmax())
+
+    def forced(self, tokens: list[int]) -> np.ndarray:
+        """The logits of every one of these tokens, evaluated after those already in the K/V
+        (teacher forcing; needs logits_all)."""
+        start = self.llm.n_tokens
+        self.llm.eval(tokens)
+        return self.llm.scores[start : start + len(tokens)]
 
     def pp(self, tokens: list[int]) -> float:
         self._reset()

@@ -236,7 +236,7 @@ def _kv_per_token(engine: Engine, runner) -> int:
     if isinstance(runner, LocalRunner):
         return engine.kv_bytes_per_token
     m = engine.model_config
-    return m.n_layers * m.n_kv_heads * 2 * runner.kv_format.row_bytes(m.head_dim)
+    return m.n_layers * m.n_kv_heads * sum(f.row_bytes(m.head_dim) for f in (runner.kv_format, runner.kv_format_v))
 
 
 def _traffic(moved: int, secs: list[float], probed: list[float]) -> dict:

@@ -29,6 +29,25 @@ def test_bench_kv_measures_each_format_against_f16(tiny64, monkeypatch):
     # a random tiny model's distributions are near uniform: the KLD is rounding (the real model's: BENCHMARKS.md)
     assert all(np.isfinite(r["ppl"]) and r["kld"] > -1e-9 and 0 <= r["top1"] <= 1 for r in rep.rows)
     assert by["q8_0"]["pool_tokens"] >= 1.85 * f16["pool_tokens"]
+    assert f16["tg_vs_f16"] == 1 and all(r["tg_depth_ts"] > 0 for r in rep.rows)
+    assert rep.summary["default by measurement"] in by
     targets = {t.name: t.ok for t in rep.targets}
     assert targets["bytes per token, q8_0 vs f16"] and targets["tokens in the pool, q8_0 vs f16"]
     assert targets["perplexity, q8_0 vs f16"] is None  # --quick judges no quality
+    assert targets["tg at depth, q8_0 pool vs f16"] is None
+
+
+@pytest.mark.peer
+def test_bench_kv_puts_llama_cpp_formats_beside_ours(tiny64, monkeypatch):
+    monkeypatch.setattr(bench_kv, "text_tokens", lambda eng, n: TOKENS[:n])
+    o = Options(engine=EngineConfig(model=str(tiny64), threads=2, kv_mem="4MiB"), quick=True, vs="llama.cpp")
+    rep = bench_kv.run(o)
+    theirs = {r["kv_dtype"]: r for r in rep.rows if r["engine"] == "llama.cpp"}
+    assert list(theirs) == ["f16", "q8_0", "q4_0", "q8_0:q4_0"]
+    # llama.cpp's f16 against a second f16 run of its own: the same logits
+    assert theirs["f16"]["ppl_vs_f16"] == 0 and theirs["f16"]["top1"] == 1
+    assert theirs["q4_0"]["bytes_vs_f16"] == 18 / 64 and theirs["q8_0:q4_0"]["bytes_vs_f16"] == (34 + 18) / 128
+    assert all(np.isfinite(r["ppl"]) and r["tg_depth_ts"] > 0 for r in theirs.values())
+    targets = {t.name: t for t in rep.targets}
+    assert targets["tg at depth, q8_0 pool vs llama.cpp's q8_0 K/V"].value.endswith("x")
+    assert "--vs llama.cpp" in rep.command
