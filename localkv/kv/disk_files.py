@@ -1,5 +1,6 @@
 """The cache's files on disk: folders that are never symlinks, writes that land whole (a temp
-file in the same folder, renamed into place), and which temp files a writer that died left.
+file in the same folder, renamed into place), which temp files a writer that died left, and
+the files named like entries (scan).
 
 A temp file's name carries its writer's host and pid: one left by a writer that was killed is
 swept by the next process that writes, not only once it is STALE_AGE old.
@@ -12,6 +13,7 @@ import socket
 import stat
 import tempfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from localkv.home import private_dir
@@ -20,6 +22,46 @@ TMP_PREFIX = ".lkv-"  # our temp files: distinct enough that foreign dotfiles ar
 TMP = re.compile(re.escape(TMP_PREFIX) + r"[^/]*\.tmp")
 HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"  # a pid names a process on its own host only
 _OWNER = re.compile(re.escape(TMP_PREFIX) + r"([0-9a-f]{8})-(\d+)-")
+NS = re.compile(r"[0-9A-Za-z_-]{1,16}")  # a model's folder
+SUB = re.compile(r"[0-9a-f]{2}")  # the first two hex digits of the entries' hashes
+ENTRY = re.compile(r"[0-9a-f]{32}\.kvb")
+
+
+@dataclass(slots=True)
+class Entry:
+    path: Path
+    size: int
+    mtime: float
+
+
+def scan(root: Path, temps: list | None = None) -> list[Entry]:
+    """Files named like entries under root (content unchecked); temp files go to temps if
+    given. Folders may vanish meanwhile: another process may be clearing."""
+    out = []
+    for d in dirs(root, NS):
+        for sub in dirs(d, SUB):
+            out += scan_dir(sub, temps)
+    return out
+
+
+def scan_dir(sub: Path, temps: list | None = None) -> list[Entry]:
+    out = []
+    with contextlib.suppress(OSError), os.scandir(sub) as it:
+        for f in it:
+            if ENTRY.fullmatch(f.name) and f.name.startswith(sub.name):
+                with contextlib.suppress(OSError):
+                    st = f.stat(follow_symlinks=False)
+                    out.append(Entry(Path(f.path), st.st_size, st.st_mtime))
+            elif temps is not None and TMP.fullmatch(f.name):
+                temps.append(Path(f.path))
+    return out
+
+
+def dirs(parent: Path, pattern) -> list[Path]:
+    """parent's folders (never symlinks) whose names match pattern."""
+    with contextlib.suppress(OSError), os.scandir(parent) as it:
+        return [Path(e.path) for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    return []
 
 
 def real_dirs(path: Path) -> bool:

@@ -25,7 +25,6 @@ import re
 import stat
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ import numpy as np
 from localkv import kv_format
 from localkv.home import STALE_AGE, home, private_dir
 from localkv.kv import disk_counters as counters
+from localkv.kv import disk_views
 from localkv.kv.block_events import DISK, BlockLog, Stored
 from localkv.kv.disk_entry import (
     PARENT,
@@ -45,23 +45,25 @@ from localkv.kv.disk_entry import (
     read_file,
     read_header,
 )
-from localkv.kv.disk_files import TMP, make_dirs, orphan, real_dirs, unlink, write_atomic
+from localkv.kv.disk_files import (
+    NS,
+    SUB,
+    TMP,
+    Entry,
+    dirs,
+    make_dirs,
+    orphan,
+    real_dirs,
+    scan,
+    scan_dir,
+    unlink,
+    write_atomic,
+)
 from localkv.kv.evict.protocol import to_host
 
 SUFFIX = ".kvb"
-DAMAGED = "(damaged)"  # the model column of an entry that fails its checks
 LOW_WATER = 0.9  # evict down to this share of the cap, so a full cache is not evicted per put
-_NS = re.compile(r"[0-9A-Za-z_-]{1,16}")
-_SUB = re.compile(r"[0-9a-f]{2}")
-_FILE = re.compile(r"[0-9a-f]{32}\.kvb")
 _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk, or the user's quota
-
-
-@dataclass(slots=True)
-class _Entry:
-    path: Path
-    size: int
-    mtime: float
 
 
 def _ns(fingerprint: str) -> str:
@@ -280,33 +282,8 @@ class DiskStore:
 
     # ------------------------------------------------------ size cap, cleanup
 
-    def _scan(self, temps: list | None = None) -> list[_Entry]:
-        """Files named like entries (content unchecked); temp files go to temps if given.
-        Directories may vanish under us: another process may be clearing."""
-        out = []
-        for d in self._dirs(self.root, _NS):
-            for sub in self._dirs(d, _SUB):
-                out += self._scan_dir(sub, temps)
-        return out
-
-    @staticmethod
-    def _scan_dir(sub: Path, temps: list | None = None) -> list[_Entry]:
-        out = []
-        with contextlib.suppress(OSError), os.scandir(sub) as it:
-            for f in it:
-                if _FILE.fullmatch(f.name) and f.name.startswith(sub.name):
-                    with contextlib.suppress(OSError):
-                        st = f.stat(follow_symlinks=False)
-                        out.append(_Entry(Path(f.path), st.st_size, st.st_mtime))
-                elif temps is not None and TMP.fullmatch(f.name):
-                    temps.append(Path(f.path))
-        return out
-
-    @staticmethod
-    def _dirs(parent: Path, pattern) -> list[Path]:
-        with contextlib.suppress(OSError), os.scandir(parent) as it:
-            return [Path(e.path) for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-        return []
+    def _scan(self, temps: list | None = None) -> list[Entry]:
+        return scan(self.root, temps)
 
     def prune(self) -> int:
         """Remove temp files left by writers that died (gone from this host, or untouched for
@@ -364,35 +341,13 @@ class DiskStore:
         except OSError as e:
             self._disable(e)
 
-    def _rows(self) -> list[tuple[dict, bool]]:
-        """(row, valid) for every entry; a damaged one is shown by its folder and file name."""
-        rows = []
-        for e in self._scan():
-            try:
-                m = read_header(e.path)
-            except FileNotFoundError:  # removed by another process meanwhile
-                continue
-            ok = m is not None
-            m = m or {"model": DAMAGED, "fingerprint": e.path.parent.parent.name, "hash": e.path.stem, "tokens": []}
-            row = {
-                "model": m["model"],
-                "fingerprint": m["fingerprint"][:16],
-                "hash": m["hash"][:12],
-                "tokens": len(m["tokens"]),
-                "dtype": m.get("dtype", "?"),
-                "bytes": e.size,
-                "last_used": e.mtime,
-            }
-            rows.append((row, ok))
-        return sorted(rows, key=lambda r: -r[0]["last_used"])
-
     def blocks(self, fingerprint: str) -> list[Stored]:
         """One model's valid entries as the log tells them (an entry written before entries
         named their parent is told as a first block)."""
         out = []
-        for d in self._dirs(self.root, _NS):
-            for sub in self._dirs(d, _SUB) if d.name == _ns(fingerprint) else ():
-                for e in self._scan_dir(sub):
+        for d in dirs(self.root, NS):
+            for sub in dirs(d, SUB) if d.name == _ns(fingerprint) else ():
+                for e in scan_dir(sub):
                     with contextlib.suppress(FileNotFoundError):
                         m = read_header(e.path)
                         if m is not None and m["fingerprint"] == fingerprint:
@@ -401,32 +356,11 @@ class DiskStore:
         return out
 
     def ls(self) -> list[dict]:
-        """Every entry, most recently used first; damaged ones with the model DAMAGED."""
-        return [r for r, _ in self._rows()]
+        """Every entry, most recently used first; damaged ones with the model disk_views.DAMAGED."""
+        return [r for r, _ in disk_views.rows(self.root)]
 
     def stats(self) -> dict:
-        models: dict[str, dict] = {}
-        damaged = {"entries": 0, "bytes": 0}
-        for r, ok in self._rows():  # newest first: a model shows its most recent name
-            if not ok:
-                damaged["entries"] += 1
-                damaged["bytes"] += r["bytes"]
-                continue
-            m = models.setdefault(
-                r["fingerprint"], {"name": r["model"], "fingerprint": r["fingerprint"], "entries": 0, "bytes": 0}
-            )
-            m["entries"] += 1
-            m["bytes"] += r["bytes"]
-        ms = sorted(models.values(), key=lambda m: -m["bytes"])
-        return {
-            "root": str(self.root),
-            "entries": sum(m["entries"] for m in ms) + damaged["entries"],
-            "bytes": sum(m["bytes"] for m in ms) + damaged["bytes"],
-            "max_bytes": self.max_bytes,
-            "models": ms,
-            "damaged": damaged,
-            **counters.read(self.root),
-        }
+        return disk_views.stats(self.root, self.max_bytes)
 
     def clear(self, model: str | None = None) -> int:
         """Delete entries of model (a model name or fingerprint prefix), or all; damaged ones go
@@ -445,8 +379,8 @@ class DiskStore:
             if unlink(e.path):
                 n += 1
                 freed += e.size
-        for d in self._dirs(self.root, _NS):  # drop emptied dirs; rmdir keeps non-empty ones
-            for sub in self._dirs(d, _SUB):
+        for d in dirs(self.root, NS):  # drop emptied dirs; rmdir keeps non-empty ones
+            for sub in dirs(d, SUB):
                 with contextlib.suppress(OSError):
                     sub.rmdir()
             with contextlib.suppress(OSError):
