@@ -9,7 +9,6 @@ Slash commands are in tui/commands.py; this module applies what they return."""
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -27,9 +26,10 @@ from localkv.engine import Engine
 from localkv.hub.catalog import display_name
 from localkv.sampling import SamplingParams
 from localkv.tui import commands as cmd
+from localkv.tui.reply import Reply
 from localkv.tui.widgets.branch_tree import BranchTree
 from localkv.tui.widgets.kv_panel import KVPanel, KVSnapshot
-from localkv.tui.widgets.message import ChatMessage, Thinking, clean
+from localkv.tui.widgets.message import ChatMessage, Thinking
 from localkv.tui.widgets.prompt import PromptInput
 from localkv.tui.widgets.transcript import Transcript
 from localkv.tui.worker import (
@@ -46,16 +46,6 @@ from localkv.tui.worker import (
 )
 
 WIDE = 100  # below this many columns only one side panel is shown at a time
-
-
-@dataclass(slots=True)
-class _Reply:
-    """The views of the reply being generated (one at a time), and the text that asked for it."""
-
-    view: ChatMessage
-    user_view: ChatMessage | None
-    prompt: str | None
-    thinking: Thinking | None = None  # a thinking model's, above the view, once it thinks
 
 
 def _branch_system(path: list[Message]) -> str | None:
@@ -106,7 +96,7 @@ class ChatApp(App):
         self._stop = threading.Event()  # set by Esc/Ctrl-C and on exit; the worker checks it between pieces
         self._warming = False  # a worker prefills the next turn's start (busy is True meanwhile)
         self._queued: str | None = None  # a question sent while it did: asked once the warm stops
-        self._reply: _Reply | None = None
+        self._reply: Reply | None = None
         self._snap: KVSnapshot | None = None  # the worker's latest copy of the KV numbers
 
     # ------------------------------------------------------------ layout
@@ -264,7 +254,7 @@ class ChatApp(App):
     async def _ask(self, text: str) -> None:
         user_view, view = ChatMessage("user", text), ChatMessage("assistant")
         await self.transcript.add(user_view, view)
-        self._start(_Reply(view, user_view, text), self.params)
+        self._start(Reply(view, user_view, text), self.params)
 
     async def _command(self, line: str) -> None:
         for effect in cmd.run(self, line):
@@ -283,7 +273,7 @@ class ChatApp(App):
             case cmd.Regenerate(params, n):
                 view = ChatMessage("assistant")
                 await self.transcript.add(view)
-                self._start(_Reply(view, None, None), params, n)
+                self._start(Reply(view, None, None), params, n)
             case cmd.ShowTree():
                 self.show_tree = True
                 self.branch_tree.focus()
@@ -339,7 +329,7 @@ class ChatApp(App):
 
     # ------------------------------------------------------------ the engine's worker and its messages
 
-    def _start(self, reply: _Reply, params: SamplingParams, n: int = 1) -> None:
+    def _start(self, reply: Reply, params: SamplingParams, n: int = 1) -> None:
         """Generate a reply to the branch shown (plus reply.prompt, a new question) into reply.view;
         n > 1: n sibling replies of one prompt, the first shown, all saved."""
         path = self.store.path(self.at) if self.at else []
@@ -385,44 +375,20 @@ class ChatApp(App):
 
     @on(ReplyChunk)
     async def _reply_chunk(self, event: ReplyChunk) -> None:
-        await self._think(event.reasoning)
-        if event.text and self._reply.thinking is not None:
-            self._reply.thinking.collapsed = True  # the answer has begun: fold the thinking
-        if event.text:
-            await self._reply.view.append(clean(event.text))
+        await self._reply.chunk(self.transcript, event.reasoning, event.text)
         self._snap = event.snap or self._snap
         if event.tps is not None:
             self.panel.add_rate(event.tps, "now")
-
-    async def _think(self, text: str) -> None:
-        """More of the reply's thinking, in its widget above the reply (open while it streams)."""
-        if not text:
-            return
-        if self._reply.thinking is None:
-            self._reply.thinking = Thinking(collapsed=False)
-            await self.transcript.mount(self._reply.thinking, before=self._reply.view)
-        self._reply.thinking.append(text)
 
     @on(ReplyDone)
     async def _reply_done(self, event: ReplyDone) -> None:
         reply, r = self._reply, event.result
         if r is None:  # refused before any work: nothing saved, the text goes back to the input to edit
-            await reply.view.remove()
+            text = await reply.withdraw()
             if reply.user_view is not None:
-                await reply.user_view.remove()
-                self.prompt.value = reply.prompt or ""
+                self.prompt.value = text
         else:
-            if r.reasoning:
-                await self._think(r.reasoning[len(reply.thinking.text) if reply.thinking else 0 :])
-                reply.thinking.done(r.reasoning, r.branches[0].reasoning_tokens)
-            if event.tail:
-                await reply.view.append(clean(event.tail))
-            if reply.view.source != clean(r.text):  # a stop mid-character: show what was saved
-                await reply.view.update(clean(r.text))
-            done = f"{len(r.tokens)} tok · {r.cached_tokens}/{r.prompt_tokens} cached · {event.reason}"
-            if len(r.branches) > 1:  # a fork: what sharing the prompt's blocks saved
-                done += f" · {len(r.branches)} branches in {r.peak_blocks} blocks, {r.unshared_blocks} unshared"
-            reply.view.border_subtitle = done
+            await reply.finish(self.transcript, r, event.tail, event.reason)
             self.panel.last_turn = (r.cached_tokens, r.prompt_tokens)
             if event.tps is not None:
                 self.panel.add_rate(event.tps, "last reply")
