@@ -12,7 +12,8 @@ paged_causal is which rows share a tile: at each chunk the sequences whose block
 the same blocks there (the forks of one prompt, requests on one system prompt) are scored
 together, so a shared chunk is read and converted once for all
 of them and fills the lanes; the others take a tile each. A row's arithmetic is the same in
-either case, so the sharing changes no bit.
+either case, so the sharing changes no bit. A group of up to 4 rows (one sequence, most
+models) takes kernels/decode_few's tiles, keys in the lanes, with the same bits.
 """
 
 import numpy as np
@@ -28,10 +29,9 @@ from localkv.backends.cpu.kernels.attention import (
     _fold,
     _scores,
     _softmax_step,
-    rload,
     row_into,
 )
-from localkv.backends.cpu.simd.f32x8 import fadd, fload, fma, fsplat_at, fstore, fzero
+from localkv.backends.cpu.kernels.decode_few import ROWS, accumulate_rows, rows_t, scores_t, softmax_t
 from localkv.backends.cpu.simd.u8x32 import prefetch
 
 AHEAD = 2  # chunks between a chunk's prefetch and its reads (BENCHMARKS.md, attention at depth)
@@ -114,6 +114,7 @@ def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
         np.empty(R8 * hd, np.float32),
     )
     top, gm, gs = np.empty(R8, np.float32), np.empty(R8, np.float32), np.empty(R8, np.float32)
+    kt, st_t = np.empty(hd * KEYS, np.float32), np.empty(ROWS * KEYS, np.float32)  # decode_few's
     o, m, sums = po[s0 * g : s1 * g], pm[s0 * g : s1 * g], ps[s0 * g : s1 * g]
     _empty(o, m, sums)
     taken, members = np.zeros(s1 - s0, np.bool_), np.empty(s1 - s0, np.int64)
@@ -138,7 +139,6 @@ def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
             for i in range(count):
                 n = max(n, min(lens[members[i]] - t0, KEYS))
             _offsets(tables[members[0]], h, t0, n, bs, k.shape[2], offs)
-            _rows(k, offs, n, kc, hd)
             r8 = -(-count * g // 8) * 8
             st, gq = st_buf[: KEYS * r8].reshape((KEYS, r8)), gq_buf[: hd * r8].reshape((hd, r8))
             go = go_buf[: r8 * hd].reshape((r8, hd))
@@ -146,11 +146,15 @@ def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
                 _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
                 _gather(qt, o, m, sums, members, count, g, h, s0, gq, go, gm, gs)
                 held[:count], resident = members[:count], count
-            _scores(gq, kc, st, r8, hd)
-            _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
-            if 2 * count * g <= r8:  # lanes mostly padding: the weighted values along hd instead
-                _accumulate_rows(st, v, offs, n, go, count * g)
+            if count * g <= ROWS:  # 8 lanes of rows mostly padding: keys in the lanes (decode_few)
+                rows_t(k, offs, n, kt, hd)
+                scores_t(kt, gq, r8, st_t, hd)
+                softmax_t(st_t, n, go, gm, gs, count * g)
+                accumulate_rows(st_t, 1, KEYS, v, offs, n, go, count * g)
             else:
+                _rows(k, offs, n, kc, hd)
+                _scores(gq, kc, st, r8, hd)
+                _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
                 _rows(v, offs, n, vc, hd)
                 _accumulate(st, vc, go, r8, hd)
     _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
@@ -216,43 +220,6 @@ def _scatter(go_buf, gm, gs, members, count, g, s0, o, m, sums):
             for d in range(hd):
                 o[at, d] = go_buf[r * hd + d]
             m[at], sums[at] = gm[r], gs[r]
-
-
-@register_jitable
-def _accumulate_rows(st, v, offs, n, o, rows):
-    """_accumulate's sums for the first `rows` rows of o [r8, hd] (rows <= r8 / 2), with 16 of
-    hd for 4 rows in registers and V read from the pool as stored, each of its values converted
-    once for the 4: each value still gains its n weighted values in key order, so its bits are
-    _accumulate's (which adds the chunk's padding keys as + 0: so does _store, which only makes
-    a -0 +0). Rows past `rows` up to a multiple of 4 are padding rows of o, summed and unread."""
-    hd, R8 = o.shape[1], st.shape[1]
-    pad = n < KEYS
-    for r in range(0, rows, 4):
-        for d in range(0, hd - 8, 16):
-            at = r * hd + d
-            a0, a1, b0, b1 = fload(o, at), fload(o, at + 8), fload(o, at + hd), fload(o, at + hd + 8)
-            c0, c1 = fload(o, at + 2 * hd), fload(o, at + 2 * hd + 8)
-            e0, e1 = fload(o, at + 3 * hd), fload(o, at + 3 * hd + 8)
-            for t in range(n):
-                x0, x1, w = rload(v, offs[t], d), rload(v, offs[t], d + 8), t * R8 + r
-                wa, wb, wc, we = fsplat_at(st, w), fsplat_at(st, w + 1), fsplat_at(st, w + 2), fsplat_at(st, w + 3)
-                a0, a1, b0, b1 = fma(wa, x0, a0), fma(wa, x1, a1), fma(wb, x0, b0), fma(wb, x1, b1)
-                c0, c1, e0, e1 = fma(wc, x0, c0), fma(wc, x1, c1), fma(we, x0, e0), fma(we, x1, e1)
-            for j, (x0, x1) in enumerate(((a0, a1), (b0, b1), (c0, c1), (e0, e1))):
-                _store(o, at + j * hd, x0, pad)
-                _store(o, at + j * hd + 8, x1, pad)
-        if hd % 16:  # the last 8 of a head size that is an odd multiple of 8
-            for j in range(r, r + 4):
-                a = fload(o, j * hd + hd - 8)
-                for t in range(n):
-                    a = fma(fsplat_at(st, t * R8 + j), rload(v, offs[t], hd - 8), a)
-                _store(o, j * hd + hd - 8, a, pad)
-
-
-@register_jitable
-def _store(o, at, a, pad):
-    """o[at : at + 8] = a, plus 0 after a chunk of fewer than KEYS keys (_accumulate_rows)."""
-    fstore(o, at, fadd(a, fzero()) if pad else a)
 
 
 @register_jitable

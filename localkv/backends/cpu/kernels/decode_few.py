@@ -1,0 +1,198 @@
+"""A decode group of few query rows (at most 4: one sequence of a model with up to 4 query heads
+per kv head, SmolLM2's 3 and Llama 3.2's 4): the same bits as the 8-row tiles of
+kernels/attention, with the lanes on what there is more of.
+
+The tiles of attention._scores put query rows in the lanes and broadcast the keys: with 3 rows,
+5 of 8 lanes are padding. Here each chunk's K rows are converted and stored transposed (8 x 8
+blocks, simd/transpose), so 16 keys fill a vector and the few rows are the broadcasts: each
+score is still the FMAs over the head dimension in order from 0 (fma(k, q, s) is fma(q, k, s)),
+so the same score. The softmax step runs per row over the keys in their order, the weights'
+sum added key by key as the lanes added it; the weighted values run along hd with V read as
+stored (_accumulate_rows). Every value is attention._softmax_step's and _accumulate's.
+"""
+
+from numba.extending import overload, register_jitable
+
+from localkv.backends.cpu.kernels.attention import KEYS, _quantized, block_values, exp, rload
+from localkv.backends.cpu.simd.f32x8 import (
+    fadd,
+    fload,
+    fma,
+    fsplat,
+    fsplat_at,
+    fstore,
+    fweights,
+    fzero,
+    wload,
+    wsplat_at,
+)
+from localkv.backends.cpu.simd.transpose import tstore8
+from localkv.backends.cpu.simd.u8x32 import half
+from localkv.backends.cpu.simd.x16 import zero16
+from localkv.kv_format import QK
+
+ROWS = 4  # the rows of a group this path takes
+
+
+@register_jitable
+def _key(pool, offs, n, t, d):
+    """Values d .. d + 7 of key t of a chunk as float32; zeros for a key past its n."""
+    return rload(pool, offs[t], d) if t < n else fzero()
+
+
+def rows_t(pool, offs, n, kt, hd):
+    """kt [hd * KEYS] = the pool rows offs[:n] as float32, transposed (kt[d * KEYS + t] is value
+    d of key t); zeros for the keys after them."""
+
+
+@overload(rows_t, jit_options={"fastmath": True})
+def _rows_t_impl(pool, offs, n, kt, hd):
+    last, nbytes = pool.ndim - 1, _quantized(pool)
+    if not nbytes:
+
+        def floats(pool, offs, n, kt, hd):
+            for t in range(0, KEYS, 8):
+                if t + 8 > n:
+                    _tail_t(pool, offs, n, kt, hd, t)
+                    continue
+                for d in range(0, hd, 8):
+                    tstore8(
+                        kt, d * KEYS + t, KEYS,
+                        rload(pool, offs[t], d), rload(pool, offs[t + 1], d),
+                        rload(pool, offs[t + 2], d), rload(pool, offs[t + 3], d),
+                        rload(pool, offs[t + 4], d), rload(pool, offs[t + 5], d),
+                        rload(pool, offs[t + 6], d), rload(pool, offs[t + 7], d),
+                    )  # fmt: skip
+
+        return floats
+
+    def quantized(pool, offs, n, kt, hd):  # each block's 8 scales read once, not once per 8 values
+        row = pool.shape[last]
+        for t in range(0, KEYS, 8):
+            if t + 8 > n:
+                _tail_t(pool, offs, n, kt, hd, t)
+                continue
+            for b in range(hd // QK):
+                a0, a1, a2, a3 = offs[t] * row, offs[t + 1] * row, offs[t + 2] * row, offs[t + 3] * row
+                a4, a5, a6, a7 = offs[t + 4] * row, offs[t + 5] * row, offs[t + 6] * row, offs[t + 7] * row
+                a0, a1, a2, a3 = a0 + b * nbytes, a1 + b * nbytes, a2 + b * nbytes, a3 + b * nbytes
+                a4, a5, a6, a7 = a4 + b * nbytes, a5 + b * nbytes, a6 + b * nbytes, a7 + b * nbytes
+                s0, s1, s2, s3 = half(pool, a0), half(pool, a1), half(pool, a2), half(pool, a3)
+                s4, s5, s6, s7 = half(pool, a4), half(pool, a5), half(pool, a6), half(pool, a7)
+                for j in range(0, QK, 8):
+                    tstore8(
+                        kt, (b * QK + j) * KEYS + t, KEYS,
+                        block_values(pool, a0, j, s0), block_values(pool, a1, j, s1),
+                        block_values(pool, a2, j, s2), block_values(pool, a3, j, s3),
+                        block_values(pool, a4, j, s4), block_values(pool, a5, j, s5),
+                        block_values(pool, a6, j, s6), block_values(pool, a7, j, s7),
+                    )  # fmt: skip
+
+    return quantized
+
+
+@register_jitable
+def _tail_t(pool, offs, n, kt, hd, t):
+    """rows_t's 8 keys from t, where the chunk's n keys end among them."""
+    for d in range(0, hd, 8):
+        tstore8(
+            kt, d * KEYS + t, KEYS,
+            _key(pool, offs, n, t, d), _key(pool, offs, n, t + 1, d),
+            _key(pool, offs, n, t + 2, d), _key(pool, offs, n, t + 3, d),
+            _key(pool, offs, n, t + 4, d), _key(pool, offs, n, t + 5, d),
+            _key(pool, offs, n, t + 6, d), _key(pool, offs, n, t + 7, d),
+        )  # fmt: skip
+
+
+@register_jitable
+def scores_t(kt, gq, r8, st, hd):
+    """st [ROWS * KEYS]: the scores of query rows 0-3 of gq [hd, r8] (queries transposed,
+    scaled) for the chunk's keys kt (rows_t), st[r * KEYS + t] for key t: 32 keys x 4 rows in
+    registers, one FMA per key lane and row per value of hd."""
+    z = zero16()
+    for t in range(0, KEYS, 32):
+        a0 = a1 = b0 = b1 = c0 = c1 = e0 = e1 = z
+        for d in range(hd):
+            x0, x1, w = wload(kt, d * KEYS + t, z), wload(kt, d * KEYS + t + 16, z), d * r8
+            wa, wb, wc, we = (
+                wsplat_at(gq, w, z),
+                wsplat_at(gq, w + 1, z),
+                wsplat_at(gq, w + 2, z),
+                wsplat_at(gq, w + 3, z),
+            )
+            a0, a1, b0, b1 = fma(x0, wa, a0), fma(x1, wa, a1), fma(x0, wb, b0), fma(x1, wb, b1)
+            c0, c1, e0, e1 = fma(x0, wc, c0), fma(x1, wc, c1), fma(x0, we, e0), fma(x1, we, e1)
+        for r, (lo, hi) in enumerate(((a0, a1), (b0, b1), (c0, c1), (e0, e1))):
+            fstore(st, r * KEYS + t, lo)
+            fstore(st, r * KEYS + t + 16, hi)
+
+
+@register_jitable
+def softmax_t(st, n, o, m, total, rows):
+    """attention._softmax_step on st [ROWS * KEYS] (keys in lanes) for the first `rows` rows:
+    the row maximum of the n keys, the rescale where it grows, the weights (fweights) and their
+    sum in key order; weights 0 past n and in the padding rows."""
+    for r in range(ROWS):
+        base = r * KEYS
+        if r >= rows:
+            for t in range(KEYS):
+                st[base + t] = 0
+            continue
+        top = st[base]
+        for t in range(1, n):
+            if st[base + t] > top:  # Python's max, as fmax: a later key only where it is higher
+                top = st[base + t]
+        if top > m[r]:
+            a = exp(m[r] - top)
+            for d in range(o.shape[1]):
+                o[r, d] *= a
+            total[r] *= a
+            m[r] = top
+        m8 = fsplat(m[r])
+        for t in range(0, KEYS, 8):
+            fstore(st, base + t, fweights(fload(st, base + t), m8))
+        s = total[r]
+        for t in range(n):
+            s += st[base + t]
+        total[r] = s
+        for t in range(n, KEYS):
+            st[base + t] = 0
+
+
+@register_jitable
+def accumulate_rows(st, ts, rs, v, offs, n, o, rows):
+    """attention._accumulate's sums for the first `rows` rows of o [r8, hd] (rows <= r8 / 2),
+    the weight of key t for row r at st[t * ts + r * rs], with 16 of hd for 4 rows in registers
+    and V read from the pool as stored, each of its values converted once for the 4: each value
+    still gains its n weighted values in key order, so its bits are _accumulate's (which adds
+    the chunk's padding keys as + 0: so does _store, which only makes a -0 +0). Rows past
+    `rows` up to a multiple of 4 are padding rows of o, summed and unread."""
+    hd = o.shape[1]
+    pad = n < KEYS
+    for r in range(0, rows, 4):
+        for d in range(0, hd - 8, 16):
+            at = r * hd + d
+            a0, a1, b0, b1 = fload(o, at), fload(o, at + 8), fload(o, at + hd), fload(o, at + hd + 8)
+            c0, c1 = fload(o, at + 2 * hd), fload(o, at + 2 * hd + 8)
+            e0, e1 = fload(o, at + 3 * hd), fload(o, at + 3 * hd + 8)
+            for t in range(n):
+                x0, x1, w = rload(v, offs[t], d), rload(v, offs[t], d + 8), t * ts + r * rs
+                wa, wb = fsplat_at(st, w), fsplat_at(st, w + rs)
+                wc, we = fsplat_at(st, w + 2 * rs), fsplat_at(st, w + 3 * rs)
+                a0, a1, b0, b1 = fma(wa, x0, a0), fma(wa, x1, a1), fma(wb, x0, b0), fma(wb, x1, b1)
+                c0, c1, e0, e1 = fma(wc, x0, c0), fma(wc, x1, c1), fma(we, x0, e0), fma(we, x1, e1)
+            for j, (x0, x1) in enumerate(((a0, a1), (b0, b1), (c0, c1), (e0, e1))):
+                _store(o, at + j * hd, x0, pad)
+                _store(o, at + j * hd + 8, x1, pad)
+        if hd % 16:  # the last 8 of a head size that is an odd multiple of 8
+            for j in range(r, r + 4):
+                a = fload(o, j * hd + hd - 8)
+                for t in range(n):
+                    a = fma(fsplat_at(st, t * ts + j * rs), rload(v, offs[t], hd - 8), a)
+                _store(o, j * hd + hd - 8, a, pad)
+
+
+@register_jitable
+def _store(o, at, a, pad):
+    """o[at : at + 8] = a, plus 0 after a chunk of fewer than KEYS keys (accumulate_rows)."""
+    fstore(o, at, fadd(a, fzero()) if pad else a)
