@@ -143,6 +143,9 @@ class KVPanel(VerticalScroll):
         spark.data = [*(spark.data or [])[-59:], tps]
         self.query_one("#kv-rate", Static).update(f"{tps:.1f} {when}")
 
+    def on_mount(self) -> None:
+        self._render_stats()  # a snapshot given before the children were mounted
+
     def watch_snapshot(self) -> None:
         self._render_stats()
 
@@ -150,11 +153,13 @@ class KVPanel(VerticalScroll):
         self._render_stats()
 
     def _render_stats(self) -> None:
-        snap = self.snapshot
-        if snap is None or not self.is_attached:  # a timer can fire while the screen is torn down
+        snap, bars = self.snapshot, self.query(PoolBar)
+        # a timer or a fast engine load can fire before the children are mounted (on_mount
+        # renders then) or while the screen is torn down
+        if snap is None or not self.is_attached or not bars:
             return
         u, s = snap.usage, snap.stats
-        self.query_one(PoolBar).usage = u
+        bars.first().usage = u
         last = self.last_turn
         hit_pct = f" ({100 * s.prefix_hits / s.prefix_queries:.0f}%)" if s.prefix_queries else ""
         self.shown = {
