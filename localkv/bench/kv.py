@@ -47,8 +47,8 @@ COLUMNS = [
 class _Timed:
     """One engine's logits for the text, a chunk at a time, and the seconds they took."""
 
-    def __init__(self, logits):
-        self.logits, self.seconds = logits, 0.0
+    def __init__(self, logits, free):
+        self.logits, self.free, self.seconds = logits, free, 0.0
 
     def __call__(self, start: int, n: int):
         t = time.perf_counter()
@@ -65,15 +65,11 @@ def _local(engine, tokens: list[int]) -> _Timed:
             raise RuntimeError(f"teacher forcing out of step: chunk at {start}, K/V at {seq.num_computed}")
         return engine.forward([seq], n, all_logits=True)
 
-    timed = _Timed(logits)
-    timed.free = lambda: engine.free(seq)
-    return timed
+    return _Timed(logits, lambda: engine.free(seq))
 
 
 def _peer(runner: PeerRunner, tokens: list[int]) -> _Timed:
-    timed = _Timed(lambda start, n: runner.forced(tokens[start : start + n]))
-    timed.free = runner.close
-    return timed
+    return _Timed(lambda start, n: runner.forced(tokens[start : start + n]), runner.close)
 
 
 def _lockstep(passes: list[_Timed], tokens: list[int], chunk: int, say, who: str) -> list[Sums]:
