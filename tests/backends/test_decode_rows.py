@@ -16,8 +16,8 @@ KVH, G, HD, BS = 2, 3, 64, 16
 RNG = np.random.default_rng(11)
 
 
-def pools(blocks: int, fmt: str):
-    kv = RNG.standard_normal((2, blocks, BS, KVH, HD)).astype(np.float32)
+def pools(blocks: int, fmt: str, hd: int = HD):
+    kv = RNG.standard_normal((2, blocks, BS, KVH, hd)).astype(np.float32)
     k, v = (kv_format.encode(a, kv_format.FORMATS[fmt]) for a in kv)
     return k, v, kv_format.decode(k), kv_format.decode(v)
 
@@ -43,9 +43,10 @@ def batch():
 
 def reference(q, k, v, table, n):
     """numpy's float64 attention of one token's heads q [H, hd] over the first n keys."""
-    K = k[table].reshape(-1, KVH, HD)[:n].astype(np.float64)
-    V = v[table].reshape(-1, KVH, HD)[:n].astype(np.float64)
-    out = np.empty((KVH * G, HD))
+    hd = q.shape[-1]
+    K = k[table].reshape(-1, KVH, hd)[:n].astype(np.float64)
+    V = v[table].reshape(-1, KVH, hd)[:n].astype(np.float64)
+    out = np.empty((KVH * G, hd))
     for j in range(KVH * G):
         s = K[:, j // G] @ q[j].astype(np.float64) * 0.125
         w = np.exp(s - s.max())
@@ -53,15 +54,17 @@ def reference(q, k, v, table, n):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["f16", "f32", "q8_0", "q4_0"])
-def test_a_decode_row_has_the_bits_of_the_causal_kernel_at_depth(fmt):
-    k, v, kf, vf = pools(200, fmt)
+# head sizes: 64 (one 64-value pass of decode_few's weighted sums), 96 (then 16 at a time), 72
+# (and the last 8 alone; float pools only: a quantized row is whole blocks of 32)
+@pytest.mark.parametrize("fmt,hd", [(f, 64) for f in ("f16", "f32", "q8_0", "q4_0")] + [("q8_0", 96), ("f16", 72)])
+def test_a_decode_row_has_the_bits_of_the_causal_kernel_at_depth(fmt, hd):
+    k, v, kf, vf = pools(200, fmt, hd)
     tables, lens = batch()
-    q = RNG.standard_normal((4, KVH * G, HD)).astype(np.float32)
+    q = RNG.standard_normal((4, KVH * G, hd)).astype(np.float32)
     got = cpu_kernels.decode_rows(q, k, v, tables, lens, 0.125)
     for b in range(4):
         for T in (1, 45):  # the token decoded alone, or the last row of a prefill tile
-            rows = RNG.standard_normal((T, KVH * G, HD)).astype(np.float32)
+            rows = RNG.standard_normal((T, KVH * G, hd)).astype(np.float32)
             rows[-1] = q[b]
             alone = cpu_kernels.causal_attention(rows, k, v, tables[b], int(lens[b]), 0.125)
             assert np.array_equal(alone[-1], got[b]), (b, T)

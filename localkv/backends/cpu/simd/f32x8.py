@@ -185,10 +185,15 @@ def hload(typingctx, arr, off):
     """8 IEEE half floats at arr[off:] (a uint16 array) as F32x8."""
 
     def codegen(context, builder, sig, args):
-        v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(I16, 8)), align=2)
-        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), V8F32)
+        return halves_codegen(context, builder, sig, args, 8)
 
     return F32x8(arr, off), codegen
+
+
+def halves_codegen(context, builder, sig, args, lanes: int):
+    """hload's IR for `lanes` half floats (x16's 16-lane load shares it)."""
+    v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(I16, lanes)), align=2)
+    return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), lanes)), ir.VectorType(F32, lanes))
 
 
 @intrinsic
@@ -197,11 +202,17 @@ def q8load(typingctx, arr, off, scale):
     float fits a float32's significand), so no path's rounding differs from another's."""
 
     def codegen(context, builder, sig, args):
-        v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(I8, 8)), align=1)
-        s = context.cast(builder, args[2], sig.args[2], types.float32)
-        return builder.fmul(builder.sitofp(v, V8F32), splat(builder, s, V8F32))
+        return q8_codegen(context, builder, sig, args, 8)
 
     return F32x8(arr, off, scale), codegen
+
+
+def q8_codegen(context, builder, sig, args, lanes: int):
+    """q8load's IR for `lanes` values."""
+    vf = ir.VectorType(F32, lanes)
+    v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(I8, lanes)), align=1)
+    s = context.cast(builder, args[2], sig.args[2], types.float32)
+    return builder.fmul(builder.sitofp(v, vf), splat(builder, s, vf))
 
 
 @intrinsic
@@ -210,15 +221,21 @@ def q4load(typingctx, arr, off, shift, scale):
     0, the high ones for 4) less 8, times scale, as F32x8 (exact, as q8load)."""
 
     def codegen(context, builder, sig, args):
-        v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(I8, 8)), align=1)
-        n = builder.zext(v, V8I32)
-        sh = splat(builder, context.cast(builder, args[2], sig.args[2], types.int32), V8I32)
-        n = builder.and_(builder.lshr(n, sh), ir.Constant(V8I32, [15] * 8))
-        n = builder.sub(n, ir.Constant(V8I32, [8] * 8))
-        s = context.cast(builder, args[3], sig.args[3], types.float32)
-        return builder.fmul(builder.sitofp(n, V8F32), splat(builder, s, V8F32))
+        return q4_codegen(context, builder, sig, args, 8)
 
     return F32x8(arr, off, shift, scale), codegen
+
+
+def q4_codegen(context, builder, sig, args, lanes: int):
+    """q4load's IR for `lanes` values (from as many bytes)."""
+    vi, vf = ir.VectorType(I32, lanes), ir.VectorType(F32, lanes)
+    v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(I8, lanes)), align=1)
+    n = builder.zext(v, vi)
+    sh = splat(builder, context.cast(builder, args[2], sig.args[2], types.int32), vi)
+    n = builder.and_(builder.lshr(n, sh), ir.Constant(vi, [15] * lanes))
+    n = builder.sub(n, ir.Constant(vi, [8] * lanes))
+    s = context.cast(builder, args[3], sig.args[3], types.float32)
+    return builder.fmul(builder.sitofp(n, vf), splat(builder, s, vf))
 
 
 @intrinsic

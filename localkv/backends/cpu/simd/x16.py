@@ -13,8 +13,21 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from localkv.backends.cpu.simd.f32x8 import halves_codegen, q4_codegen, q8_codegen
 from localkv.backends.cpu.simd.u8x32 import dot_builder
-from localkv.backends.cpu.simd.vec import I8, I32, V8I32, V16F32, V16I32, F32x16, I32x16, features, function, ptr, splat
+from localkv.backends.cpu.simd.vec import (
+    I8,
+    I32,
+    V8I32,
+    V16F32,
+    V16I32,
+    F32x16,
+    I32x16,
+    features,
+    function,
+    ptr,
+    splat,
+)
 
 _V64I8 = ir.VectorType(I8, 64)
 
@@ -48,6 +61,36 @@ def load16(typingctx, arr, off):
         return builder.load(ptr(context, builder, sig.args[0], args[0], args[1], V16F32), align=4)
 
     return F32x16(arr, off), codegen
+
+
+@intrinsic
+def hload16(typingctx, arr, off):
+    """16 IEEE half floats at arr[off:] (a uint16 array) as F32x16 (f32x8.hload's, wider)."""
+
+    def codegen(context, builder, sig, args):
+        return halves_codegen(context, builder, sig, args, 16)
+
+    return F32x16(arr, off), codegen
+
+
+@intrinsic
+def q8load16(typingctx, arr, off, scale):
+    """16 int8 at arr[off:] times scale, as F32x16 (f32x8.q8load's, wider)."""
+
+    def codegen(context, builder, sig, args):
+        return q8_codegen(context, builder, sig, args, 16)
+
+    return F32x16(arr, off, scale), codegen
+
+
+@intrinsic
+def q4load16(typingctx, arr, off, shift, scale):
+    """The nibbles of the 16 bytes at arr[off:] less 8, times scale, as F32x16 (f32x8.q4load's)."""
+
+    def codegen(context, builder, sig, args):
+        return q4_codegen(context, builder, sig, args, 16)
+
+    return F32x16(arr, off, shift, scale), codegen
 
 
 def _halves_dot(context, small: bool):
