@@ -15,6 +15,7 @@ cache's key (`tag`): rows rotated otherwise are another format.
 """
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -42,7 +43,7 @@ class Rotation:
         """What the prefix cache's key says of it."""
         return f"rot-h{self.block}-s{SEED:x}-{'k' if self.k else ''}{'v' if self.v else ''}"
 
-    @property
+    @cached_property  # read on every layer of every pass
     def scale(self) -> np.float32:
         return np.float32(1 / np.sqrt(self.block))
 

@@ -143,10 +143,15 @@ def rotate(x: np.ndarray, rotation, undo: bool = False) -> np.ndarray:
 
 def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarray):
     """Store K/V [T, kvh, hd] at flat slots (block * block_size + offset) of one layer's pool,
-    each in its layer's format: the one place rows are quantized (once, as they are written)."""
+    each in its layer's format: rows are quantized once, as they are written (kv_format.encode,
+    or the kernel that writes its bytes)."""
     nb, bs = k_layer.shape[:2]
-    k_layer.reshape(nb * bs, *k_layer.shape[2:])[slots] = kv_format.encode(k, kv_format.of(k_layer))
-    v_layer.reshape(nb * bs, *v_layer.shape[2:])[slots] = kv_format.encode(v, kv_format.of(v_layer))
+    for layer, x in ((k_layer, k), (v_layer, v)):
+        fmt = kv_format.of(layer)
+        if fmt.quantized and cpu_kernels.active():  # the same bytes as encode's, in one pass
+            cpu_kernels.encode_rows(layer, slots, x)
+        else:
+            layer.reshape(nb * bs, *layer.shape[2:])[slots] = kv_format.encode(x, fmt)
 
 
 def logits(h: np.ndarray, w_out) -> np.ndarray:

@@ -53,6 +53,18 @@ def hadamard(x: np.ndarray, rotation, undo: bool) -> np.ndarray:
     return out
 
 
+def encode_rows(layer: np.ndarray, slots: np.ndarray, x: np.ndarray):
+    """kv_format.encode(x [T, kvh, hd]) into a quantized pool layer [blocks, bs, kvh, row] at
+    the flat slots (block * bs + offset): the same bytes, written in place."""
+    nb, bs, kvh, row = layer.shape
+    if not layer.flags.c_contiguous:  # a reshape would write into a copy
+        raise ValueError("encode_rows: the pool layer must be C-contiguous")
+    rows = layer.view(np.uint8).reshape(nb * bs * kvh, -1)
+    state.elementwise.encode_rows(
+        np.ascontiguousarray(x, np.float32), np.asarray(slots, np.int64), rows, layer.dtype == np.uint8
+    )
+
+
 def silu_mul(gu: np.ndarray) -> np.ndarray:
     """silu(gate) * up for gu = [gate | up] (float32 [T, 2f], C- or F-contiguous: a decode step's
     or a prefill pass's matmul output), in the same order. Call only when active()."""

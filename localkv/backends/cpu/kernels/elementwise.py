@@ -1,14 +1,18 @@
 """Fused element-wise kernels: one pass where numpy makes several (and temporaries), for
-prefill's memory-bound steps (RMSNorm, RoPE, SwiGLU: single-threaded), and the rotation of
-quantized K/V's rows (kv/rotation: parallel over the tokens)."""
+prefill's memory-bound steps (RMSNorm, RoPE, SwiGLU: single-threaded), the rotation of
+quantized K/V's rows (kv/rotation: parallel over the tokens) and their quantization as they are
+written (kv_format.encode's arithmetic, value for value: numpy's takes a dozen array passes, a
+decode step's cost on every layer)."""
 
 import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
-from localkv.backends.cpu.kernels import EXACT_PAR, SER, self_check
+from localkv.backends.cpu.kernels import EXACT, EXACT_PAR, SER, self_check
 from localkv.backends.cpu.kernels.attention import exp
 from localkv.backends.cpu.simd.f32x8 import fadd, fload, fstore, fsub
+from localkv.backends.cpu.simd.u8x32 import half_bits
+from localkv.kv_format import Q4_0_BYTES, Q8_0_BYTES, QK
 
 
 @njit(**SER)
@@ -146,3 +150,65 @@ def _hadamard_ok(rng) -> bool:
     back = np.empty_like(turned)
     hadamard_rows(turned, signs, 16, np.float32(0.25), True, back)
     return bool((turned == signs[0] * np.float32(0.25)).all()) and np.allclose(back, qkv[:, :2], atol=1e-6)
+
+
+@njit(**EXACT)  # each float op as written: fast-math would turn x / 127 into x * (1 / 127)
+def encode_rows(x, slots, pool, q4):
+    """pool (a layer's rows as uint8 [blocks * bs * kvh, row bytes]) at the rows of slots [T]
+    and every kv head = x [T, kvh, hd] in q8_0 (q4 False) or q4_0, as kv_format.encode writes
+    them: the same scale, the same rounding of each value."""
+    T, kvh, hd = x.shape
+    for t in range(T):
+        for h in range(kvh):
+            row = slots[t] * kvh + h
+            for b in range(hd // QK):
+                if q4:
+                    _q4_0(x, t, h, b * QK, pool, row, b * Q4_0_BYTES)
+                else:
+                    _q8_0(x, t, h, b * QK, pool, row, b * Q8_0_BYTES)
+
+
+@register_jitable
+def _inverse(d):
+    return np.float32(1) / d if d != 0 else np.float32(0)
+
+
+@register_jitable
+def _scale(pool, row, at, d):
+    bits = half_bits(d)
+    pool[row, at], pool[row, at + 1] = bits & 0xFF, bits >> 8
+
+
+@register_jitable
+def _q8_0(x, t, h, d0, pool, row, at):
+    """One block: d = max |x| / 127, each value x / d rounded halves away from zero."""
+    top = np.float32(0)
+    for i in range(QK):
+        top = max(top, abs(x[t, h, d0 + i]))
+    d = top / np.float32(127)
+    inv = _inverse(d)
+    for i in range(QK):
+        v = x[t, h, d0 + i] * inv
+        r = np.rint(v)
+        if abs(v - r) == np.float32(0.5):  # a tie: rint went to even, C's roundf goes away
+            r = v + (np.float32(0.5) if v > 0 else np.float32(-0.5))
+        pool[row, at + 2 + i] = int(r) & 0xFF
+    _scale(pool, row, at, d)
+
+
+@register_jitable
+def _q4_0(x, t, h, d0, pool, row, at):
+    """One block: the value of largest magnitude (the first such), sign kept, maps to -8; each
+    value to min(trunc(x / d + 8.5), 15), value i < 16 in byte i's low nibble, i + 16 its high."""
+    best, top = 0, abs(x[t, h, d0])
+    for i in range(1, QK):
+        if abs(x[t, h, d0 + i]) > top:
+            best, top = i, abs(x[t, h, d0 + i])
+    d = x[t, h, d0 + best] / np.float32(-8)
+    inv = _inverse(d)
+    half = QK // 2
+    for i in range(half):
+        lo = min(int(np.trunc(x[t, h, d0 + i] * inv + np.float32(8.5))), 15)
+        hi = min(int(np.trunc(x[t, h, d0 + half + i] * inv + np.float32(8.5))), 15)
+        pool[row, at + 2 + i] = lo | (hi << 4)
+    _scale(pool, row, at, d)

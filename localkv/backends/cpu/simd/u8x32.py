@@ -211,6 +211,18 @@ def half(typingctx, arr, off):
 
 
 @intrinsic
+def half_bits(typingctx, x):
+    """The IEEE half float nearest a float32 (ties to even, as numpy's astype(float16)), as its
+    16 bits."""
+
+    def codegen(context, builder, sig, args):
+        x = context.cast(builder, args[0], sig.args[0], types.float32)
+        return builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+@intrinsic
 def at(typingctx, arr, off):
     """arr[off] for a C-contiguous array of any dimension (flat index), without the
     negative-index and bounds handling of numba's indexing."""
