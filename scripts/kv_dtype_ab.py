@@ -1,6 +1,8 @@
 """f16 against q8_0 K/V in one process, the two alternating rep by rep (a loaded machine moves
 separate runs more than the formats do): `python scripts/kv_dtype_ab.py pp512 [REPS]` times
-prefills of the same 512 tokens (prefix cache off); `python scripts/kv_dtype_ab.py warm [REPS]`
+prefills of the same 512 tokens (prefix cache off); `python scripts/kv_dtype_ab.py tg [REPS]`
+64 greedy decode steps after a 128-token prompt (short context, where the pool read is small);
+`python scripts/kv_dtype_ab.py warm [REPS]`
 the cache suite's warm TTFT: its 2,000-token system prompt + a user turn, each rep a fresh engine
 per format (empty pool) on a disk tier the first request of each format filled. SmolLM2-135M,
 2 threads; prints each rep and the medians' ratio."""
@@ -45,6 +47,20 @@ def pp512(reps: int) -> dict[str, list[float]]:
     return out
 
 
+def tg(reps: int) -> dict[str, list[float]]:
+    """Seconds per decode step over 64 steps after a 128-token prompt; the first round warms up."""
+    engines = {d: Engine(config(d, prefix_cache=False, disk_cache=False)) for d in DTYPES}
+    ids = text_ids(engines["f16"], 128)
+    params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
+    out = {d: [] for d in DTYPES}
+    for i in range(reps + 1):
+        for d in DTYPES if i % 2 else DTYPES[::-1]:
+            r = Generation(engines[d], list(ids), params).run()
+            if i:
+                out[d].append(r.eval_s / (r.completion_tokens - 1))
+    return out
+
+
 def warm(reps: int) -> dict[str, list[float]]:
     """Time to first token of the warm request, a fresh engine each rep."""
     eng = Engine(config("f16", disk_cache=True))
@@ -66,16 +82,19 @@ def warm(reps: int) -> dict[str, list[float]]:
 
 def main():
     what, reps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 7
-    if what not in ("pp512", "warm"):
-        sys.exit(f"error: unknown test {what!r}: use pp512 or warm")
+    tests = {"pp512": pp512, "tg": tg, "warm": warm}
+    if what not in tests:
+        sys.exit(f"error: unknown test {what!r}: use pp512, tg or warm")
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
-    times = pp512(reps) if what == "pp512" else warm(reps)
+    times = tests[what](reps)
+    per = {"pp512": 512, "tg": 1}.get(what)
     for d, ts in times.items():
-        shown = [round(512 / t, 1) for t in ts] if what == "pp512" else [round(t, 3) for t in ts]
-        print(d, "t/s" if what == "pp512" else "TTFT s", shown)
+        shown = [round(per / t, 1) for t in ts] if per else [round(t, 3) for t in ts]
+        print(d, "t/s" if per else "TTFT s", shown)
     m = {d: statistics.median(ts) for d, ts in times.items()}
-    if what == "pp512":
-        print(f"q8_0 / f16 speed (medians): {m['f16'] / m['q8_0']:.3f}")
+    best = {d: min(ts) for d, ts in times.items()}
+    if per:
+        print(f"q8_0 / f16 speed (medians): {m['f16'] / m['q8_0']:.3f}; best reps: {best['f16'] / best['q8_0']:.3f}")
     else:
         print(f"q8_0 / f16 warm TTFT (medians): {m['q8_0'] / m['f16']:.3f}")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")

@@ -18,6 +18,9 @@ from localkv.backends.cpu.build import active, state
 from localkv.backends.vm import reused_empty
 
 
+FEW_ROWS = 64  # hadamard's rows (tokens x heads) done on the calling thread: a decode step's
+
+
 def attends(head_dim: int) -> bool:
     """The attention kernels can run on heads of this size: they load 8 values of the head
     dimension at a time (numpy serves other sizes)."""
@@ -49,7 +52,8 @@ def hadamard(x: np.ndarray, rotation, undo: bool) -> np.ndarray:
     """kv/rotation's M x (undo: M^T x) of rows x [T, heads, hd] (a view is fine), a new array,
     in one kernel. Call only when active()."""
     out = np.empty(x.shape, np.float32)
-    state.elementwise.hadamard_rows(x, rotation.signs, rotation.block, rotation.scale, undo, out)
+    kernel = state.elementwise.hadamard_few if x.shape[0] * x.shape[1] <= FEW_ROWS else state.elementwise.hadamard_rows
+    kernel(x, rotation.signs, rotation.block, rotation.scale, undo, out)
     return out
 
 

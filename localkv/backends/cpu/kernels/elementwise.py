@@ -82,6 +82,32 @@ def rope(x, cos, sin, pairs):
     _rope(x, cos, sin, pairs)
 
 
+@register_jitable
+def _hadamard_group(x, signs, n, scale, undo, out, gi):
+    """Rows gi * 8 ... of hadamard_rows, one per vector lane."""
+    T, heads, d = x.shape
+    R = T * heads
+    buf = np.empty((d, 8), np.float32)  # [value, row]
+    for lane in range(8):
+        r = min(gi * 8 + lane, R - 1)  # a last group short of 8 repeats its last row
+        t, hh = r // heads, r % heads
+        for i in range(d):
+            buf[i, lane] = x[t, hh, i] if undo else x[t, hh, i] * signs[i]
+    for b0 in range(0, d, n):
+        h = 1
+        while h < n:
+            for g in range(b0, b0 + n, 2 * h):
+                for j in range(g, g + h):
+                    a, c = fload(buf, j * 8), fload(buf, (j + h) * 8)
+                    fstore(buf, j * 8, fadd(a, c))
+                    fstore(buf, (j + h) * 8, fsub(a, c))
+            h *= 2
+    for lane in range(min(8, R - gi * 8)):
+        t, hh = (gi * 8 + lane) // heads, (gi * 8 + lane) % heads
+        for i in range(d):
+            out[t, hh, i] = buf[i, lane] * scale * signs[i] if undo else buf[i, lane] * scale
+
+
 @njit(**EXACT_PAR)
 def hadamard_rows(x, signs, n, scale, undo, out):
     """out = M x for rows x [T, heads, hd] (a strided view is fine), or M^T x when undo:
@@ -89,27 +115,17 @@ def hadamard_rows(x, signs, n, scale, undo, out):
     so its bits. Eight rows at a time, one per vector lane, so that every butterfly is one
     vector add and one subtract; the groups of eight in parallel."""
     T, heads, d = x.shape
-    R = T * heads
-    for gi in prange(-(-R // 8)):
-        buf = np.empty((d, 8), np.float32)  # [value, row]
-        for lane in range(8):
-            r = min(gi * 8 + lane, R - 1)  # a last group short of 8 repeats its last row
-            t, hh = r // heads, r % heads
-            for i in range(d):
-                buf[i, lane] = x[t, hh, i] if undo else x[t, hh, i] * signs[i]
-        for b0 in range(0, d, n):
-            h = 1
-            while h < n:
-                for g in range(b0, b0 + n, 2 * h):
-                    for j in range(g, g + h):
-                        a, c = fload(buf, j * 8), fload(buf, (j + h) * 8)
-                        fstore(buf, j * 8, fadd(a, c))
-                        fstore(buf, (j + h) * 8, fsub(a, c))
-                h *= 2
-        for lane in range(min(8, R - gi * 8)):
-            t, hh = (gi * 8 + lane) // heads, (gi * 8 + lane) % heads
-            for i in range(d):
-                out[t, hh, i] = buf[i, lane] * scale * signs[i] if undo else buf[i, lane] * scale
+    for gi in prange(-(-(T * heads) // 8)):
+        _hadamard_group(x, signs, n, scale, undo, out, gi)
+
+
+@njit(**EXACT)
+def hadamard_few(x, signs, n, scale, undo, out):
+    """hadamard_rows on the calling thread, group by group (the same bits): for a decode step's
+    few rows, where starting the parallel workers costs more than the rows."""
+    T, heads, d = x.shape
+    for gi in range(-(-(T * heads) // 8)):
+        _hadamard_group(x, signs, n, scale, undo, out, gi)
 
 
 @self_check("base", cost=1.6)
@@ -141,14 +157,14 @@ def check() -> bool:
 def _hadamard_ok(rng) -> bool:
     """hadamard_rows in both layouts the model passes (a strided view of the qkv rows, a
     contiguous attention output): M e_0 is the first sign times the scale everywhere, and undo
-    turns a row back."""
+    (hadamard_few's, a decode step's) turns a row back."""
     signs = np.where(rng.random(16) < 0.5, -1.0, 1.0).astype(np.float32)
     qkv = np.zeros((9, 3, 16), np.float32)
     qkv[:, :2, 0] = 1
     turned = np.empty((9, 2, 16), np.float32)
     hadamard_rows(qkv[:, :2], signs, 16, np.float32(0.25), False, turned)
     back = np.empty_like(turned)
-    hadamard_rows(turned, signs, 16, np.float32(0.25), True, back)
+    hadamard_few(turned, signs, 16, np.float32(0.25), True, back)
     return bool((turned == signs[0] * np.float32(0.25)).all()) and np.allclose(back, qkv[:, :2], atol=1e-6)
 
 
