@@ -17,7 +17,6 @@ import numpy as np
 from localkv.backends.cpu.build import active, state
 from localkv.backends.vm import reused_empty
 
-
 FEW_ROWS = 64  # hadamard's rows (tokens x heads) done on the calling thread: a decode step's
 
 
