@@ -48,12 +48,14 @@ class Engine:
         self.loaded = loaded = load_model(self.path, progress=progress)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         check_backend(self.model_config, self.backend)  # an architecture it cannot run: one line, before the device
-        self.kv_formats = _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)  # (K, V)
+        _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)  # one a backend cannot take: one line, now
         self.backend.start(progress)  # kernels, after the model: a bad model fails first
         weights, run_cfg = loaded.weights, self.model_config  # run_cfg: as the model computes (dense: NEOX RoPE)
         if not self.backend.caps.quant_weights:  # a backend without kernels on quantized weights
             weights, run_cfg = dense_weights(weights, self.model_config, np.dtype(self.backend.act_dtype))
         prepared = self.backend.prepare_weights(weights, self.model_config.fingerprint)
+        self.kv_formats = _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)  # auto's: kernels loaded
+        self.backend.prepare_kv(kv_format.pair_name(*self.kv_formats))
         self.model = Llama(run_cfg, prepared, self.backend, n_ctx=cfg.ctx)
         self.stats = Stats()
         self.draft = self._draft_engine(progress) if cfg.spec == "draft" else None
@@ -383,10 +385,7 @@ def _blas_threads() -> int:
 
 def _kv_formats(choice: str, backend: Backend, head_dim: int) -> tuple[kv_format.KvFormat, kv_format.KvFormat]:
     """The pool's (K, V) formats for EngineConfig.kv_dtype on this backend ("auto": its own)."""
-    if choice == "auto":
-        fmt = kv_format.of(np.dtype(backend.kv_dtype))
-        return fmt, fmt
-    pair = kv_format.parse(choice)
+    pair = kv_format.parse(backend.default_kv(head_dim) if choice == "auto" else choice)
     for fmt in pair:
         if fmt.name not in backend.caps.kv_dtypes:
             raise LocalkvError(

@@ -35,10 +35,15 @@ class Backend(Protocol):
     caps: Capabilities
     xp: Any  # the array module of pool and activations: numpy or cupy
     act_dtype: Any  # activations
-    kv_dtype: Any  # the KV pool's default ("auto")
     # the model's prefill matmuls run on AMX tiles: a fact about the loaded weights' types, found
     # by prepare_weights, not an ability of the backend's code, so state here and not in caps
     prefill_amx: bool
+
+    def default_kv(self, head_dim: int) -> str:
+        """The K/V format (a kv_format name) of --kv-dtype auto for heads of this size."""
+
+    def prepare_kv(self, pool: str) -> None:
+        """Ready the kernels that read a pool of these K/V formats ("K:V", kv_format.pair_name)."""
 
     def prefetch(self) -> None:
         """While the model downloads: begin, in the background, loading what needs no model."""

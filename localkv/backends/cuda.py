@@ -12,7 +12,7 @@ Dtypes, and why:
   weights as they are, so fp16 activations keep every matmul fp16 x fp16 (fp32 activations would
   make CuPy upcast the weight on every call). The residual stream is therefore fp16, unlike
   llama.cpp's fp32; every fused kernel (RMSNorm, RoPE, SiLU, attention) computes in fp32;
-- the KV pool is fp16 by default (kv_dtype), or q8_0 / q4_0 (kernels for those and q8_0:q4_0,
+- the KV pool is fp16 by default (default_kv), or q8_0 / q4_0 (kernels for those and q8_0:q4_0,
   other K:V pairs on CuPy): quantized once as rows are written, read as stored by the attention
   kernels (cuda_kv, cuda_attention); attention accumulates in fp32 (online softmax).
 
@@ -44,7 +44,6 @@ from localkv.backends.cuda_kv import frozen_table, write_kv
 xp = cp
 name = "CUDA"
 act_dtype = np.float16  # activations (see the module docstring)
-kv_dtype = np.float16  # the KV pool
 
 
 # ---------------------------------------------------------------- element-wise ops
@@ -211,7 +210,17 @@ class CudaBackend:
     name = "CUDA"
     xp = cp
     act_dtype = act_dtype
-    kv_dtype = kv_dtype
+
+    @staticmethod
+    def default_kv(head_dim: int) -> str:
+        """The pool's format for --kv-dtype auto: f16 (q8_0 and q4_0 are not measured against
+        it on a GPU yet)."""
+        return "f16"
+
+    @staticmethod
+    def prepare_kv(pool: str) -> None:
+        """Nothing: the kernels of every format compile at start (cuda_kernels.compile_all)."""
+
     caps = Capabilities(
         batched_decode=True,
         quant_weights=True,  # cuda_quant

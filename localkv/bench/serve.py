@@ -276,7 +276,7 @@ def _row(engine: str, load: str, runs: list[dict]) -> dict:
         "load": load,
         "kv_dtype": kv[0] if kv else None,
         "tokens_per_gib": (1 << 30) // kv[1] if kv else None,
-        "peak_running": per_run(lambda r: r["peak"]["running"] if r["peak"] else None),
+        "peak_running": per_run(_peak_running),
         "decode_tps": per_run(lambda r: decode_tps(r["outs"])),
         "tps": per_run(lambda r: sum(o.tokens for o in r["outs"]) / r["wall"]),
         "ttft_p50": per_run(lambda r: percentile([o.ttft for o in r["outs"]], 50)),
@@ -291,6 +291,23 @@ def _row(engine: str, load: str, runs: list[dict]) -> dict:
         "tokens": sum(o.tokens for o in runs[-1]["outs"]),
         "preemptions": per_run(lambda r: r["metrics"].get("localkv_preemptions_total")),
     }
+
+
+def _peak_running(run: dict) -> int | None:
+    """Most requests a localkv server ran at once: its /metrics' peak, or more streaming at once."""
+    return max(run["peak"]["running"], _streaming_at_once(run["outs"])) if run["peak"] else None
+
+
+def _streaming_at_once(outs: list[Outcome]) -> int:
+    """Most requests streaming at one time, from their first text to their last, as their
+    clients saw them: the server ran at least so many at once (requests shorter than the
+    watcher's polls pass between two of them)."""
+    edges = sorted([(o.start + o.ttft, 1) for o in outs] + [(o.start + o.total, -1) for o in outs])
+    now = most = 0
+    for _, step in edges:  # at a tie, an end before a start
+        now += step
+        most = max(most, now)
+    return most
 
 
 def _kv_format(metrics: dict) -> tuple[str, int] | None:

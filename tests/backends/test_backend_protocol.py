@@ -82,7 +82,7 @@ def test_every_protocol_attribute_is_set(backend):
         if kind in (str, bool, Capabilities):
             assert isinstance(getattr(backend, name), kind), f"{backend.name}.{name} is not a {kind.__name__}"
     assert all(callable(getattr(backend.xp, f)) for f in ("asarray", "empty", "zeros"))  # an array module
-    np.dtype(backend.act_dtype), np.dtype(backend.kv_dtype)
+    np.dtype(backend.act_dtype)
 
 
 def test_nothing_public_outside_the_protocol(backend):
@@ -102,7 +102,9 @@ def test_capabilities_are_complete(backend):
     flags = {f.name for f in dataclasses.fields(Capabilities) if f.type in (bool, "bool")}
     assert flags == set(ABILITIES), "every boolean ability names its methods in ABILITIES"
     assert all(isinstance(getattr(caps, f), bool) for f in flags)
-    assert kv_format.of(np.dtype(backend.kv_dtype)).name in caps.kv_dtypes  # "auto" must be a format it takes
+    for head_dim in (16, 64, 80, 96, 128):  # "auto" must be a format it takes, one that splits the heads
+        fmt = kv_format.FORMATS[backend.default_kv(head_dim)]
+        assert fmt.name in caps.kv_dtypes and fmt.row_len(head_dim)
     assert all(d in kv_format.FORMATS for d in caps.kv_dtypes)
     assert isinstance(caps.attention_options, frozenset) and caps.attention_options <= ATTENTION_OPTIONS
 

@@ -273,11 +273,15 @@ def test_heads_not_a_multiple_of_8_take_numpy(kernels, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("quant_type", ["F32", "Q4_1"])  # the float kernel, and the block kernels
-def test_a_run_compiles_nothing_after_the_start(tmp_path, quant_type):
-    """Engine() loads every build a run's kernels need (the array kinds the model passes, an f16
-    pool): a prompt, its decode steps and 4 forked branches compile or load nothing more.
-    In a fresh process: what an earlier test compiled would hide a missing build."""
+@pytest.mark.parametrize(
+    "quant_type, head_dim, kv_dtype",
+    [("F32", 16, "auto"), ("Q4_1", 16, "auto"), ("Q4_1", 32, "auto"), ("Q4_1", 32, "q8_0:q4_0")],
+)
+def test_a_run_compiles_nothing_after_the_start(tmp_path, quant_type, head_dim, kv_dtype):
+    """Engine() loads every build a run's kernels need (the array kinds the model passes, its
+    pool's formats: f16 for heads of 16, q8_0 by default for heads of 32): a prompt, its decode
+    steps and 4 forked branches compile or load nothing more. In a fresh process: what an
+    earlier test compiled would hide a missing build."""
     code = """if True:
         import gc, json, sys
         from numba.core.registry import CPUDispatcher
@@ -290,18 +294,19 @@ def test_a_run_compiles_nothing_after_the_start(tmp_path, quant_type):
             return sorted((d.__qualname__, str(s)) for d in gc.get_objects() if isinstance(d, CPUDispatcher)
                           for s in d.signatures)
 
-        e = Engine(EngineConfig(model=sys.argv[1], disk_cache=False, block_size=8))
+        e = Engine(EngineConfig(model=sys.argv[1], disk_cache=False, block_size=8, kv_dtype=sys.argv[2]))
         start = builds()
         p = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
         Generation(e, list(range(3, 40)), p).run()
         Generation(e, list(range(3, 60)), p, n=4).run()
-        print(json.dumps([e.cpu_kernels, start, builds()]))
+        print(json.dumps([e.cpu_kernels, e.kv_dtype, start, builds()]))
     """
-    model = write_gguf(tmp_path / "tiny.gguf", quant=quant_type, ctx=256)
-    out = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True)
+    model = write_gguf(tmp_path / "tiny.gguf", quant=quant_type, ctx=256, dim=4 * head_dim)
+    out = subprocess.run([sys.executable, "-c", code, str(model), kv_dtype], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    on, start, after = json.loads(out.stdout.strip().splitlines()[-1])
+    on, pool, start, after = json.loads(out.stdout.strip().splitlines()[-1])
     assert on and start
+    assert pool == (kv_dtype if kv_dtype != "auto" else "q8_0" if head_dim % 32 == 0 else "f16")
     assert after == start, sorted(set(map(tuple, after)) - set(map(tuple, start)))
 
 
@@ -345,3 +350,32 @@ def test_idle_workers_spin_briefly_unless_the_user_says_otherwise():
     for extra, want in (({}, "100000 20"), ({"GOMP_SPINCOUNT": "7", "OPENBLAS_THREAD_TIMEOUT": "9"}, "7 9")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env | extra)
         assert out.stdout.split() == want.split(), out.stderr
+
+
+def test_auto_is_q8_0_where_the_kernels_run_and_a_head_splits(kernels, monkeypatch):
+    """--kv-dtype auto on the CPU: q8_0 for heads of a multiple of its 32-value blocks, f16 for
+    others, and f16 whenever the kernels are off (numpy's quantization is many passes)."""
+    from localkv.backends.cpu.backend import CpuBackend
+
+    sizes = (16, 32, 64, 80, 96, 128)
+    assert [CpuBackend.default_kv(hd) for hd in sizes] == ["f16", "q8_0", "q8_0", "f16", "q8_0", "q8_0"]
+    monkeypatch.setattr(build.state, "ok", False)
+    assert CpuBackend.default_kv(64) == "f16"
+
+
+def test_a_pool_whose_kernel_check_fails_turns_the_kernels_off():
+    """The kv group's checks run for the pool a start asks for ("K:V"), once; one that fails
+    turns the kernels off with the reason (the pool then takes numpy's path). In a fresh
+    process: the state is the process's."""
+    code = """if True:
+        from localkv.backends.cpu import build
+        from localkv.backends.cpu.kernels import CHECKS, Check
+
+        assert build.load(kv=["f16"]) and build.state.kv == {"f16:f16": None}
+        CHECKS["kv"][0] = Check(lambda k, v: k != "q8_0", 0.0)
+        assert build.load(kv=["q8_0:q4_0"]) is False
+        print(build.state.why)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "q8_0:q4_0 pool" in out.stdout

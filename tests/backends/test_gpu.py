@@ -458,7 +458,7 @@ class TestModel:
         cpu = Llama(cfg, loaded.weights, CpuBackend(1))
         gpu = Llama(cfg, cuda.prepare_weights(loaded.weights), cuda)
         pc = BlockPool(cfg.n_layers, num_blocks, bs, cfg.n_kv_heads, cfg.head_dim)
-        pg = BlockPool(cfg.n_layers, num_blocks, bs, cfg.n_kv_heads, cfg.head_dim, dtype=oc.kv_dtype, xp=cp)
+        pg = BlockPool(cfg.n_layers, num_blocks, bs, cfg.n_kv_heads, cfg.head_dim, dtype=np.float16, xp=cp)
         return cpu, gpu, pc, pg
 
     def test_logits_match_cpu(self, cp, oc, tiny_model):

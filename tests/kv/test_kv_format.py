@@ -123,8 +123,11 @@ def test_a_head_size_the_blocks_do_not_divide_is_refused(tmp_path):
 
 class _FloatOnly:
     name = "Float"
-    kv_dtype = np.float16
     caps = Capabilities(True, True, ("f16",), frozenset())
+
+    @staticmethod
+    def default_kv(head_dim: int) -> str:
+        return "f16"
 
 
 def test_a_backend_without_quantized_kv_refuses_it_in_one_line():

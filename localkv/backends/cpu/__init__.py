@@ -30,10 +30,10 @@ from localkv.backends.cpu.backend import (
     act_dtype,
     add_residual,
     decode,
+    default_kv,
     frozen_table,
     gelu_mul,
     head_rmsnorm,
-    kv_dtype,
     linear,
     logits,
     paged_attention,
@@ -45,6 +45,6 @@ from localkv.backends.cpu.backend import (
     write_kv,
 )
 
-__all__ = ["CpuBackend", "DecodeBatch", "act_dtype", "add_residual", "decode", "frozen_table", "gather_kv",
-           "gelu_mul", "head_rmsnorm", "kv_dtype", "linear", "logits", "paged_attention", "rmsnorm", "rope",
+__all__ = ["CpuBackend", "DecodeBatch", "act_dtype", "add_residual", "decode", "default_kv", "frozen_table",
+           "gather_kv", "gelu_mul", "head_rmsnorm", "linear", "logits", "paged_attention", "rmsnorm", "rope",
            "rope_tables", "silu_mul", "uses_kernels", "write_kv"]  # fmt: skip

@@ -19,7 +19,6 @@ from localkv.backends.cpu.attention import frozen_table, paged_attention
 from localkv.backends.cpu.threads import CoreShare
 
 act_dtype = np.float32  # activations
-kv_dtype = np.float16  # the KV pool's default: f16, half the bytes of f32 at about its speed (BENCHMARKS.md)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -67,6 +66,13 @@ def linear(x: np.ndarray, w, kind: str) -> np.ndarray:
     count takes one kernel per weight type (quant.matmul_rows; without the kernels, BLAS on
     fixed blocks of rows): a token's outputs are the same bits whatever else shares its pass."""
     return quant.matmul_rows(x, w)
+
+
+def default_kv(head_dim: int) -> str:
+    """The pool's format for --kv-dtype auto: q8_0 where the kernels run and the heads split
+    into its blocks (the smallest format within +0.5% perplexity of f16 and no slower than it:
+    `localkv bench kv`, BENCHMARKS.md), else f16 (numpy's quantization is a dozen passes)."""
+    return "q8_0" if cpu_kernels.active() and head_dim % kv_format.Q8_0.block == 0 else "f16"
 
 
 def uses_kernels(rows: int) -> bool:
@@ -200,7 +206,7 @@ class CpuBackend:
     )
     xp = np
     act_dtype = act_dtype
-    kv_dtype = kv_dtype
+    default_kv = staticmethod(default_kv)
     rmsnorm = staticmethod(rmsnorm)
     rope_tables = staticmethod(rope_tables)
     rope = staticmethod(rope)
@@ -244,6 +250,11 @@ class CpuBackend:
         quant.pack(weights, fingerprint)
         self.prefill_amx = any(quant.on_amx(t) for t in types)
         return weights
+
+    def prepare_kv(self, pool: str) -> None:
+        """Load (or compile) and check the attention kernels of this pool's K/V formats: a
+        start loads the builds its pool reads, not every format's."""
+        build.load(kv=[pool], progress=self._progress)
 
     def decode_batch(self, tables: list, n_ctx: list[int]) -> "DecodeBatch":
         self._needs("batched_decode", "decode_batch")

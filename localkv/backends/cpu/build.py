@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
 from localkv.backends.cpu.formats.types import BLOCK_TYPES, FLOAT_TYPES
@@ -36,17 +37,19 @@ ROOT = Path(__file__).parent  # every .py file under it can be inlined into a ca
 _lock = threading.Lock()
 
 
-def load(types: Iterable[str] = (), progress: bool = False) -> bool:
+def load(types: Iterable[str] = (), progress: bool = False, kv: Iterable[str] = ()) -> bool:
     """Import numba, pin its threading layer to OpenMP, and compile (or load from numba's
-    cache) and self-check the attention and element-wise kernels, then those of these weight
-    types only. True when all of them can run; otherwise those that can still do, and the
-    others' reasons are kept (why_not, quant.why_not). Safe to call again. A compile (numba's
-    cache missed) is shared with worker processes (warmup); with progress it is said on stderr
-    before it starts, with a bar on a terminal."""
+    cache) and self-check the element-wise kernels, the attention kernels of these K/V pools
+    (kv: "K:V" format pairs, as kv_format.pair_name says them: a start loads only the builds
+    its pool reads) and those of these weight types. True when all of them can run; otherwise
+    those that can still do, and the others' reasons are kept (why_not, quant.why_not). Safe to
+    call again. A compile (numba's cache missed) is shared with worker processes (warmup); with
+    progress it is said on stderr before it starts, with a bar on a terminal."""
     types = sorted(set(types))
     for t in types:
         if t not in BLOCK_TYPES + FLOAT_TYPES:
             raise ValueError(f"weight type {t} is not supported")
+    pools = sorted({_pool(p) for p in kv})
     with _lock:
         t0 = time.perf_counter()
         if state.ok is None and (off := _numba()):
@@ -55,13 +58,20 @@ def load(types: Iterable[str] = (), progress: bool = False) -> bool:
         if state.ok is False:
             state.types.update(dict.fromkeys(todo, state.why or "the CPU kernels are off"))
             return False
-        jobs = _jobs(state.ok is None, todo)
+        jobs = _jobs(state.ok is None, todo, [p for p in pools if p not in state.kv])
         if jobs:
             compiled = _run(jobs, progress)
             if progress and compiled:
                 took = time.perf_counter() - t0
                 print(f"compiled the CPU kernels in {took:.1f} s (cached for later runs)", file=sys.stderr)
     return bool(state.ok) and all(state.types[t] is None for t in types)
+
+
+def _pool(pair: str) -> str:
+    """A pool's K/V formats as "K:V" (one name for both, or K:V), each a kv_format name."""
+    from localkv import kv_format
+
+    return ":".join(f.name for f in kv_format.parse(pair))
 
 
 def load_in_background() -> threading.Thread:
@@ -117,12 +127,16 @@ def _checks(group: str) -> list:
     return CHECKS[group]
 
 
-def _jobs(base: bool, types: list[str]) -> list:
-    """warmup's jobs: each base check (their kernels are disjoint), and one for all these
-    weight types (their checks compile the same kernels, in other signatures)."""
+def _jobs(base: bool, types: list[str], pools: list[str] = ()) -> list:
+    """warmup's jobs: each base check (their kernels are disjoint), each kv check for each of
+    these pools ("K:V"), and one for all these weight types (their checks compile the same
+    kernels, in other signatures)."""
     from localkv.backends.cpu.warmup import Job
 
     jobs = [Job(f"base:{_name(c.run)}", c.cost, c.run) for c in _checks("base")] if base else []
+    for pool in pools:
+        pair = pool.split(":")
+        jobs += [Job(f"kv:{pool}:{_name(c.run)}", c.cost, partial(c.run, *pair)) for c in _checks("kv")]
     if types:
         try:
             import localkv.backends.cpu.quant.compiled  # noqa: F401  (its import registers the checks)
@@ -138,17 +152,22 @@ def _name(check) -> str:
 
 
 def _run(jobs: list, progress: bool) -> bool:
-    """Run the jobs (warmup, under _lock) and keep what the base checks found. True when
-    something compiled."""
-    import numba
-
+    """Run the jobs (warmup, under _lock) and keep what the base and kv checks found. True
+    when something compiled."""
     import localkv.backends.cpu.warmup as warmup
 
     with absent("scipy.linalg"), tables_deferred():
         results, compiled = warmup.run(jobs, _WORKER, progress, warmup.workers())
     base = {k: r for k, r in results.items() if k.startswith("base:")}
-    if not base:
-        return compiled
+    if base:
+        _kept_base(base)
+    _kept_pools(results)
+    return compiled
+
+
+def _kept_base(base: dict):
+    import numba
+
     failed = [r for r in base.values() if isinstance(r, Exception)]
     if failed:
         state.ok, state.why = False, f"numba kernels unavailable ({type(failed[0]).__name__}: {first_line(failed[0])})"
@@ -163,7 +182,22 @@ def _run(jobs: list, progress: bool) -> bool:
         state.attention, state.decode_rows, state.elementwise = attention, decode_rows, elementwise
     if not state.ok:
         state.types.update(dict.fromkeys(state.types, state.why))
-    return compiled
+
+
+def _kept_pools(results: dict):
+    """Each pool whose kv checks ran: None when all passed, else why not. A pool that fails
+    turns the kernels off (its rows then take numpy's path)."""
+    for key, r in results.items():
+        if not key.startswith("kv:"):
+            continue
+        pool = key.removeprefix("kv:").rsplit(":", 1)[0]
+        why = f"{type(r).__name__}: {first_line(r)}" if isinstance(r, Exception) else None if r else "failed"
+        if why or pool not in state.kv:
+            state.kv[pool] = state.kv.get(pool) or (why and f"the kernel self-check of a {pool} pool: {why}")
+    bad = next((why for why in state.kv.values() if why), None)
+    if bad and state.ok:
+        state.ok, state.why = False, bad
+        state.types.update(dict.fromkeys(state.types, bad))
 
 
 # a worker process of warmup: compiles the jobs whose keys follow
@@ -179,7 +213,8 @@ def run_in_worker(keys: list[str]) -> int:
         print(off, file=sys.stderr)
         return 1
     types = [k.removeprefix("weights:").split(",") for k in keys if k.startswith("weights:")]
-    jobs = {j.key: j for j in _jobs(True, types[0] if types else [])}
+    pools = sorted({k.removeprefix("kv:").rsplit(":", 1)[0] for k in keys if k.startswith("kv:")})
+    jobs = {j.key: j for j in _jobs(True, types[0] if types else [], pools)}
     with absent("scipy.linalg"):
         for key in keys:
             try:

@@ -13,6 +13,7 @@ class State:
     ok: bool | None = None  # the attention and element-wise kernels run; None until load() tried
     why: str | None = None  # why they do not
     types: dict[str, str | None] = field(default_factory=dict)  # weight type -> None (runs) or why not
+    kv: dict[str, str | None] = field(default_factory=dict)  # K/V format -> None (its kernels passed) or why not
     attention: ModuleType | None = None  # kernels.attention, decode_rows, elementwise once checked
     decode_rows: ModuleType | None = None
     elementwise: ModuleType | None = None

@@ -23,6 +23,10 @@ build.load runs when it loads them (`self_check`).
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
+from localkv import kv_format
+
 # Parallel loops (prange) on numba's OpenMP workers; SER on the calling thread; EXACT: serial,
 # without fastmath, for code that must see inf and nan as they are
 PAR = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
@@ -44,9 +48,10 @@ class Check:
     cost: float
 
 
-# group -> checks, in the order registered. "base" (the attention and element-wise kernels):
-# run() -> bool; "weights": run(qtype) -> bool, for each weight type loaded
-CHECKS: dict[str, list[Check]] = {"base": [], "weights": []}
+# group -> checks, in the order registered. "base" (the element-wise kernels): run() -> bool;
+# "kv" (the attention kernels on a pool of one K/V format): run(format name) -> bool, for each
+# format a pool uses; "weights": run(qtype) -> bool, for each weight type loaded
+CHECKS: dict[str, list[Check]] = {"base": [], "kv": [], "weights": []}
 
 
 def self_check(group: str, cost: float = 0.0):
@@ -60,3 +65,13 @@ def self_check(group: str, cost: float = 0.0):
         return check
 
     return register
+
+
+def uniform_pool(name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, float]:
+    """A pool of the K/V format `name` [..., head_dim -> row] whose every value is one, as the
+    kernels read it (f16 as its uint16 bits), and the value its rows decode to: equal keys
+    weigh every value alike, so an attention output is that value."""
+    fmt = kv_format.FORMATS[name]
+    rows = kv_format.encode(np.ones(shape, np.float32), fmt)
+    value = float(kv_format.decode(rows).flat[0])
+    return (rows.view(np.uint16) if rows.dtype == np.float16 else rows), value

@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload, register_jitable
 
-from localkv.backends.cpu.kernels import EXACT_PAR, self_check
+from localkv.backends.cpu.kernels import EXACT_PAR, self_check, uniform_pool
 from localkv.backends.cpu.simd.f32x8 import (
     EXP_FLOOR,
     EXP_POLY,
@@ -418,18 +418,20 @@ def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, wi
         _normalise(fo, fs, out[h, c])
 
 
-@self_check("base", cost=7.6)
-def check() -> bool:
-    """The causal kernel for an f16 pool, with the array kinds the model passes (read-only
-    int64 tables): equal keys weigh every value alike, so each normalised output is a value."""
-    k = np.ones((1, 4, 2, 8), np.float16).view(np.uint16)
-    cout = np.empty((2, 1, QT, 8), np.float32)  # one tile of one head each
+@self_check("kv", cost=7.6)
+def check(k_fmt: str, v_fmt: str) -> bool:
+    """The causal kernel for a pool of these K and V formats, with the array kinds the model
+    passes (read-only int64 tables, no extra blocks): equal keys weigh every value alike, so
+    each normalised output is the value."""
+    hd = 32  # one block of a quantized row
+    (k, _), (v, value) = uniform_pool(k_fmt, (1, 4, 2, hd)), uniform_pool(v_fmt, (1, 4, 2, hd))
+    cout = np.empty((2, 1, QT, hd), np.float32)  # one tile of one head each
     tables = np.zeros((2, 1), np.int64)
     tables.flags.writeable = False
-    none = np.empty((2, 0, 4, 8), np.uint16)
-    q = np.ones((2, 1, 8, QT), np.float32)
+    no_k, no_v = (np.empty((2, 0, 4, a.shape[-1]), a.dtype) for a in (k, v))
+    q = np.ones((2, 1, hd, QT), np.float32)
     ok = True
     for split in (False, True):
-        paged_causal(q, k, k, tables, none, none, 0, 3, QT, 1, np.float32(0), 0, split, cout)
-        ok = ok and bool((cout[:, :, :3] == 1.0).all())
+        paged_causal(q, k, v, tables, no_k, no_v, 0, 3, QT, 1, np.float32(0), 0, split, cout)
+        ok = ok and np.allclose(cout[:, :, :3], value, rtol=1e-6, atol=0)
     return ok

@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
-from localkv.backends.cpu.kernels import EXACT_PAR, self_check
+from localkv.backends.cpu.kernels import EXACT_PAR, self_check, uniform_pool
 from localkv.backends.cpu.kernels.attention import (
     KEYS,
     SPAN,
@@ -239,14 +239,17 @@ def _gather(qt, o, m, sums, members, count, g, h, s0, gq, go, gm, gs):
         gm[r], gs[r] = -np.inf, 0
 
 
-@self_check("base", cost=7.2)
-def check() -> bool:
-    """Two sequences on one block and one on another, f16 pool, read-only int64 tables: equal
-    keys weigh every value alike, so each row's output is the value."""
-    k = np.ones((2, 4, 2, 8), np.float16).view(np.uint16)  # [blocks, block size, kv heads, head dim]
+@self_check("kv", cost=7.2)
+def check(k_fmt: str, v_fmt: str) -> bool:
+    """Two sequences on one block and one on another, a pool of these K and V formats,
+    read-only int64 tables: equal keys weigh every value alike, so each row's output is the
+    value."""
+    hd = 32  # one block of a quantized row
+    shape = (2, 4, 2, hd)  # [blocks, block size, kv heads, head dim]
+    (k, _), (v, value) = uniform_pool(k_fmt, shape), uniform_pool(v_fmt, shape)
     tables = np.array([[0], [0], [1]], np.int64)
     lens = np.array([3, 2, 4], np.int64)
     tables.flags.writeable = lens.flags.writeable = False
-    out = np.empty((2, 3, 8), np.float32)
-    paged_decode(np.ones((2, 8, 3), np.float32), k, k, tables, lens, 2, out)
-    return bool((out == 1.0).all())
+    out = np.empty((2, 3, hd), np.float32)
+    paged_decode(np.ones((2, hd, 3), np.float32), k, v, tables, lens, 2, out)
+    return np.allclose(out, value, rtol=1e-6, atol=0)

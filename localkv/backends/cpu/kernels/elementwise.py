@@ -8,6 +8,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
+from localkv import kv_format
 from localkv.backends.cpu.kernels import EXACT, EXACT_PAR, SER, self_check
 from localkv.backends.cpu.kernels.attention import exp
 from localkv.backends.cpu.simd.f32x8 import fadd, fload, fstore, fsub
@@ -151,21 +152,40 @@ def check() -> bool:
         got = np.empty((8, 3) if by_rows else (3, 8), np.float32)
         silu_mul(np.ascontiguousarray(gu.T) if by_rows else gu, 8, got, by_rows)
         ok = ok and np.allclose(got.T if by_rows else got, act, rtol=1e-5, atol=1e-6)
+    # the rotation: parallel, so this check also starts numba's threading layer
     return ok and np.array_equal(qkv, want) and _hadamard_ok(rng)
 
 
+@self_check("kv", cost=0.5)
+def check_pool_rows(k_fmt: str, v_fmt: str) -> bool:
+    """A quantized K or V's rows quantized as they are written: kv_format.encode's bytes."""
+    rng = np.random.default_rng(0)
+    ok = True
+    x = rng.standard_normal((3, 2, 64), dtype=np.float32)  # [tokens, kv heads, head dim]
+    slots = np.array([4, 0, 7], np.int64)
+    for fmt in {f for f in (kv_format.FORMATS[k_fmt], kv_format.FORMATS[v_fmt]) if f.quantized}:
+        rows = np.zeros((8 * 2, fmt.row_bytes(64)), np.uint8)  # a layer of 8 slots' rows
+        encode_rows(x, slots, rows, fmt is kv_format.Q4_0)
+        want = kv_format.encode(x, fmt).view(np.uint8)
+        ok = ok and np.array_equal(rows.reshape(8, 2, -1)[slots], want)
+    return ok
+
+
 def _hadamard_ok(rng) -> bool:
-    """hadamard_rows in both layouts the model passes (a strided view of the qkv rows, a
-    contiguous attention output): M e_0 is the first sign times the scale everywhere, and undo
-    (hadamard_few's, a decode step's) turns a row back."""
+    """Both rotation kernels in both layouts the model passes (a strided view of the qkv rows,
+    a contiguous attention output): M e_0 is the first sign times the scale everywhere, and
+    undo turns a row back."""
     signs = np.where(rng.random(16) < 0.5, -1.0, 1.0).astype(np.float32)
     qkv = np.zeros((9, 3, 16), np.float32)
     qkv[:, :2, 0] = 1
-    turned = np.empty((9, 2, 16), np.float32)
-    hadamard_rows(qkv[:, :2], signs, 16, np.float32(0.25), False, turned)
-    back = np.empty_like(turned)
-    hadamard_few(turned, signs, 16, np.float32(0.25), True, back)
-    return bool((turned == signs[0] * np.float32(0.25)).all()) and np.allclose(back, qkv[:, :2], atol=1e-6)
+    ok = True
+    for kernel in (hadamard_rows, hadamard_few):
+        turned = np.empty((9, 2, 16), np.float32)
+        kernel(qkv[:, :2], signs, 16, np.float32(0.25), False, turned)
+        back = np.empty_like(turned)
+        kernel(turned, signs, 16, np.float32(0.25), True, back)
+        ok = ok and bool((turned == signs[0] * np.float32(0.25)).all()) and np.allclose(back, qkv[:, :2], atol=1e-6)
+    return ok
 
 
 @njit(**EXACT)  # each float op as written: fast-math would turn x / 127 into x * (1 / 127)
