@@ -262,8 +262,8 @@ def test_eviction_policies(device, real_model_path, policy):
     recalls blocks exactly as the CPU engine does, keeps nearly the same heavy hitters, and its logits agree
     (_agree; the decode steps' looser: the CPU rounds their activations to int8)."""
     evict = EvictConfig(policy=policy, budget=48, recent=16)
-    gpu, cpu = (Engine(_config(real_model_path, device=d, prefix_cache=False, block_size=8, evict=evict))
-                for d in ("cuda", "cpu"))  # fmt: skip
+    gpu, cpu = (Engine(_config(real_model_path, device=d, prefix_cache=False, block_size=8, evict=evict,
+                               kv_dtype="f16")) for d in ("cuda", "cpu"))  # fmt: skip
     ids = gpu.tokenizer.encode(TEXT)[:68]
     (got, sg), (ref, sc) = (_chunked(e, ids[:64], ids[64:]) for e in (gpu, cpu))
     gs, cs = gpu.stats, cpu.stats

@@ -54,7 +54,10 @@ class Peer:
 
     def __init__(self, name: str, ctx: int = CTX):
         self.name, self.path = name, tiny_model(name)
-        self.engine = Engine(EngineConfig(model=str(self.path), ctx=ctx, disk_cache=False, kv_mem="64MiB"))
+        # K/V in f16, as llama.cpp's: what is compared is the model's arithmetic
+        self.engine = Engine(
+            EngineConfig(model=str(self.path), ctx=ctx, disk_cache=False, kv_mem="64MiB", kv_dtype="f16")
+        )
         self.llm = llama_cpp.Llama(
             model_path=str(self.path), n_ctx=ctx, n_batch=CTX, logits_all=True, verbose=False, n_threads=2
         )
