@@ -25,13 +25,14 @@ def rows(rng) -> np.ndarray:
     return x
 
 
+@pytest.mark.parametrize("tokens", [6, 1000])  # a decode step's few rows (serial), a prefill's (threads)
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
-def test_the_kernel_writes_the_bytes_of_kv_format_encode(name):
+def test_the_kernel_writes_the_bytes_of_kv_format_encode(name, tokens):
     rng = np.random.default_rng(5)
     fmt = kv_format.FORMATS[name]
-    x = rows(rng)
+    x = rows(rng)[:tokens]
     layer = np.zeros((70, 16, 2, fmt.row_len(64)), fmt.dtype)
-    slots = rng.permutation(1120)[:1000]
+    slots = rng.permutation(1120)[:tokens]
     cpu_kernels.encode_rows(layer, slots, x)
     want = np.zeros_like(layer)
     want.reshape(1120, 2, -1)[slots] = kv_format.encode(x, fmt)

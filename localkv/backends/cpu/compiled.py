@@ -17,7 +17,7 @@ import numpy as np
 from localkv.backends.cpu.build import active, state
 from localkv.backends.vm import reused_empty
 
-FEW_ROWS = 64  # hadamard's rows (tokens x heads) done on the calling thread: a decode step's
+FEW_ROWS = 64  # rows (tokens x heads) rotated or quantized on the calling thread: a decode step's
 
 
 def attends(head_dim: int) -> bool:
@@ -63,7 +63,8 @@ def encode_rows(layer: np.ndarray, slots: np.ndarray, x: np.ndarray):
     if not layer.flags.c_contiguous:  # a reshape would write into a copy
         raise ValueError("encode_rows: the pool layer must be C-contiguous")
     rows = layer.view(np.uint8).reshape(nb * bs * kvh, -1)
-    state.elementwise.encode_rows(
+    kernels = state.elementwise
+    (kernels.encode_rows if len(x) * kvh <= FEW_ROWS else kernels.encode_rows_par)(
         np.ascontiguousarray(x, np.float32), np.asarray(slots, np.int64), rows, layer.dtype == np.uint8
     )
 

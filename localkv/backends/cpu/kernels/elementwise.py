@@ -164,10 +164,11 @@ def check_pool_rows(k_fmt: str, v_fmt: str) -> bool:
     x = rng.standard_normal((3, 2, 64), dtype=np.float32)  # [tokens, kv heads, head dim]
     slots = np.array([4, 0, 7], np.int64)
     for fmt in {f for f in (kv_format.FORMATS[k_fmt], kv_format.FORMATS[v_fmt]) if f.quantized}:
-        rows = np.zeros((8 * 2, fmt.row_bytes(64)), np.uint8)  # a layer of 8 slots' rows
-        encode_rows(x, slots, rows, fmt is kv_format.Q4_0)
         want = kv_format.encode(x, fmt).view(np.uint8)
-        ok = ok and np.array_equal(rows.reshape(8, 2, -1)[slots], want)
+        for kernel in (encode_rows, encode_rows_par):  # a decode step's, a prefill pass's
+            rows = np.zeros((8 * 2, fmt.row_bytes(64)), np.uint8)  # a layer of 8 slots' rows
+            kernel(x, slots, rows, fmt is kv_format.Q4_0)
+            ok = ok and np.array_equal(rows.reshape(8, 2, -1)[slots], want)
     return ok
 
 
@@ -193,15 +194,27 @@ def encode_rows(x, slots, pool, q4):
     """pool (a layer's rows as uint8 [blocks * bs * kvh, row bytes]) at the rows of slots [T]
     and every kv head = x [T, kvh, hd] in q8_0 (q4 False) or q4_0, as kv_format.encode writes
     them: the same scale, the same rounding of each value."""
-    T, kvh, hd = x.shape
-    for t in range(T):
-        for h in range(kvh):
-            row = slots[t] * kvh + h
-            for b in range(hd // QK):
-                if q4:
-                    _q4_0(x, t, h, b * QK, pool, row, b * Q4_0_BYTES)
-                else:
-                    _q8_0(x, t, h, b * QK, pool, row, b * Q8_0_BYTES)
+    for t in range(x.shape[0]):
+        _encode_token(x, slots, pool, q4, t)
+
+
+@njit(**EXACT_PAR)
+def encode_rows_par(x, slots, pool, q4):
+    """encode_rows with the tokens shared out over the threads (a prefill pass's): the same bytes."""
+    for t in prange(x.shape[0]):
+        _encode_token(x, slots, pool, q4, t)
+
+
+@register_jitable
+def _encode_token(x, slots, pool, q4, t):
+    _, kvh, hd = x.shape
+    for h in range(kvh):
+        row = slots[t] * kvh + h
+        for b in range(hd // QK):
+            if q4:
+                _q4_0(x, t, h, b * QK, pool, row, b * Q4_0_BYTES)
+            else:
+                _q8_0(x, t, h, b * QK, pool, row, b * Q8_0_BYTES)
 
 
 @register_jitable
