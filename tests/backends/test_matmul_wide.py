@@ -64,7 +64,7 @@ def test_a_pass_of_any_row_count_gives_each_row_the_bits_of_one_block(kernels, q
     CPU has AVX-512 VNNI (elsewhere the wide kernel is not chosen, and this holds the same)."""
     matmul_few, _ = kernels
     w, rng = weights(qtype), np.random.default_rng(9)
-    for rows in (15, 16, 17, 25, 26, 33, 50):
+    for rows in (9, 10, 12, 15, 16, 17, 25, 26, 33, 50):  # 10, 12, 15, 26: a padded block of 16
         x = activations(rng, rows, w.cols, True)
         want = np.concatenate([by_lanes(matmul_few, matmul_few.matmul_lanes, 8, w, x[r : r + 1]) for r in range(rows)])
         assert np.array_equal(quant.matmul_rows(x, w), want), rows

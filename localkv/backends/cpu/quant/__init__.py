@@ -67,7 +67,7 @@ def matmul_rows(x: np.ndarray, w: "QTensor | QStack") -> np.ndarray:
     in the lanes). Without the kernels, BLAS on fixed blocks of rows (fallback.matmul_rows)."""
     x = _activations(x, w)
     R = x.shape[0]
-    out = np.empty((-(-R // 8) * 8, w.rows), np.float32)  # the lanes kernel writes all 8 of a block
+    out = np.empty((-(-R // 16) * 16, w.rows), np.float32)  # the lanes kernels write all 8 or 16 of a block
     for run in w.runs:  # each on the kernels where they take its type, else on the numpy path
         if active(run.qtype) and (run.qtype in BLOCK_TYPES or w.cols % 8 == 0):
             state.weights.every_row(run, x, out)

@@ -36,8 +36,10 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
     block types by the 8-lane kernel (whole blocks of 16 by matmul_wide where chosen; a tail of
     up to out_rows rows past the blocks of 8, or a pass of so few, by matmul_out: the same bits
     with outputs in the lanes, faster for so few; a 1 + 8 verify pass is then one block and one
-    row), the float kernel (a dot per row) for the others. Every part gives a row the same
-    bits."""
+    row; a last part of WIDE_PADDED rows or more goes to matmul_wide as a block of 16 padded
+    with zero rows), the float kernel (a dot per row) for the others. Every part gives a row
+    the same bits. out: at least the rows rounded up to 16 (the lanes kernels write whole
+    blocks)."""
     qt = MARKERS[run.qtype]
     if run.qtype in SUPER_TYPES:
         R = len(x)
@@ -50,6 +52,8 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
     elif run.qtype in BLOCK_TYPES:
         R = len(x)
         wide = R - R % WIDE_LANES if _WIDE else 0  # whole blocks of 16: matmul_wide's
+        if _WIDE and R - wide >= WIDE_PADDED:  # and a last block this full, padded with zero rows
+            wide = R
         tail = (R - wide) % OUT_LANES
         lanes = R - tail if tail <= out_rows(run.qtype) else R  # a short tail: matmul_out's
         group = _GROUP_MARKERS[activation_group(run.qtype)]
@@ -65,6 +69,9 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
 
 
 _WIDE = _wide_chosen()  # blocks of 16 rows go to matmul_wide (same bits, faster with AVX-512 VNNI)
+# from this many rows past the whole blocks of 16, one more wide block (zero rows after them)
+# costs less than the 8-lane kernel and matmul_out's tail (BENCHMARKS.md, "q8_0 K/V by default")
+WIDE_PADDED = 10
 _AMX_INT8 = _WIDE and _amx_int8_chosen()  # Q4_K / Q6_K's to superblock_amx (same bits)
 AMX_ROWS = 128  # from this many rows the tiles beat superblock_packed (BENCHMARKS.md, "Packed K-quants")
 # lanes_inputs reads only the activations' group from its type: one build (one compile on an
@@ -114,7 +121,7 @@ def check(qtype: str) -> bool:
     (run,) = QStack(ws).runs
     for rows in (1, 2, 3, 8) + ((17,) if _WIDE and qtype in BLOCK_TYPES else ()):  # 17: 16 in the lanes + 1
         x = rng.standard_normal((rows, dense[0].shape[1]), dtype=np.float32)
-        one = np.empty((24, ws[0].rows + ws[1].rows), np.float32)  # the lanes kernel writes 8 rows
+        one = np.empty((32, ws[0].rows + ws[1].rows), np.float32)  # the lanes kernels write whole blocks
         every_row(run, x, one)
         one = one[: len(x)]
         if not all(np.array_equal(one[r : r + 1], _one_row(run, x[r : r + 1], one.shape[1])) for r in range(rows)):
