@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
+from localkv import kv_format
 from localkv.backends.cpu.formats.types import BLOCK_TYPES, FLOAT_TYPES
 from localkv.backends.cpu.loaded import state
 from localkv.backends.cpu.numba_hooks import UNUSED_BY_NUMBA, absent, tables_deferred
@@ -69,9 +70,12 @@ def load(types: Iterable[str] = (), progress: bool = False, kv: Iterable[str] = 
 
 def _pool(pair: str) -> str:
     """A pool's K/V formats as "K:V" (one name for both, or K:V), each a kv_format name."""
-    from localkv import kv_format
-
     return ":".join(f.name for f in kv_format.parse(pair))
+
+
+def _pool_of(key: str) -> str:
+    """The "K:V" pool of a kv job's key ("kv:K:V:check")."""
+    return key.removeprefix("kv:").rsplit(":", 1)[0]
 
 
 def load_in_background() -> threading.Thread:
@@ -190,10 +194,11 @@ def _kept_pools(results: dict):
     for key, r in results.items():
         if not key.startswith("kv:"):
             continue
-        pool = key.removeprefix("kv:").rsplit(":", 1)[0]
-        why = f"{type(r).__name__}: {first_line(r)}" if isinstance(r, Exception) else None if r else "failed"
-        if why or pool not in state.kv:
-            state.kv[pool] = state.kv.get(pool) or (why and f"the kernel self-check of a {pool} pool: {why}")
+        pool = _pool_of(key)
+        state.kv.setdefault(pool, None)
+        if state.kv[pool] is None and (isinstance(r, Exception) or not r):
+            why = f"{type(r).__name__}: {first_line(r)}" if isinstance(r, Exception) else "failed"
+            state.kv[pool] = f"the kernel self-check of a {pool} pool: {why}"
     bad = next((why for why in state.kv.values() if why), None)
     if bad and state.ok:
         state.ok, state.why = False, bad
@@ -213,7 +218,7 @@ def run_in_worker(keys: list[str]) -> int:
         print(off, file=sys.stderr)
         return 1
     types = [k.removeprefix("weights:").split(",") for k in keys if k.startswith("weights:")]
-    pools = sorted({k.removeprefix("kv:").rsplit(":", 1)[0] for k in keys if k.startswith("kv:")})
+    pools = sorted({_pool_of(k) for k in keys if k.startswith("kv:")})
     jobs = {j.key: j for j in _jobs(True, types[0] if types else [], pools)}
     with absent("scipy.linalg"):
         for key in keys:
