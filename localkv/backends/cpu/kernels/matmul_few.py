@@ -45,7 +45,9 @@ from localkv.backends.cpu.simd.u8x32 import prefetch
 
 LANES = 8  # activation rows per block
 CHUNK = 16  # weight rows per work item
-PREFETCH = 4096  # bytes ahead in the weights: the hardware prefetcher alone left the loads waiting
+# bytes ahead in the weights: the hardware prefetcher alone left the loads waiting, and a decode
+# row (matmul_out) streaming from memory still waited at 4096 (BENCHMARKS.md, "Decode rows")
+PREFETCH = 16384
 
 
 @register_jitable(fastmath=False)
@@ -169,17 +171,21 @@ def walk_from(step, qt, w, base, inp, ng, z):
 @register_jitable
 def _interleave_into(xq, dx, xs16, xi, dxv, xsa, xsb):
     """The quantized activations (xq, dx, xs16: _quantize's) of up to L rows in the L-lane
-    layout, into given arrays (zero where rows past R go: their lanes compute nothing), for L
+    layout, into given arrays (zeros where rows R to L - 1 go: their lanes compute nothing), for L
     lanes (8, or 16 for matmul_wide: L = len(dxv) / groups): xi [g][dword][L rows][4 bytes],
     dxv/xsa/xsb [g][L]."""
     R, K = xq.shape
     L = dxv.shape[0] // (K // 32)
-    for r in range(R):
+    for r in range(L):
         for g in range(K // 32):
             for k in range(8):
+                at = 32 * L * g + 4 * L * k + 4 * r
                 for i in range(4):
-                    xi[32 * L * g + 4 * L * k + 4 * r + i] = xq[r, 32 * g + 4 * k + i]
-            dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = dx[r, g], xs16[r, 2 * g], xs16[r, 2 * g + 1]
+                    xi[at + i] = xq[r, 32 * g + 4 * k + i] if r < R else 0
+            if r < R:
+                dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = dx[r, g], xs16[r, 2 * g], xs16[r, 2 * g + 1]
+            else:
+                dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = 0, 0, 0
 
 
 @njit(**EXACT_PAR)
@@ -190,8 +196,10 @@ def lanes_inputs(qt, x, L):
     on any split)."""
     R, K = x.shape
     ng, nb = K // 32, (R + L - 1) // L
-    xi, dxv = np.zeros((nb, ng * 32 * L), np.int8), np.zeros((nb, ng * L), np.float32)
-    xsa, xsb = np.zeros((nb, ng * L), np.float32), np.zeros((nb, ng * L), np.float32)
+    # np.empty: in a parallel function each np.zeros is a parallel loop of its own (numba's
+    # parfors), four thread launches that cost more than a decode pass's quantization
+    xi, dxv = np.empty((nb, ng * 32 * L), np.int8), np.empty((nb, ng * L), np.float32)
+    xsa, xsb = np.empty((nb, ng * L), np.float32), np.empty((nb, ng * L), np.float32)
     for b in prange(nb):
         r0, r1 = b * L, min(R, (b + 1) * L)
         xq, dx, xs16 = quantized(x[r0:r1], act_group(qt))
