@@ -25,6 +25,7 @@ from numba import njit, prange, types
 from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR, self_check, uniform_pool
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import (
     EXP_FLOOR,
     EXP_POLY,
@@ -57,7 +58,7 @@ KEYS = 64  # keys per chunk
 SPAN = 512
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def exp(x):
     """exp(x) of a float32 x <= 0 (a score less its row maximum): f32x8's recipe (EXP_POLY) on
     one lane, fexp's bits."""
@@ -74,7 +75,7 @@ def vload(a, off):
     """8 pool values at a flat offset as float32: float32 as is, uint16 as half floats."""
 
 
-@overload(vload, jit_options={"fastmath": True})
+@overload(vload, jit_options={"fastmath": True, **NO_NRT})
 def _vload_impl(a, off):
     if a.dtype == types.uint16:
         return lambda a, off: hload(a, off)
@@ -105,7 +106,7 @@ def rload(a, row, d):
     its dtype names it)."""
 
 
-@overload(rload, jit_options={"fastmath": True})
+@overload(rload, jit_options={"fastmath": True, **NO_NRT})
 def _rload_impl(a, row, d):
     last, nbytes = a.ndim - 1, _quantized(a)
     if nbytes:
@@ -123,7 +124,7 @@ def row_into(dst, off, a, row, hd):
     format's scale read once per block, not once per 8 values)."""
 
 
-@overload(row_into, jit_options={"fastmath": True})
+@overload(row_into, jit_options={"fastmath": True, **NO_NRT})
 def _row_into_impl(dst, off, a, row, hd):
     last, nbytes = a.ndim - 1, _quantized(a)
     if nbytes:
@@ -144,7 +145,7 @@ def _row_into_impl(dst, off, a, row, hd):
     return floats
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _rows(pool, table, h, t0, n, dst, hd):
     """dst [KEYS, hd] = kv head h's rows of tokens t0 .. t0 + n - 1 (n <= KEYS) read through
     the block table from a pool layer [blocks, block_size, kv_heads, row], as float32; zeros
@@ -158,7 +159,7 @@ def _rows(pool, table, h, t0, n, dst, hd):
                 dst[t, d] = 0
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _tile(a, a0, a_step, b, b0, b_step, b_lane, n, c, c0, c_lane, add, z):
     """The register tile of both products: for i < 8, c[c0 + i * c_lane :][:W] = (itself, if
     add, else 0) + the sum over k < n of the vector a[a0 + k * a_step :][:W] times the scalar
@@ -192,7 +193,7 @@ def _tile(a, a0, a_step, b, b0, b_step, b_lane, n, c, c0, c_lane, add, z):
     fstore(c, c0 + 7 * c_lane, a_7)
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _scores(qt, kc, st, R8, hd):
     """st [KEYS, R8] = kc @ qt for qt [hd, R8] (the queries transposed): tiles of 16 queries (a
     vector; 8 for the last when R8 is not a multiple of 16) x 8 keys (broadcast), summed over hd."""
@@ -205,7 +206,7 @@ def _scores(qt, kc, st, R8, hd):
             _tile(qt, rb, R8, kc, tb * hd, 1, hd, hd, st, tb * R8 + rb, R8, False, fzero())
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _accumulate(st, vc, o, R8, hd):
     """o [R8, hd] += st.T @ vc for st [KEYS, R8], vc [KEYS, hd]: tiles of 16 of hd (a vector;
     8 for the rest) x 8 queries (broadcast weights), summed over the keys."""
@@ -217,7 +218,7 @@ def _accumulate(st, vc, o, R8, hd):
             _tile(vc, db, hd, st, rb, R8, 1, KEYS, o, rb * hd + db, hd, True, fzero())
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _softmax_step(st, n, o, m, total, top):
     """Scores st [KEYS, R8] of a chunk's first n keys into weights in place (zeros after them),
     against the running row maxima m [R8], which grow to this chunk's where it is higher: the
@@ -250,7 +251,7 @@ def _softmax_step(st, n, o, m, total, top):
 QT = 32  # query tokens per tile of the causal kernel
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _sourced_rows(pool, extra, tables, h, t0, n, dst, hd, seen):
     """_rows through a per-kv-head table: tables[h, j] maps positions j * bs .. j * bs + bs - 1
     to a pool block (>= 0), to nothing (HOLE: zeros, seen[t] False) or to block -2 - e of
@@ -276,7 +277,7 @@ def _sourced_rows(pool, extra, tables, h, t0, n, dst, hd, seen):
         t += run
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _cap_and_mask(st, n, t0, first, g, rows, softcap, window, seen):
     """Scores st [KEYS, RT] of a chunk at t0, for rows whose token r // g sits at position
     first + r // g (rows >= `rows` are padding): soft-capped (softcap > 0: softcap *
@@ -302,7 +303,7 @@ def _cap_and_mask(st, n, t0, first, g, rows, softcap, window, seen):
                     st[t, r] = ninf
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _fold(o, m, sums, po, pm, ps, rows):
     """Fold a span's partial softmax (po [rows, hd], row maxima pm, row sums ps) into the
     running one (o, m, sums), row by row: a span the row saw nothing of (ps 0) leaves it as it
@@ -322,7 +323,7 @@ def _fold(o, m, sums, po, pm, ps, rows):
                 sums[r], m[r] = ps[r], pm[r]
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _empty(o, m, sums):
     """A softmax state that has seen no key."""
     o[:] = 0
@@ -349,7 +350,7 @@ def _span_part(qt, k, v, tables, extra_k, extra_v, h, c, lo, hi, first, g, rows,
         _accumulate(st, vc, o, RT, hd)
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _tile_keys(past, T, QT, c, window):
     """(first position, first key, end of keys) of tile c: the keys its rows can see, from a
     multiple of KEYS."""
@@ -358,7 +359,7 @@ def _tile_keys(past, T, QT, c, window):
     return first, start, end
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _normalise(fo, fs, out):
     for r in range(fo.shape[0]):
         inv = np.float32(1) / fs[r] if fs[r] > 0 else np.float32(0)

@@ -16,6 +16,7 @@ from numba import types
 from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels.attention import KEYS, _quantized, block_values, exp, rload
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import (
     fadd,
     fload,
@@ -41,7 +42,7 @@ ROWS = 4  # the rows of a group this path takes
 WIDE = bool(llvm.get_host_cpu_features().get("avx512f"))
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _key(pool, offs, n, t, d):
     """Values d .. d + 7 of key t of a chunk as float32; zeros for a key past its n."""
     return rload(pool, offs[t], d) if t < n else fzero()
@@ -52,7 +53,7 @@ def rload16(a, row, d):
     (each conversion is exact), 16 at a time."""
 
 
-@overload(rload16, jit_options={"fastmath": True})
+@overload(rload16, jit_options={"fastmath": True, **NO_NRT})
 def _rload16_impl(a, row, d):
     last, nbytes = a.ndim - 1, _quantized(a)
     if nbytes:
@@ -84,7 +85,7 @@ def rows_t(pool, offs, n, kt, hd):
     d of key t); zeros for the keys after them."""
 
 
-@overload(rows_t, jit_options={"fastmath": True})
+@overload(rows_t, jit_options={"fastmath": True, **NO_NRT})
 def _rows_t_impl(pool, offs, n, kt, hd):
     last, nbytes = pool.ndim - 1, _quantized(pool)
     if not nbytes:
@@ -130,7 +131,7 @@ def _rows_t_impl(pool, offs, n, kt, hd):
     return quantized
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _tail_t(pool, offs, n, kt, hd, t):
     """rows_t's 8 keys from t, where the chunk's n keys end among them."""
     for d in range(0, hd, 8):
@@ -143,7 +144,7 @@ def _tail_t(pool, offs, n, kt, hd, t):
         )  # fmt: skip
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def scores_t(kt, gq, r8, st, hd):
     """st [ROWS * KEYS]: the scores of query rows 0-3 of gq [hd, r8] (queries transposed,
     scaled) for the chunk's keys kt (rows_t), st[r * KEYS + t] for key t: 32 keys x 4 rows in
@@ -166,7 +167,7 @@ def scores_t(kt, gq, r8, st, hd):
             fstore(st, r * KEYS + t + 16, hi)
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def softmax_t(st, n, o, m, total, rows):
     """attention._softmax_step on st [ROWS * KEYS] (keys in lanes) for the first `rows` rows:
     the row maximum of the n keys, the rescale where it grows, the weights (fweights) and their
@@ -202,7 +203,7 @@ def softmax_t(st, n, o, m, total, rows):
             total[r] = s
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _top(st, base, n):
     """The largest of st[base : base + n] (n >= 1): 8 keys a lane, then the lanes and the rest."""
     whole = n // 8 * 8
@@ -220,7 +221,7 @@ def _top(st, base, n):
     return top
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def accumulate_rows(st, ts, rs, v, offs, n, o, rows):
     """attention._accumulate's sums for the first `rows` rows of o [r8, hd] (rows <= r8 / 2),
     the weight of key t for row r at st[t * ts + r * rs], with 64 (WIDE) or 16 of hd for 4 rows
@@ -247,7 +248,7 @@ def accumulate_rows(st, ts, rs, v, offs, n, o, rows):
                 _store(o, j * hd + d, a, pad, fzero())
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _accumulate64(st, ts, rs, v, offs, n, o, at, d, w0, pad):
     """accumulate_rows' values d .. d + 63 of 4 rows (o's from flat offset at, one row every
     hd) on 16-lane vectors: 16 accumulators, each key's 64 values and 4 weights loaded once."""
@@ -273,7 +274,7 @@ def _accumulate64(st, ts, rs, v, offs, n, o, at, d, w0, pad):
             _store(o, at + j * hd + 16 * i, x[i], pad, z)
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _accumulate16(st, ts, rs, v, offs, n, o, at, d, w0, pad):
     """accumulate_rows' values d .. d + 15 of 4 rows on 8-lane vectors."""
     hd = o.shape[1]
@@ -291,7 +292,7 @@ def _accumulate16(st, ts, rs, v, offs, n, o, at, d, w0, pad):
         _store(o, at + j * hd + 8, x1, pad, fzero())
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _store(o, at, a, pad, z):
     """o[at:] = a (8 or 16 lanes, as the zero z), plus 0 after a chunk of fewer than KEYS keys
     (accumulate_rows)."""

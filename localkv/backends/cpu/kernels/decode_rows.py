@@ -32,12 +32,13 @@ from localkv.backends.cpu.kernels.attention import (
     row_into,
 )
 from localkv.backends.cpu.kernels.decode_few import ROWS, accumulate_rows, rows_t, scores_t, softmax_t
+from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.u8x32 import prefetch
 
 AHEAD = 2  # chunks between a chunk's prefetch and its reads (BENCHMARKS.md, attention at depth)
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _same_keys(tables, lens, a, b, t0, bs):
     """Sequences a and b see the same keys in the chunk at t0: as many, in the same blocks (so
     the rows of a group need no mask of their own)."""
@@ -50,7 +51,7 @@ def _same_keys(tables, lens, a, b, t0, bs):
     return True
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _group(tables, lens, s0, s1, t0, bs, taken, members):
     """The sequences of s0..s1-1 that reach the chunk at t0 and share its keys with the first
     of them not yet taken (members[:count], marked taken); 0 when none is left."""
@@ -160,7 +161,7 @@ def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
     _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _offsets(table, h, t0, n, bs, kvh, offs):
     """offs[t] = the pool row (a flat index over blocks, positions and kv heads) of kv head h's
     key at position t0 + t, for t < n, through the block table: one division per block of the
@@ -174,7 +175,7 @@ def _offsets(table, h, t0, n, bs, kvh, offs):
         t, j, o = stop, j + 1, 0
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _rows(pool, offs, n, dst, hd):
     """dst [KEYS, hd] = the pool rows offs[:n] (n <= KEYS) as float32; zeros after them."""
     for t in range(KEYS):
@@ -185,7 +186,7 @@ def _rows(pool, offs, n, dst, hd):
                 dst[t, d] = 0
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _prefetch_rows(pool, offs, n):
     """Hint the pool rows offs[:n] into the caches: a paged layer is read one head's row at a
     time, at strides the hardware prefetchers follow poorly across blocks, and a step at depth
@@ -197,7 +198,7 @@ def _prefetch_rows(pool, offs, n):
             prefetch(pool, offs[t] * row + e)
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _holds(held, resident, members, count):
     """The lanes hold the state of this group already (a sequence alone, or the same forks
     chunk after chunk): no gather and scatter per chunk."""
@@ -209,7 +210,7 @@ def _holds(held, resident, members, count):
     return True
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _scatter(go_buf, gm, gs, members, count, g, s0, o, m, sums):
     """_gather's inverse: a group's running state from its lanes (go_buf [r8, hd] flat, gm,
     gs) back to its rows of o, m, sums."""
@@ -222,7 +223,7 @@ def _scatter(go_buf, gm, gs, members, count, g, s0, o, m, sums):
             m[at], sums[at] = gm[r], gs[r]
 
 
-@register_jitable
+@register_jitable(**NO_NRT)
 def _gather(qt, o, m, sums, members, count, g, h, s0, gq, go, gm, gs):
     """A group's query rows and running state into lanes 0 .. count * g - 1 of gq [hd, r8] and
     go, gm, gs; the lanes after them zero queries with an empty state."""
