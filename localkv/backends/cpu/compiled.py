@@ -88,16 +88,14 @@ def decode_rows(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables,
     the bits causal_attention gives it. Call only when attends(hd)."""
     import numba
 
-    B, H, hd = q.shape
+    B = len(q)
     kvh = k_layer.shape[2]
-    g = H // kvh
-    qt = np.empty((kvh, hd, B, g), np.float32)
-    np.multiply(q.reshape(B, kvh, g, hd).transpose(1, 3, 0, 2), np.float32(scale), out=qt)
-    out = np.empty((kvh, B * g, hd), np.float32)
+    out = np.empty(q.shape, np.float32)
     spans = -(-int(lens.max()) // state.attention.SPAN)  # jobs per kv head and part of the sequences
     parts = min(B, -(-2 * numba.get_num_threads() // (kvh * spans)))  # enough jobs to keep every thread busy
-    state.decode_rows.paged_decode(qt.reshape(kvh, hd, B * g), _bits(k_layer), _bits(v_layer), tables, lens, parts, out)
-    return out.reshape(kvh, B, g, hd).transpose(1, 0, 2, 3).reshape(B, H, hd)
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    state.decode_rows.paged_decode(q, np.float32(scale), _bits(k_layer), _bits(v_layer), tables, lens, parts, out)
+    return out
 
 
 def causal_attention(

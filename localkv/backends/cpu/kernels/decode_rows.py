@@ -65,15 +65,19 @@ def _group(tables, lens, s0, s1, t0, bs, taken, members):
 
 
 @njit(**EXACT_PAR)
-def paged_decode(qt, k, v, tables, lens, parts, out):
-    """Attention of B sequences' last tokens: qt [kvh, hd, B * g] their query rows (ordered
-    (sequence, head), transposed, scaled), sequence b at position lens[b] - 1 over the first
-    lens[b] tokens of its block table tables[b] (int64 [B, blocks]); out [kvh, B * g, hd]
+def paged_decode(q, scale, k, v, tables, lens, parts, out):
+    """Attention of B sequences' last tokens: q [B, H, hd] their query rows, each value times
+    scale (float32, as the causal kernel's queries), sequence b at position lens[b] - 1 over
+    the first lens[b] tokens of its block table tables[b] (int64 [B, blocks]); out [B, H, hd]
     normalised. Parallel over (kv head, part of the sequences, SPAN of positions): `parts`
     runs of sequences per head, each span's partial softmax kept, then folded in position order
-    as the causal kernel folds them (one read of the K/V a step, on every thread at depth)."""
-    kvh, hd, rows = qt.shape
-    B = len(lens)
+    as the causal kernel folds them (one read of the K/V a step, on every thread at depth).
+    The queries are scaled and the outputs placed here, not in numpy around the call (a few
+    microseconds a layer, as much as a short context's attention)."""
+    B, H, hd = q.shape
+    kvh = k.shape[2]
+    g = H // kvh
+    rows = B * g
     most = 0
     for s in range(B):
         most = max(most, lens[s])
@@ -82,8 +86,7 @@ def paged_decode(qt, k, v, tables, lens, parts, out):
     pm, ps = np.empty((kvh, spans, rows), np.float32), np.empty((kvh, spans, rows), np.float32)
     for job in prange(kvh * parts * spans):
         h, p, s = job // (parts * spans), job // spans % parts, job % spans
-        _span(qt, k, v, tables, lens, h, p * B // parts, (p + 1) * B // parts, s, po[h, s], pm[h, s], ps[h, s])
-    g = rows // B
+        _span(q, scale, k, v, tables, lens, h, p * B // parts, (p + 1) * B // parts, s, po[h, s], pm[h, s], ps[h, s])
     for job in prange(kvh * parts):
         h, p = job // parts, job % parts
         r0, r1 = p * B // parts * g, (p + 1) * B // parts * g
@@ -93,18 +96,19 @@ def paged_decode(qt, k, v, tables, lens, parts, out):
             _fold(o, m, sums, po[h, s, r0:r1], pm[h, s, r0:r1], ps[h, s, r0:r1], r1 - r0)
         for r in range(r1 - r0):
             inv = np.float32(1) / sums[r]
+            b, j = (r0 + r) // g, (r0 + r) % g
             for d in range(hd):
-                out[h, r0 + r, d] = o[r, d] * inv
+                out[b, h * g + j, d] = o[r, d] * inv
 
 
 @register_jitable
-def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
+def _span(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
     """Kv head h's partial softmax of sequences s0 .. s1 - 1 over the keys of one span: po
     [rows, hd], pm, ps [rows] at the rows of those sequences (an empty state for a sequence
     that does not reach the span)."""
-    kvh, hd, rows = qt.shape
-    B, bs = len(lens), k.shape[1]
-    g = rows // B
+    B, H, hd = q.shape
+    bs = k.shape[1]
+    g = H // k.shape[2]
     R = (s1 - s0) * g  # the job's rows
     R8 = -(-R // 8) * 8
     kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
@@ -145,7 +149,7 @@ def _span(qt, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
             go = go_buf[: r8 * hd].reshape((r8, hd))
             if not _holds(held, resident, members, count):  # the lanes change hands
                 _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
-                _gather(qt, o, m, sums, members, count, g, h, s0, gq, go, gm, gs)
+                _gather(q, scale, o, m, sums, members, count, g, h, s0, gq, go, gm, gs)
                 held[:count], resident = members[:count], count
             if count * g <= ROWS:  # 8 lanes of rows mostly padding: keys in the lanes (decode_few)
                 rows_t(k, offs, n, kt, hd)
@@ -224,15 +228,15 @@ def _scatter(go_buf, gm, gs, members, count, g, s0, o, m, sums):
 
 
 @register_jitable(**NO_NRT)
-def _gather(qt, o, m, sums, members, count, g, h, s0, gq, go, gm, gs):
-    """A group's query rows and running state into lanes 0 .. count * g - 1 of gq [hd, r8] and
-    go, gm, gs; the lanes after them zero queries with an empty state."""
+def _gather(q, scale, o, m, sums, members, count, g, h, s0, gq, go, gm, gs):
+    """A group's query rows (scaled) and running state into lanes 0 .. count * g - 1 of gq [hd,
+    r8] and go, gm, gs; the lanes after them zero queries with an empty state."""
     hd, r8 = gq.shape
     for i in range(count):
         for j in range(g):
             r, at = i * g + j, (members[i] - s0) * g + j
             for d in range(hd):
-                gq[d, r], go[r, d] = qt[h, d, members[i] * g + j], o[at, d]
+                gq[d, r], go[r, d] = q[members[i], h * g + j, d] * scale, o[at, d]
             gm[r], gs[r] = m[at], sums[at]
     for r in range(count * g, r8):
         for d in range(hd):
@@ -251,6 +255,6 @@ def check(k_fmt: str, v_fmt: str) -> bool:
     tables = np.array([[0], [0], [1]], np.int64)
     lens = np.array([3, 2, 4], np.int64)
     tables.flags.writeable = lens.flags.writeable = False
-    out = np.empty((2, 3, hd), np.float32)
-    paged_decode(np.ones((2, hd, 3), np.float32), k, v, tables, lens, 2, out)
+    out = np.empty((3, 2, hd), np.float32)
+    paged_decode(np.ones((3, 2, hd), np.float32), np.float32(1), k, v, tables, lens, 2, out)
     return np.allclose(out, value, rtol=1e-6, atol=0)
