@@ -37,7 +37,8 @@ def by_lanes(matmul_few, kernel, lanes: int, w: QStack, x: np.ndarray) -> np.nda
     """x @ W.T by a lanes kernel taking blocks of `lanes` rows, whatever len(x)."""
     out = np.full((-(-len(x) // lanes) * lanes, w.rows), -1, np.float32)
     ((run,), qt) = w.runs, MARKERS[w.tensors[0].qtype]
-    kernel(qt, *matmul_few.lanes_inputs(qt, x, lanes), run.datas, run.offs, out)
+    tail = () if lanes == 8 else (x[len(x) :], out[len(out) :])  # matmul_wide: no rows past the blocks
+    kernel(qt, *matmul_few.lanes_inputs(qt, x, lanes), run.datas, run.offs, out, *tail)
     return out[: len(x)]
 
 

@@ -215,16 +215,22 @@ def matmul_lanes(qt, xi, dxv, xsa, xsb, ws, offs, out):
     token row gets the same bits in a pass of 1 row or of 512 (docs/CPU.md, one arithmetic). A
     block's activations stay in L1 while a work chunk's weight rows pass over them (weight row
     by block, the other way round, read every block from L2 for each row: 1.2x slower)."""
-    nb, ng = xi.shape[0], xi.shape[1] // 256
     counts = chunks(ws)
     for c in prange(counts[0] + counts[1] + counts[2]):
         i, n0, n1, col = chunk(ws, offs, counts, c)
-        w = ws[i]
-        for b in range(nb):
-            for n in range(n0, n1):
-                v = walk(_lanes_step, qt, w, n * w.shape[1], (xi[b], dxv[b], xsa[b], xsb[b]), ng)
-                for r in range(LANES):
-                    out[b * LANES + r, col + n] = lane(v, r)
+        lanes_chunk(qt, ws[i], n0, n1, col, xi, dxv, xsa, xsb, out)
+
+
+@register_jitable(**NO_NRT)
+def lanes_chunk(qt, w, n0, n1, col, xi, dxv, xsa, xsb, out):
+    """matmul_lanes' work on weight rows n0 .. n1 - 1 of w (a work chunk): every block of 8
+    rows of (xi, dxv, xsa, xsb) (none when they hold no block)."""
+    nb, ng = xi.shape[0], xi.shape[1] // 256
+    for b in range(nb):
+        for n in range(n0, n1):
+            v = walk(_lanes_step, qt, w, n * w.shape[1], (xi[b], dxv[b], xsa[b], xsb[b]), ng)
+            for r in range(LANES):
+                out[b * LANES + r, col + n] = lane(v, r)
 
 
 @njit(**SER)

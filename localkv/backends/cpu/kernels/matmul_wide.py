@@ -19,9 +19,10 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload, register_jitable
 
-from localkv.backends.cpu.formats.blocks import group
+from localkv.backends.cpu.formats.blocks import act_group, group
 from localkv.backends.cpu.kernels import EXACT_PAR
-from localkv.backends.cpu.kernels.matmul_few import CHUNK, PREFETCH, chunk, chunks, walk_from
+from localkv.backends.cpu.kernels.matmul_few import CHUNK, PREFETCH, chunk, chunks, quantized, walk_from
+from localkv.backends.cpu.kernels.matmul_out import out_chunk
 from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import fadd, fma, fmul, fstore, tofloat
 from localkv.backends.cpu.simd.u8x32 import prefetch
@@ -69,12 +70,15 @@ def transpose16(vb, tb):
 
 
 @njit(**EXACT_PAR)
-def matmul_wide(qt, xi, dxv, xsa, xsb, ws, offs, out):
+def matmul_wide(qt, xi, dxv, xsa, xsb, ws, offs, out, xt, out_t):
     """matmul_lanes for lanes_inputs(qt, x, 16)'s blocks (out [16 * blocks, outputs]): row r's
     outputs are lane r % 16 of its block, matmul_lanes' bits. A block's activations stay in L1
     while a work chunk's weight rows pass over them (two rows per pass, sharing the loads of
-    the activations, measured slower on Q4_1 and Q8_0)."""
+    the activations, measured slower on Q4_1 and Q8_0). The rows of xt [t, K] (t >= 0: a pass's
+    last rows past its blocks) go through matmul_out's arithmetic into out_t in the same pass,
+    each chunk's weights still in the caches."""
     nb, ng = xi.shape[0], xi.shape[1] // 512
+    xq, dx, xs16 = quantized(xt, act_group(qt))
     counts = chunks(ws)
     for c in prange(counts[0] + counts[1] + counts[2]):
         i, n0, n1, col = chunk(ws, offs, counts, c)
@@ -88,3 +92,5 @@ def matmul_wide(qt, xi, dxv, xsa, xsb, ws, offs, out):
             transpose16(vb, tb)  # out's rows are tokens: each takes the chunk's outputs in one store
             for r in range(LANES):
                 out[b * LANES + r, col + n0 : col + n1] = tb[LANES * r : LANES * r + n1 - n0]
+        if len(xt):
+            out_chunk(qt, w, n0, n1, col, xq, dx, xs16, out_t)

@@ -14,6 +14,7 @@ from localkv.backends.cpu.kernels.matmul_few import LANES as OUT_LANES
 from localkv.backends.cpu.kernels.matmul_few import dequantize as _dequantize
 from localkv.backends.cpu.kernels.matmul_few import lanes_inputs as _lanes_inputs
 from localkv.backends.cpu.kernels.matmul_few import matmul_lanes as _matmul_lanes
+from localkv.backends.cpu.kernels.matmul_out import lanes_then_out as _lanes_then_out
 from localkv.backends.cpu.kernels.matmul_out import matmul_out as _matmul_out
 from localkv.backends.cpu.kernels.matmul_out import out_rows
 from localkv.backends.cpu.kernels.matmul_wide import LANES as WIDE_LANES
@@ -32,14 +33,14 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
     of rows in one arithmetic per row, whatever the count: Q4_K and Q6_K by super-blocks in
     integers with superblock.matmul_rows's bits (superblock_packed: 16 weight rows of their
     packed form in the lanes; a pass of AMX_ROWS rows or more in whole blocks of 16 on AMX-INT8
-    tiles, superblock_amx, where the CPU has them), the other
-    block types by the 8-lane kernel (whole blocks of 16 by matmul_wide where chosen; a tail of
-    up to out_rows rows past the blocks of 8, or a pass of so few, by matmul_out: the same bits
-    with outputs in the lanes, faster for so few; a 1 + 8 verify pass is then one block and one
-    row; a last part of WIDE_PADDED rows or more goes to matmul_wide as a block of 16 padded
-    with zero rows), the float kernel (a dot per row) for the others. Every part gives a row
-    the same bits. out: at least the rows rounded up to 16 (the lanes kernels write whole
-    blocks)."""
+    tiles, superblock_amx, where the CPU has them), the other block types by the 8-lane kernel
+    (whole blocks of 16 by matmul_wide where chosen; a tail of up to out_rows rows past the
+    blocks, or a pass of so few, by matmul_out's arithmetic: the same bits with outputs in the
+    lanes, faster for so few, in the same pass over the weights as the blocks before it; a 1 +
+    8 verify pass is then one block and one row, one read of each weight; a last part of
+    WIDE_PADDED rows or more goes to matmul_wide as a block of 16 padded with zero rows), the
+    float kernel (a dot per row) for the others. Every part gives a row the same bits. out: at
+    least the rows rounded up to 16 (the lanes kernels write whole blocks)."""
     qt = MARKERS[run.qtype]
     if run.qtype in SUPER_TYPES:
         R = len(x)
@@ -57,13 +58,18 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
         tail = (R - wide) % OUT_LANES
         lanes = R - tail if tail <= out_rows(run.qtype) else R  # a short tail: matmul_out's
         group = _GROUP_MARKERS[activation_group(run.qtype)]
+        # the tail rides in the pass of the part before it, each chunk of weights read once
         if wide:
-            _matmul_wide(qt, *_lanes_inputs(group, x[:wide], WIDE_LANES), run.datas, run.offs, out)
-        if lanes > wide:
+            rest = lanes if lanes == wide else R  # the tail, when no 8-lane part comes between
+            xw = _lanes_inputs(group, x[:wide], WIDE_LANES)
+            _matmul_wide(qt, *xw, run.datas, run.offs, out, x[rest:], out[rest:])
+        if lanes > wide and lanes == R:
+            _matmul_lanes(qt, *_lanes_inputs(group, x[wide:], OUT_LANES), run.datas, run.offs, out[wide:])
+        elif lanes > wide:
             xl = _lanes_inputs(group, x[wide:lanes], OUT_LANES)
-            _matmul_lanes(qt, *xl, run.datas, run.offs, out[wide:])
-        if lanes < R:
-            _matmul_out(qt, x[lanes:], run.datas, run.offs, out[lanes:])
+            _lanes_then_out(qt, *xl, run.datas, run.offs, out[wide:], x[lanes:], out[lanes:])
+        elif lanes < R and not wide:
+            _matmul_out(qt, x, run.datas, run.offs, out)
     else:
         matmul_few_float(qt, x, run.datas, run.offs, out)
 
@@ -119,7 +125,7 @@ def check(qtype: str) -> bool:
             return False
     rng = np.random.default_rng(3)
     (run,) = QStack(ws).runs
-    for rows in (1, 2, 3, 8) + ((17,) if _WIDE and qtype in BLOCK_TYPES else ()):  # 17: 16 in the lanes + 1
+    for rows in (1, 2, 3, 8, 9) + ((17,) if _WIDE and qtype in BLOCK_TYPES else ()):  # 9, 17: 8 or 16 in the lanes + 1
         x = rng.standard_normal((rows, dense[0].shape[1]), dtype=np.float32)
         one = np.empty((32, ws[0].rows + ws[1].rows), np.float32)  # the lanes kernels write whole blocks
         every_row(run, x, one)
