@@ -105,10 +105,8 @@ def paged_decode(q, scale, k, v, tables, lens, parts, out):
 def _span(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
     """Kv head h's partial softmax of sequences s0 .. s1 - 1 over the keys of one span: po
     [rows, hd], pm, ps [rows] at the rows of those sequences (an empty state for a sequence
-    that does not reach the span)."""
-    B, H, hd = q.shape
-    bs = k.shape[1]
-    g = H // k.shape[2]
+    that does not reach the span). Makes its buffers; _walk runs the chunks."""
+    hd, g = q.shape[2], q.shape[1] // k.shape[2]
     R = (s1 - s0) * g  # the job's rows
     R8 = -(-R // 8) * 8
     kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
@@ -120,11 +118,26 @@ def _span(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
     )
     top, gm, gs = np.empty(R8, np.float32), np.empty(R8, np.float32), np.empty(R8, np.float32)
     kt, st_t = np.empty(hd * KEYS, np.float32), np.empty(ROWS * KEYS, np.float32)  # decode_few's
+    taken, members = np.zeros(s1 - s0, np.bool_), np.empty(s1 - s0, np.int64)
+    held = np.empty(s1 - s0, np.int64)  # the group whose state the lanes hold
+    offs, ahead = np.empty(KEYS, np.int64), np.empty(KEYS, np.int64)
+    bufs = (kc, vc, st_buf, gq_buf, go_buf, top, gm, gs, kt, st_t)
+    _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, (taken, members, held, offs, ahead))
+
+
+@register_jitable(**NO_NRT)
+def _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, ints):
+    """_span's chunks, on the buffers it made (bufs, ints): without reference counts, as the
+    views it takes per chunk (of the buffers, of a block table) cost as much as a chunk's
+    prefetches at depth."""
+    kc, vc, st_buf, gq_buf, go_buf, top, gm, gs, kt, st_t = bufs
+    taken, members, held, offs, ahead = ints
+    B, H, hd = q.shape
+    bs = k.shape[1]
+    g = H // k.shape[2]
     o, m, sums = po[s0 * g : s1 * g], pm[s0 * g : s1 * g], ps[s0 * g : s1 * g]
     _empty(o, m, sums)
-    taken, members = np.zeros(s1 - s0, np.bool_), np.empty(s1 - s0, np.int64)
-    held, resident = np.empty(s1 - s0, np.int64), 0  # the group whose state the lanes hold
-    offs, ahead = np.empty(KEYS, np.int64), np.empty(KEYS, np.int64)
+    resident = 0
     most = 0
     for s in range(s0, s1):
         most = max(most, lens[s])
@@ -150,7 +163,9 @@ def _span(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
             if not _holds(held, resident, members, count):  # the lanes change hands
                 _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
                 _gather(q, scale, o, m, sums, members, count, g, h, s0, gq, go, gm, gs)
-                held[:count], resident = members[:count], count
+                for i in range(count):  # a loop: a slice copy between arrays needs numba's runtime
+                    held[i] = members[i]
+                resident = count
             if count * g <= ROWS:  # 8 lanes of rows mostly padding: keys in the lanes (decode_few)
                 rows_t(k, offs, n, kt, hd)
                 scores_t(kt, gq, r8, st_t, hd)
