@@ -8,7 +8,8 @@ pass (the one arithmetic, docs/CPU.md):
 - elementwise: fused one-pass RMSNorm, RoPE and SwiGLU;
 - matmul_few: the block types' matmul with activation rows in 8 lanes (int8 activations,
   integer multiply-adds: matmul_lanes), and the dequantizer;
-- matmul_out: matmul_lanes' bits for 1 activation row with 8 weight rows in the lanes (decode);
+- matmul_out: matmul_lanes' bits for 1 activation row with 8 weight rows in the lanes (decode;
+  lanes_then_out: a pass's last rows in the same weight pass as its blocks of 8);
 - matmul_wide: matmul_lanes' bits for 16 activation rows in 512-bit lanes (prefill with
   AVX-512 VNNI); superblock_lanes: the same for Q4_K and Q6_K (superblock.matmul_rows' bits);
   superblock_amx: those bits again with the integer dots on AMX-INT8 tiles;
