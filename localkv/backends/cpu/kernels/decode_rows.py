@@ -143,6 +143,8 @@ def _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, ints)
         most = max(most, lens[s])
     for t0 in range(span * SPAN, min(most, (span + 1) * SPAN), KEYS):
         for s in range(s0, s1):  # the rows AHEAD chunks on, on their way while this one is summed
+            if s > s0 and _same_keys(tables, lens, s - 1, s, t0 + AHEAD * KEYS, bs):
+                continue  # the rows the sequence before asked for (forks, a shared system prompt)
             if lens[s] > t0 + AHEAD * KEYS:
                 na = min(KEYS, lens[s] - t0 - AHEAD * KEYS)
                 _offsets(tables[s], h, t0 + AHEAD * KEYS, na, bs, k.shape[2], ahead)
