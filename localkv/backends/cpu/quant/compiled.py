@@ -58,17 +58,19 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
         tail = (R - wide) % OUT_LANES
         lanes = R - tail if tail <= out_rows(run.qtype) else R  # a short tail: matmul_out's
         group = _GROUP_MARKERS[activation_group(run.qtype)]
-        # the tail rides in the pass of the part before it, each chunk of weights read once
+        # the tail x[lanes:] rides in the pass of the part just before it (each chunk of weights
+        # read once): the 8-lane part's when there is one, else the wide part's
         if wide:
-            rest = lanes if lanes == wide else R  # the tail, when no 8-lane part comes between
+            t = R if lanes > wide else lanes
             xw = _lanes_inputs(group, x[:wide], WIDE_LANES)
-            _matmul_wide(qt, *xw, run.datas, run.offs, out, x[rest:], out[rest:])
-        if lanes > wide and lanes == R:
-            _matmul_lanes(qt, *_lanes_inputs(group, x[wide:], OUT_LANES), run.datas, run.offs, out[wide:])
-        elif lanes > wide:
+            _matmul_wide(qt, *xw, run.datas, run.offs, out, x[t:], out[t:])
+        if lanes > wide:
             xl = _lanes_inputs(group, x[wide:lanes], OUT_LANES)
-            _lanes_then_out(qt, *xl, run.datas, run.offs, out[wide:], x[lanes:], out[lanes:])
-        elif lanes < R and not wide:
+            if lanes == R:
+                _matmul_lanes(qt, *xl, run.datas, run.offs, out[wide:])
+            else:
+                _lanes_then_out(qt, *xl, run.datas, run.offs, out[wide:], x[lanes:], out[lanes:])
+        elif not wide and lanes < R:  # a pass of so few rows: the tail alone
             _matmul_out(qt, x, run.datas, run.offs, out)
     else:
         matmul_few_float(qt, x, run.datas, run.offs, out)
