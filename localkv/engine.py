@@ -53,9 +53,9 @@ class Engine:
         weights, run_cfg = loaded.weights, self.model_config  # run_cfg: as the model computes (dense: NEOX RoPE)
         if not self.backend.caps.quant_weights:  # a backend without kernels on quantized weights
             weights, run_cfg = dense_weights(weights, self.model_config, np.dtype(self.backend.act_dtype))
+        self.kv_formats = _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)
+        self.backend.prepare_kv(kv_format.pair_name(*self.kv_formats))  # before: one compile for both
         prepared = self.backend.prepare_weights(weights, self.model_config.fingerprint)
-        self.kv_formats = _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)  # auto's: kernels loaded
-        self.backend.prepare_kv(kv_format.pair_name(*self.kv_formats))
         self.model = Llama(run_cfg, prepared, self.backend, n_ctx=cfg.ctx)
         self.stats = Stats()
         self.draft = self._draft_engine(progress) if cfg.spec == "draft" else None

@@ -354,3 +354,21 @@ def test_a_next_turn_writes_the_reply_blocks_it_found_in_memory(gguf_path):
     assert all(eng.disk.contains(fp, h) for h in hashes)
     later = engine(gguf_path, block_size=8)
     assert later.open_sequence(second)[1] == len(hashes) * 8
+
+
+def test_a_start_loads_its_pool_and_weight_kernels_in_one_load(gguf_path, monkeypatch):
+    """The pool's attention kernels load with the weights' (prepare_kv first): a first compile
+    then shares all of them out at once, where two loads in turn each waited for their own."""
+    import localkv.backends.cpu.build as build
+
+    calls, load = [], build.load
+
+    def recorded(types=(), progress=False, kv=()):
+        calls.append((list(types), list(kv)))
+        return load(types, progress, kv)
+
+    monkeypatch.setattr(build, "load", recorded)
+    eng = engine(gguf_path, kv_dtype="f16")
+    assert calls == [(["F32"], ["f16"])], calls
+    eng.backend.prepare_kv("f32")  # after the weights: at once
+    assert calls[1:] == [([], ["f32"])]

@@ -43,7 +43,8 @@ class Backend(Protocol):
         """The K/V format (a kv_format name) of --kv-dtype auto for heads of this size."""
 
     def prepare_kv(self, pool: str) -> None:
-        """Ready the kernels that read a pool of these K/V formats ("K:V", kv_format.pair_name)."""
+        """Ready the kernels that read a pool of these K/V formats ("K:V", kv_format.pair_name);
+        called before prepare_weights, a backend may ready them with the weights'."""
 
     def prefetch(self) -> None:
         """While the model downloads: begin, in the background, loading what needs no model."""

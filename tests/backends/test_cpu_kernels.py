@@ -379,3 +379,44 @@ def test_a_pool_whose_kernel_check_fails_turns_the_kernels_off():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "q8_0:q4_0 pool" in out.stdout
+
+
+def test_a_helper_in_a_parallel_loop_compiles_once(kernels):
+    """numba types a prange body's calls under the kernel's options, then compiles the body
+    again under numpy's error model; a helper whose caller's options differ compiles again,
+    with every helper under it. The kernels' options name numpy's error model, so a body that
+    takes views (as theirs do: numba then keeps its aliasing as it was) compiles each helper
+    once (a first run compiled most of them twice)."""
+    from numba import njit, prange
+    from numba.core import event
+    from numba.extending import register_jitable
+
+    from localkv.backends.cpu.kernels import EXACT_PAR
+
+    @register_jitable
+    def inner(x, i):
+        x[i] = 2.0
+
+    @register_jitable
+    def helper(x, i):
+        inner(x, i)
+
+    @njit(**dict(EXACT_PAR, cache=False))
+    def kernel(x):
+        for i in prange(len(x)):
+            helper(x[i:], 0)
+
+    class Seen(event.Listener):
+        compiled = []
+
+        def on_start(self, ev):
+            self.compiled.append(ev.data["dispatcher"].py_func)
+
+        def on_end(self, ev):
+            pass
+
+    with event.install_listener("numba:compile", Seen()):
+        x = np.zeros(4)
+        kernel(x)
+    assert x.tolist() == [2, 2, 2, 2]
+    assert (Seen.compiled.count(helper), Seen.compiled.count(inner)) == (1, 1)

@@ -72,7 +72,7 @@ def default_kv(head_dim: int) -> str:
     """The pool's format for --kv-dtype auto: q8_0 where the kernels run and the heads split
     into its blocks (the smallest format within +0.5% perplexity of f16 and no slower than it:
     `localkv bench kv`, BENCHMARKS.md), else f16 (numpy's quantization is a dozen passes)."""
-    return "q8_0" if cpu_kernels.active() and head_dim % kv_format.Q8_0.block == 0 else "f16"
+    return "q8_0" if build.usable() and head_dim % kv_format.Q8_0.block == 0 else "f16"
 
 
 def uses_kernels(rows: int) -> bool:
@@ -230,6 +230,8 @@ class CpuBackend:
         self._blas = None  # threadpoolctl controllers of the BLAS libraries, found on first use
         self.prefill_amx = False  # the weights' matmuls of 16 rows or more use AMX tiles (prepare_weights)
         self._progress = False
+        self._pools: list[str] = []  # prepare_kv's, loaded with the weights' kernels
+        self._weights_ready = False
 
     def prefetch(self) -> None:
         """While the model downloads: the kernels no weight type decides (attention,
@@ -237,24 +239,27 @@ class CpuBackend:
         build.load_in_background()
 
     def start(self, progress: bool) -> None:
-        """The kernels load with the weights' types (prepare_weights, next): a first compile of
-        both is then shared out at once (build.load)."""
+        """The kernels load with the weights' types (prepare_weights): a first compile of them
+        and of the pool's (prepare_kv, before) is then shared out at once (build.load)."""
         self._progress = progress
 
     def prepare_weights(self, weights: dict, fingerprint: str = "") -> dict:
         """The weights as they are (views of the file), with the Q4_K and Q6_K ones also packed
         for their kernel (quant.pack: kept on disk by fingerprint); loads the kernels of their
-        types only."""
+        types and of the pools prepare_kv named, only."""
         types = quant.weight_types(weights.values())
-        build.load(types, progress=self._progress)
+        build.load(types, progress=self._progress, kv=self._pools)
+        self._weights_ready = True
         quant.pack(weights, fingerprint)
         self.prefill_amx = any(quant.on_amx(t) for t in types)
         return weights
 
     def prepare_kv(self, pool: str) -> None:
-        """Load (or compile) and check the attention kernels of this pool's K/V formats: a
-        start loads the builds its pool reads, not every format's."""
-        build.load(kv=[pool], progress=self._progress)
+        """The attention kernels of this pool's K/V formats (a start loads the builds its pool
+        reads, not every format's): loaded now, or with the weights' when they are not yet."""
+        self._pools.append(pool)
+        if self._weights_ready:
+            build.load(kv=[pool], progress=self._progress)
 
     def decode_batch(self, tables: list, n_ctx: list[int]) -> "DecodeBatch":
         self._needs("batched_decode", "decode_batch")

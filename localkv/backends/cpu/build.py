@@ -99,6 +99,16 @@ def active() -> bool:
     return bool(state.ok)
 
 
+def usable() -> bool:
+    """The kernels are switched on and numba imports: what a choice made before they compile
+    goes by (--kv-dtype auto's pool, whose kernels then compile with the weights' at once). A
+    self-check that fails later turns them off, and numpy runs what was chosen."""
+    with _lock:
+        if state.ok is None and (off := _numba()):
+            state.ok, state.why = False, off
+        return state.ok is not False
+
+
 def why_not() -> str | None:
     return state.why
 
@@ -170,15 +180,14 @@ def _run(jobs: list, progress: bool) -> bool:
 
 
 def _kept_base(base: dict):
-    import numba
 
     failed = [r for r in base.values() if isinstance(r, Exception)]
     if failed:
         state.ok, state.why = False, f"numba kernels unavailable ({type(failed[0]).__name__}: {first_line(failed[0])})"
     elif not all(base.values()):
         state.ok, state.why = False, "kernel self-check failed"
-    elif numba.threading_layer() != "omp":
-        state.ok, state.why = False, f"numba threading layer {numba.threading_layer()!r}, not 'omp'"
+    elif why := _threading_not_omp():
+        state.ok, state.why = False, why
     else:
         from localkv.backends.cpu.kernels import attention, decode_rows, elementwise
 
@@ -199,10 +208,23 @@ def _kept_pools(results: dict):
         if state.kv[pool] is None and (isinstance(r, Exception) or not r):
             why = f"{type(r).__name__}: {first_line(r)}" if isinstance(r, Exception) else "failed"
             state.kv[pool] = f"the kernel self-check of a {pool} pool: {why}"
-    bad = next((why for why in state.kv.values() if why), None)
+    bad = next((why for why in state.kv.values() if why), None) or _threading_not_omp()
     if bad and state.ok:
         state.ok, state.why = False, bad
         state.types.update(dict.fromkeys(state.types, bad))
+
+
+def _threading_not_omp() -> str | None:
+    """Why numba's threading layer is not OpenMP (see the docstring), None when it is or when
+    no parallel kernel has run yet (none of the base checks' kernels is parallel: the pools'
+    checks start the layer)."""
+    import numba
+
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # not started yet
+        return None
+    return None if layer == "omp" else f"numba threading layer {layer!r}, not 'omp'"
 
 
 # a worker process of warmup: compiles the jobs whose keys follow

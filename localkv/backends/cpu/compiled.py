@@ -49,7 +49,10 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str = "neox"):
 
 def hadamard(x: np.ndarray, rotation, undo: bool) -> np.ndarray:
     """kv/rotation's M x (undo: M^T x) of rows x [T, heads, hd] (a view is fine), a new array,
-    in one kernel. Call only when active()."""
+    in one kernel. Call only when active(). A view (some of the qkv heads: a pool with only K
+    or only V quantized) is copied first: one build of each kernel, not one per layout (a
+    first run compiles each for seconds)."""
+    x = np.ascontiguousarray(x)
     out = np.empty(x.shape, np.float32)
     kernel = state.elementwise.hadamard_few if x.shape[0] * x.shape[1] <= FEW_ROWS else state.elementwise.hadamard_rows
     kernel(x, rotation.signs, rotation.block, rotation.scale, undo, out)

@@ -29,10 +29,13 @@ import numpy as np
 from localkv import kv_format
 
 # Parallel loops (prange) on numba's OpenMP workers; SER on the calling thread; EXACT: serial,
-# without fastmath, for code that must see inf and nan as they are
-PAR = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True)
-SER = dict(fastmath=True, boundscheck=False, cache=True, nogil=True)
-EXACT = dict(boundscheck=False, cache=True, nogil=True)
+# without fastmath, for code that must see inf and nan as they are. All with numpy's error
+# model (a float division by zero is inf, not an exception): numba compiles a prange body with
+# it, and a helper called there under other options compiled twice (BENCHMARKS.md, "The first
+# run"); a division that may raise also does not vectorise.
+PAR = dict(parallel=True, fastmath=True, boundscheck=False, cache=True, nogil=True, error_model="numpy")
+SER = dict(fastmath=True, boundscheck=False, cache=True, nogil=True, error_model="numpy")
+EXACT = dict(boundscheck=False, cache=True, nogil=True, error_model="numpy")
 # parallel, each float op as written: the kernels every pass's rows go through (the one-answer
 # rule, backends/cpu/backend.py), whose sums must not depend on the loop version LLVM picks
 EXACT_PAR = dict(PAR, fastmath=False)

@@ -419,7 +419,7 @@ def paged_causal(qt, k, v, tables, extra_k, extra_v, past, T, QT, g, softcap, wi
         _normalise(fo, fs, out[h, c])
 
 
-@self_check("kv", cost=7.6)
+@self_check("kv", cost=8.3)
 def check(k_fmt: str, v_fmt: str) -> bool:
     """The causal kernel for a pool of these K and V formats, with the array kinds the model
     passes (read-only int64 tables, no extra blocks): equal keys weigh every value alike, so

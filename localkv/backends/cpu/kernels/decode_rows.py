@@ -261,7 +261,7 @@ def _gather(q, scale, o, m, sums, members, count, g, h, s0, gq, go, gm, gs):
         gm[r], gs[r] = -np.inf, 0
 
 
-@self_check("kv", cost=7.2)
+@self_check("kv", cost=10.2)
 def check(k_fmt: str, v_fmt: str) -> bool:
     """Two sequences on one block and one on another, a pool of these K and V formats,
     read-only int64 tables: equal keys weigh every value alike, so each row's output is the

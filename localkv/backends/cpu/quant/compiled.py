@@ -113,7 +113,7 @@ def _close(got: np.ndarray, x: np.ndarray, qtype: str, dense: list) -> bool:
     return bool(np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()))
 
 
-@self_check("weights", cost=7.0)
+@self_check("weights", cost=7.2)
 def check(qtype: str) -> bool:
     """Compile (or load) this type's kernels of every pass (every_row, the dequantizer) now,
     not inside a timed step, and check them against the numpy path: several weights at once, a
