@@ -39,7 +39,7 @@ class EngineConfig:
     ctx: int | None = None  # most tokens one sequence may hold (prompt + reply); None: the model's context
     spec: str = "off"  # speculative decoding: off | ngram | draft (spec/control.py says why the defaults)
     draft_model: str | None = None  # --spec draft: a model of the same vocabulary, resolved as `model` is
-    spec_max: int = speculation.K_MAX  # most tokens a sequence drafts per verify pass
+    spec_max: int = 0  # most tokens a sequence drafts per verify pass; 0: its mode's (spec/control.k_max)
     spec_ngram_max: int = speculation.NGRAM_MAX  # longest n-gram of the context's end looked up
     spec_ngram_min: int = speculation.NGRAM_MIN  # shortest
 

@@ -30,7 +30,7 @@ import numpy as np
 from localkv.engine import Engine
 from localkv.kv.step_plan import StepPlan
 from localkv.sequence import Sequence
-from localkv.spec.control import cost_of, share
+from localkv.spec.control import cost_of, k_max, share
 
 
 class Request(Protocol):
@@ -66,7 +66,7 @@ class Scheduler:
             raise RuntimeError(f"max_seqs {max_seqs} < 1: a bug in the caller's logic")
         self.engine, self.max_seqs = engine, max_seqs
         self.chunk = engine.config.prefill_chunk
-        self.spec_max = engine.config.spec_max if engine.config.spec != "off" else 0
+        self.spec_max = k_max(engine.config.spec_max, engine.config.spec) if engine.config.spec != "off" else 0
         self.cost = cost_of(engine) if self.spec_max else None  # fed with the decode passes' times
         self.token_budget = max(token_budget or self.chunk, 1)
         self.waiting: deque[Request] = deque()

@@ -22,6 +22,7 @@ from localkv.generation import Generation
 from localkv.hub.catalog import DEFAULT_MODEL, entry_for
 from localkv.result import Result
 from localkv.sampling import SamplingParams
+from localkv.spec.control import k_max
 
 TASKS = Path(__file__).parent / "data" / "spec_tasks.toml"
 FULL_TOKENS, QUICK_TOKENS = 256, 24
@@ -72,11 +73,11 @@ def run(o: Options) -> Report:
         engines["off"].check_fits(len(p), n)
     runs = measure(o, engines, prompts, params, reps)
     rows = [_row(t, runs[t["name"]]) for t in tasks]
-    eng = engines["off"]
+    eng, k = engines["off"], k_max(engines["ngram"].config.spec_max, "ngram")
     rep = Report(
         "spec",
         f"speculative decoding by prompt lookup: {len(tasks)} chat tasks, greedy, {n} tokens (EOS ignored), "
-        f"--spec off vs ngram (k {engines['ngram'].config.spec_max}), {reps} interleaved rep(s), medians"
+        f"--spec off vs ngram (k {k}), {reps} interleaved rep(s), medians"
         + (f", and --spec draft with {o.engine.draft_model}" if "draft" in engines else "")
         + (", beside llama-cpp-python's LlamaPromptLookupDecoding" if o.vs else ""),
         command=o.command("spec", eng.threads),

@@ -111,7 +111,12 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         "--spec draft: the draft model, named as for -m (catalog name, .gguf path, hf:, ollama:); it must "
         "have the model's vocabulary. Its K/V share --kv-mem with the model's.",
     ),
-    "spec_max": (int, _ENGINE.spec_max, ("--spec-max",), "Most tokens drafted per verify pass (--spec ngram, draft)."),
+    "spec_max": (
+        int,
+        _ENGINE.spec_max,
+        ("--spec-max",),
+        "Most tokens drafted per verify pass; 0: 15 for --spec ngram, 8 for draft.",
+    ),
     "spec_ngram_max": (
         int,
         _ENGINE.spec_ngram_max,

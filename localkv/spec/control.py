@@ -2,9 +2,11 @@
 acceptance and the measured cost of a wider pass, the share each decoding sequence gets of a
 step, and where speculation cannot run.
 
-Defaults, and why: k_max 8, since a verify pass of 1 + 8 rows still costs about one pass over
-the weights on a memory-bound decode (issue 31's target row), while longer drafts are rarely
-accepted whole. n-grams 4 down to 2: a 4-token match almost always continues as its source
+Defaults, and why: k_max 15 under prompt lookup, since a verify pass of 1 + 15 rows is one
+block of the 16-row weight kernel (kernels/matmul_wide) and PassCost cuts each draft to the
+length that pays (a copy drafts long, other text short or not at all); 8 with a draft model,
+whose drafted tokens each cost one of its own steps, which PassCost does not see. n-grams 4 down
+to 2: a 4-token match almost always continues as its source
 did, and 2 still finds the places where a rewrite resumes copying; a single token matches some
 earlier occurrence nearly everywhere (every "the", every "(") and drafts noise, which costs a
 wider pass each step on text that quotes nothing (the free-chat control)."""
@@ -23,7 +25,7 @@ MODES = ("off", "ngram", "draft")
 # as long as a draft pays (PassCost), so text that copies nothing runs as fast as without it
 # (BENCHMARKS.md, "Speculation by default"); EngineConfig, the library's, keeps "off"
 COMMANDS_DEFAULT = "ngram"
-K_MAX, NGRAM_MAX, NGRAM_MIN = 8, 4, 2
+K_MAX, K_MAX_DRAFT, NGRAM_MAX, NGRAM_MIN = 15, 8, 4, 2
 MAX_REST = 16  # most lookups a branch skips after drafts rejected outright in a row
 # a drafted row's cost as a share of a 1-row decode pass, until the engine has measured it
 # (scripts/verify_width.py, 1 + 8 rows: 2.05 steps on the 1B Q4_K_M, 2.59 on SmolLM2)
@@ -44,12 +46,17 @@ def check(mode: str, k_max: int, n_max: int, n_min: int, draft_model: str | None
         raise LocalkvError("--spec draft needs --draft-model NAME|PATH (a small model of the same vocabulary)")
     if draft_model and mode != "draft":
         raise LocalkvError(f"--draft-model goes with --spec draft, not --spec {mode}")
-    if not 1 <= k_max <= 64:
-        raise LocalkvError(f"invalid --spec-max {k_max}: must be in 1..64 (drafted tokens per pass)")
+    if not 0 <= k_max <= 64:
+        raise LocalkvError(f"invalid --spec-max {k_max}: must be in 0..64 (drafted tokens per pass; 0: the default)")
     if not 1 <= n_min <= n_max <= 16:
         raise LocalkvError(
             f"invalid n-gram sizes --spec-ngram-min {n_min} --spec-ngram-max {n_max}: need 1 <= min <= max <= 16"
         )
+
+
+def k_max(spec_max: int, mode: str) -> int:
+    """Most tokens a branch drafts per verify pass: --spec-max, or (0) the default of its --spec."""
+    return spec_max or (K_MAX_DRAFT if mode == "draft" else K_MAX)
 
 
 def unavailable(engine) -> str:
@@ -138,12 +145,13 @@ def for_branch(mode: str, engine, sampler: Sampler, stop_ids: frozenset, prompt_
     matcher)."""
     cfg = engine.config
     if mode == "ngram":
-        return Speculator.ngram(cfg.spec_max, cfg.spec_ngram_min, cfg.spec_ngram_max, cost_of(engine), pool_of(engine))
+        k = k_max(cfg.spec_max, mode)
+        return Speculator.ngram(k, cfg.spec_ngram_min, cfg.spec_ngram_max, cost_of(engine), pool_of(engine))
     if mode != "draft":
         return None
     own = Sampler(replace(sampler.p, logprobs=None), stream=1, breakers=sampler.breakers)
     model = DraftModel(engine.draft, own, sampler, stop_ids, prompt_len)
-    return Speculator(None, cfg.spec_max, model)  # its own steps cost too: PassCost does not see them
+    return Speculator(None, k_max(cfg.spec_max, mode), model)  # its own steps cost too: PassCost does not see them
 
 
 @dataclass(slots=True)

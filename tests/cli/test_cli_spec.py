@@ -38,7 +38,7 @@ def test_a_policy_that_cannot_roll_back_says_so_in_one_verbose_line(tiny, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "flags, needle", [(("--spec", "draft"), "--spec"), (("--spec", "ngram", "--spec-max", "0"), "--spec-max")]
+    "flags, needle", [(("--spec", "draft"), "--spec"), (("--spec", "ngram", "--spec-max", "65"), "--spec-max")]
 )
 def test_bad_speculation_flags_are_one_line_errors(tiny, flags, needle):
     assert_one_line_error(localkv(*RUN, "-m", tiny, *flags), needle)

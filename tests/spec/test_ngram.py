@@ -128,7 +128,7 @@ def test_many_decoding_sequences_draft_less_then_not_at_all():
 
 @pytest.mark.parametrize(
     "args, what",
-    [(("fast", 8, 4, 2), "--spec"), (("ngram", 0, 4, 2), "--spec-max"), (("ngram", 8, 2, 3), "n-gram sizes")],
+    [(("fast", 8, 4, 2), "--spec"), (("ngram", 65, 4, 2), "--spec-max"), (("ngram", 8, 2, 3), "n-gram sizes")],
 )
 def test_bad_settings_are_one_clear_error(args, what):
     with pytest.raises(LocalkvError, match=what):

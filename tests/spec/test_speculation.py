@@ -272,3 +272,12 @@ def test_each_branch_of_a_fork_drafts_from_its_siblings_too(models, monkeypatch)
     sampled = replace(GREEDY, temperature=0.9, seed=3)
     r = run(engine(path, spec="ngram"), params=sampled, n=3)
     assert seen and set(seen) == {2} and r.speculation()["drafted"] > 0
+
+
+def test_the_draft_cap_is_the_modes_unless_set():
+    """--spec-max 0 (the default) is 15 under prompt lookup, a verify pass of one 16-row block
+    of the weight kernel (PassCost then cuts each draft to what pays), and 8 with a draft
+    model, whose drafted tokens each cost one of its steps; a value given is kept."""
+    from localkv.spec.control import k_max
+
+    assert (k_max(0, "ngram"), k_max(0, "draft"), k_max(5, "ngram"), k_max(5, "draft")) == (15, 8, 5, 5)
