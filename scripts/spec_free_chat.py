@@ -4,7 +4,7 @@ scripts/chat_loops.py, each answered by a `localkv run --json --seed 1` process 
 (median of the reps) and the aggregate: generated tokens over decode time, per mode. The text
 is the same in both modes (checked), so the ratio is the speculation's price or gain alone.
 
-    python scripts/spec_free_chat.py [-m MODEL] [-n 128] [--prompts 10] [--reps 2]
+    python scripts/spec_free_chat.py [-m MODEL] [-n 128] [--prompts 10] [--reps 2] [--spec-max K]
 """
 
 import argparse
@@ -24,6 +24,7 @@ def main():
     ap.add_argument("-n", type=int, default=128, help="tokens per reply (default 128)")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--spec-max", type=int, default=0, help="--spec-max of the ngram runs (default 0: its default)")
     a = ap.parse_args()
     model = ["-m", a.model] if a.model else []
     tps = {}
@@ -32,7 +33,8 @@ def main():
     for _ in range(a.reps):
         for i, prompt in enumerate(PROMPTS[: a.prompts]):
             for mode in MODES:
-                cmd = ["localkv", "run", *model, "--json", "-n", str(a.n), "--seed", "1", "--spec", mode, prompt]
+                spec = ["--spec", mode, "--spec-max", str(a.spec_max)] if mode != "off" else ["--spec", mode]
+                cmd = ["localkv", "run", *model, "--json", "-n", str(a.n), "--seed", "1", *spec, prompt]
                 out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
                 tps.setdefault((i, mode), []).append(out["timings"]["eval_tps"])
                 total[mode][0] += out["completion_tokens"] - 1  # the first token is the prompt's

@@ -115,7 +115,7 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         int,
         _ENGINE.spec_max,
         ("--spec-max",),
-        "Most tokens drafted per verify pass; 0: 15 for --spec ngram, 8 for draft.",
+        "Most tokens drafted per verify pass; 0: 15 for --spec ngram on greedy text, else 8.",
     ),
     "spec_ngram_max": (
         int,

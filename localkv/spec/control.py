@@ -2,14 +2,16 @@
 acceptance and the measured cost of a wider pass, the share each decoding sequence gets of a
 step, and where speculation cannot run.
 
-Defaults, and why: k_max 15 under prompt lookup, since a verify pass of 1 + 15 rows is one
-block of the 16-row weight kernel (kernels/matmul_wide) and PassCost cuts each draft to the
-length that pays (a copy drafts long, other text short or not at all); 8 with a draft model,
-whose drafted tokens each cost one of its own steps, which PassCost does not see. n-grams 4 down
-to 2: a 4-token match almost always continues as its source
-did, and 2 still finds the places where a rewrite resumes copying; a single token matches some
-earlier occurrence nearly everywhere (every "the", every "(") and drafts noise, which costs a
-wider pass each step on text that quotes nothing (the free-chat control)."""
+Defaults, and why: k_max 15 under prompt lookup on greedy text, since a verify pass of 1 + 15
+rows is one block of the 16-row weight kernel (kernels/matmul_wide) and PassCost cuts each draft
+to the length that pays (a copy drafts long, other text short or not at all); 8 on sampled text,
+where a drafted token is kept only if the draw agrees, so a copy breaks sooner and a longer pass
+wastes more (free chat 0.97x at 15, 0.985x at 8: BENCHMARKS.md), and with a draft model, whose
+drafted tokens each cost one of its own steps, which PassCost does not see. n-grams 4 down to 2:
+a 4-token match almost always continues as its source did, and 2 still finds the places where a
+rewrite resumes copying; a single token matches some earlier occurrence nearly everywhere
+(every "the", every "(") and drafts noise, which costs a wider pass each step on text that
+quotes nothing (the free-chat control)."""
 
 import weakref
 from dataclasses import dataclass, replace
@@ -25,7 +27,7 @@ MODES = ("off", "ngram", "draft")
 # as long as a draft pays (PassCost), so text that copies nothing runs as fast as without it
 # (BENCHMARKS.md, "Speculation by default"); EngineConfig, the library's, keeps "off"
 COMMANDS_DEFAULT = "ngram"
-K_MAX, K_MAX_DRAFT, NGRAM_MAX, NGRAM_MIN = 15, 8, 4, 2
+K_MAX, K_MAX_SAMPLED, NGRAM_MAX, NGRAM_MIN = 15, 8, 4, 2
 MAX_REST = 16  # most lookups a branch skips after drafts rejected outright in a row
 # a drafted row's cost as a share of a 1-row decode pass, until the engine has measured it
 # (scripts/verify_width.py, 1 + 8 rows: 2.05 steps on the 1B Q4_K_M, 2.59 on SmolLM2)
@@ -54,9 +56,10 @@ def check(mode: str, k_max: int, n_max: int, n_min: int, draft_model: str | None
         )
 
 
-def k_max(spec_max: int, mode: str) -> int:
-    """Most tokens a branch drafts per verify pass: --spec-max, or (0) the default of its --spec."""
-    return spec_max or (K_MAX_DRAFT if mode == "draft" else K_MAX)
+def k_max(spec_max: int, mode: str, greedy: bool = True) -> int:
+    """Most tokens a branch drafts per verify pass: --spec-max, or (0) the default of its --spec
+    and its sampling (see the module's doc)."""
+    return spec_max or (K_MAX if mode == "ngram" and greedy else K_MAX_SAMPLED)
 
 
 def unavailable(engine) -> str:
@@ -145,7 +148,7 @@ def for_branch(mode: str, engine, sampler: Sampler, stop_ids: frozenset, prompt_
     matcher)."""
     cfg = engine.config
     if mode == "ngram":
-        k = k_max(cfg.spec_max, mode)
+        k = k_max(cfg.spec_max, mode, sampler.p.temperature == 0)
         return Speculator.ngram(k, cfg.spec_ngram_min, cfg.spec_ngram_max, cost_of(engine), pool_of(engine))
     if mode != "draft":
         return None

@@ -274,10 +274,15 @@ def test_each_branch_of_a_fork_drafts_from_its_siblings_too(models, monkeypatch)
     assert seen and set(seen) == {2} and r.speculation()["drafted"] > 0
 
 
-def test_the_draft_cap_is_the_modes_unless_set():
-    """--spec-max 0 (the default) is 15 under prompt lookup, a verify pass of one 16-row block
-    of the weight kernel (PassCost then cuts each draft to what pays), and 8 with a draft
-    model, whose drafted tokens each cost one of its steps; a value given is kept."""
-    from localkv.spec.control import k_max
+def test_the_draft_cap_is_the_modes_unless_set(models):  # noqa: F811
+    """--spec-max 0 (the default) is 15 under prompt lookup on greedy text, a verify pass of one
+    16-row block of the weight kernel (PassCost then cuts each draft to what pays), and 8 on
+    sampled text and with a draft model; a value given is kept."""
+    from localkv.sampling import Sampler
+    from localkv.spec.control import for_branch, k_max
 
-    assert (k_max(0, "ngram"), k_max(0, "draft"), k_max(5, "ngram"), k_max(5, "draft")) == (15, 8, 5, 5)
+    assert [k_max(0, "ngram"), k_max(0, "ngram", greedy=False), k_max(0, "draft"), k_max(5, "draft")] == [15, 8, 8, 5]
+    eng = engine(models("llama-Q4_1"), spec="ngram")
+    for t, want in ((0.0, 15), (0.8, 8)):
+        sampler = Sampler(SamplingParams(temperature=t, seed=1))
+        assert for_branch("ngram", eng, sampler, frozenset(), 4).k_max == want
