@@ -54,7 +54,7 @@ class Engine:
         if not self.backend.caps.quant_weights:  # a backend without kernels on quantized weights
             weights, run_cfg = dense_weights(weights, self.model_config, np.dtype(self.backend.act_dtype))
         self.kv_formats = _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)
-        self.backend.prepare_kv(kv_format.pair_name(*self.kv_formats))  # before: one compile for both
+        self.backend.prepare_kv(kv_format.pair_name(*self.kv_formats))  # first: its kernels compile with the weights'
         prepared = self.backend.prepare_weights(weights, self.model_config.fingerprint)
         self.model = Llama(run_cfg, prepared, self.backend, n_ctx=cfg.ctx)
         self.stats = Stats()

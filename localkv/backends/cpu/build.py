@@ -180,7 +180,6 @@ def _run(jobs: list, progress: bool) -> bool:
 
 
 def _kept_base(base: dict):
-
     failed = [r for r in base.values() if isinstance(r, Exception)]
     if failed:
         state.ok, state.why = False, f"numba kernels unavailable ({type(failed[0]).__name__}: {first_line(failed[0])})"
