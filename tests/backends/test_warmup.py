@@ -152,12 +152,25 @@ def test_prefetch_loads_the_attention_kernels_in_the_background():
 
 def test_the_worker_count_is_the_free_cpus_or_the_setting(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(os, "getloadavg", lambda: (2.5, 0.0, 0.0))
+    monkeypatch.setattr(warmup, "busy_elsewhere", lambda: 1.6)
     assert warmup.workers() == 2  # two of the four kept busy by others
-    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
+    monkeypatch.setattr(warmup, "busy_elsewhere", lambda: 9.0)
     assert warmup.workers() == 1
     monkeypatch.setenv("LOCALKV_COMPILE_WORKERS", "3")
     assert warmup.workers() == 3
     monkeypatch.setenv("LOCALKV_COMPILE_WORKERS", "many")
     with pytest.raises(LocalkvError, match="LOCALKV_COMPILE_WORKERS='many'"):
         warmup.workers()
+
+
+def test_the_cpus_busy_elsewhere_are_measured_now_not_averaged(monkeypatch):
+    """Other processes' CPU time over the next moment, this process's own left out; the load
+    average only where there are no counters (it trails the last minute: after `pip install`
+    no CPU looked free)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    machine = iter([(1000.0, 0.0), (1000.0 + 0.2 * 1.5 * tick, 0.0)]).__next__  # 1.5 cores busy for 0.2 s
+    own = iter([10.0, 10.0 + 0.2 * 0.5]).__next__  # half a core of it this process's
+    clock = iter([100.0, 100.2]).__next__
+    assert warmup.busy_elsewhere(machine, own, clock, sleep=lambda s: None) == pytest.approx(1.0)
+    assert warmup.busy_elsewhere(lambda: None) == 5.0

@@ -171,7 +171,7 @@ def _run(jobs: list, progress: bool) -> bool:
     import localkv.backends.cpu.warmup as warmup
 
     with absent("scipy.linalg"), tables_deferred():
-        results, compiled = warmup.run(jobs, _WORKER, progress, warmup.workers())
+        results, compiled = warmup.run(jobs, _WORKER, progress, warmup.setting())  # a bad setting: raised now
     base = {k: r for k, r in results.items() if k.startswith("base:")}
     if base:
         _kept_base(base)

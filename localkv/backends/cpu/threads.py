@@ -18,7 +18,7 @@ INTERVAL = 0.2  # seconds between two looks at the CPU counters
 _STAT = "/proc/stat"
 
 
-def _busy_jiffies() -> tuple[float, float] | None:
+def busy_jiffies() -> tuple[float, float] | None:
     """(busy, all) CPU time of the machine since boot in clock ticks, from /proc/stat's first line."""
     try:
         with open(_STAT, "rb") as f:
@@ -32,7 +32,7 @@ def _busy_jiffies() -> tuple[float, float] | None:
     return float(sum(ticks) - idle), float(sum(ticks))
 
 
-def _own_seconds() -> float:
+def own_seconds() -> float:
     t = os.times()
     return t.user + t.system
 
@@ -44,8 +44,8 @@ class CoreShare:
     def __init__(
         self,
         max_threads: int,
-        machine: Callable[[], tuple[float, float] | None] = _busy_jiffies,
-        own: Callable[[], float] = _own_seconds,
+        machine: Callable[[], tuple[float, float] | None] = busy_jiffies,
+        own: Callable[[], float] = own_seconds,
         clock: Callable[[], float] = time.monotonic,
         cpus: int | None = None,
     ):

@@ -14,12 +14,14 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
 from numba.core import event  # imported by build.load once numba has imported
 
+from localkv.backends.cpu.threads import INTERVAL, busy_jiffies, own_seconds
 from localkv.errors import LocalkvError
 
 
@@ -32,29 +34,50 @@ class Job:
 
 def workers() -> int:
     """Processes a first compile may use: LOCALKV_COMPILE_WORKERS, else the CPUs this process
-    may run on less those the load average says other processes keep busy, at least one. A
-    worker on a busy core gains little (each gets a time slice) and costs its own start and the
-    compile of numba's helpers every process repeats (BENCHMARKS.md, "The first run")."""
-    value = os.environ.get("LOCALKV_COMPILE_WORKERS", "").strip()
-    if value:
-        try:
-            return max(1, int(value))
-        except ValueError:
-            raise LocalkvError(f"LOCALKV_COMPILE_WORKERS={value!r} is not a number of processes") from None
+    may run on less those other processes keep busy now, at least one. A worker on a busy core
+    gains little (each gets a time slice) and costs its own start and the compile of numba's
+    helpers every process repeats (BENCHMARKS.md, "The first run")."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return setting() or max(1, cpus - round(busy_elsewhere()))
+
+
+def setting() -> int | None:
+    """LOCALKV_COMPILE_WORKERS as a count of processes (None when unset); a bad value raises."""
+    value = os.environ.get("LOCALKV_COMPILE_WORKERS", "").strip()
+    if not value:
+        return None
     try:
-        busy = int(os.getloadavg()[0])
-    except (AttributeError, OSError):  # no load average here
-        busy = 0
-    return max(1, cpus - busy)
+        return max(1, int(value))
+    except ValueError:
+        raise LocalkvError(f"LOCALKV_COMPILE_WORKERS={value!r} is not a number of processes") from None
+
+
+def busy_elsewhere(machine=busy_jiffies, own=own_seconds, clock=time.monotonic, sleep=time.sleep) -> float:
+    """Cores' worth of CPU time other processes used over the next INTERVAL seconds (Linux's
+    counters less this process's own); elsewhere the load average. Not the load average where
+    the counters exist: it trails the last minute, so a first run right after `pip install`
+    (the README's first command) found no CPU free and compiled alone, twice as long. The
+    readers are parameters so tests can play a machine."""
+    first, own0, t0 = machine(), own(), clock()
+    if first is None:
+        try:
+            return os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average here
+            return 0.0
+    sleep(INTERVAL)
+    last, own1, t1 = machine(), own(), clock()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return max(0.0, ((last[0] - first[0]) / tick - (own1 - own0)) / (t1 - t0))
 
 
 def run(
-    jobs: list[Job], worker: list[str], progress: bool, processes: int, stream: TextIO | None = None
+    jobs: list[Job], worker: list[str], progress: bool, processes: int | None = None, stream: TextIO | None = None
 ) -> tuple[dict, bool]:
     """Each job's result by key (what its run() returned, or the exception it raised), and
     whether anything compiled. worker: the command that compiles the jobs whose keys follow
-    it; progress: the line (and on a terminal the bar) when something compiles."""
+    it; progress: the line (and on a terminal the bar) when something compiles; processes:
+    how many share a compile, this one included (None: workers(), asked only when something
+    compiles, as it takes a moment to measure)."""
     first = _FirstCompile(jobs, worker, processes, progress, stream or sys.stderr)
     results = {}
     try:
@@ -83,7 +106,7 @@ def _call(job: Job):
 class _FirstCompile(event.Listener):
     """numba's compile events: the first one starts the line, the bar and the workers."""
 
-    def __init__(self, jobs: list[Job], worker: list[str], processes: int, progress: bool, stream: TextIO):
+    def __init__(self, jobs: list[Job], worker: list[str], processes: int | None, progress: bool, stream: TextIO):
         super().__init__()
         self.jobs, self.worker, self.processes = jobs, worker, processes
         self.progress, self.stream = progress, stream
@@ -104,6 +127,8 @@ class _FirstCompile(event.Listener):
     def _begin(self):
         """Inside the first compile: share out the jobs not begun, say so, start the workers."""
         current, rest = self.jobs[self.at], self.jobs[self.at + 1 :]
+        if self.processes is None:
+            self.processes = workers() if rest else 1
         shares, loads = [[] for _ in range(self.processes)], [current.cost] + [0.0] * (self.processes - 1)
         for job in sorted(rest, key=lambda j: -j.cost):  # longest first, to the least loaded
             w = loads.index(min(loads))
