@@ -53,8 +53,7 @@ def load(types: Iterable[str] = (), progress: bool = False, kv: Iterable[str] = 
     pools = sorted({_pool(p) for p in kv})
     with _lock:
         t0 = time.perf_counter()
-        if state.ok is None and (off := _numba()):
-            state.ok, state.why = False, off
+        _switched_on()
         todo = [t for t in types if t not in state.types]
         if state.ok is False:
             state.types.update(dict.fromkeys(todo, state.why or "the CPU kernels are off"))
@@ -104,9 +103,17 @@ def usable() -> bool:
     goes by (--kv-dtype auto's pool, whose kernels then compile with the weights' at once). A
     self-check that fails later turns them off, and numpy runs what was chosen."""
     with _lock:
-        if state.ok is None and (off := _numba()):
+        return _switched_on()
+
+
+def _switched_on() -> bool:
+    """(Under _lock.) _numba() once a process: False, with state.why, when the kernels are off."""
+    if state.ok is None and not state.imported:
+        off = _numba()
+        state.imported = off is None
+        if off:
             state.ok, state.why = False, off
-        return state.ok is not False
+    return state.ok is not False
 
 
 def why_not() -> str | None:

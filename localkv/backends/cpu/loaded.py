@@ -11,6 +11,7 @@ class State:
     """What load() found in this process, and the kernel modules it loaded."""
 
     ok: bool | None = None  # the attention and element-wise kernels run; None until load() tried
+    imported: bool = False  # numba and the kernel modules imported, the stale-cache guard run
     why: str | None = None  # why they do not
     types: dict[str, str | None] = field(default_factory=dict)  # weight type -> None (runs) or why not
     kv: dict[str, str | None] = field(default_factory=dict)  # K/V format -> None (its kernels passed) or why not

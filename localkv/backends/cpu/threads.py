@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 INTERVAL = 0.2  # seconds between two looks at the CPU counters
 _STAT = "/proc/stat"
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc/stat's clock ticks a second
 
 
-def busy_jiffies() -> tuple[float, float] | None:
+def _busy_jiffies() -> tuple[float, float] | None:
     """(busy, all) CPU time of the machine since boot in clock ticks, from /proc/stat's first line."""
     try:
         with open(_STAT, "rb") as f:
@@ -32,9 +33,37 @@ def busy_jiffies() -> tuple[float, float] | None:
     return float(sum(ticks) - idle), float(sum(ticks))
 
 
-def own_seconds() -> float:
+def _own_seconds() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def _others(before: tuple, after: tuple, tick: float = _TICK) -> float:
+    """Cores' worth of CPU time other processes used between two samples (clock seconds, the
+    machine's busy ticks, this process's own CPU seconds)."""
+    (t0, busy0, own0), (t1, busy1, own1) = before, after
+    return ((busy1 - busy0) / tick - (own1 - own0)) / (t1 - t0)
+
+
+def busy_elsewhere(machine=_busy_jiffies, own=_own_seconds, clock=time.monotonic, sleep=time.sleep) -> float:
+    """Cores' worth of CPU time other processes use over the next INTERVAL seconds; elsewhere
+    than Linux the load average. Not the load average where the counters exist: it trails the
+    last minute, so a first compile right after `pip install` (the README's first command)
+    found no CPU free and ran alone, twice as long. The readers are parameters so tests can
+    play a machine."""
+
+    def sample():
+        m = machine()
+        return None if m is None else (clock(), m[0], own())
+
+    first = sample()
+    if first is None:
+        try:
+            return os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average here
+            return 0.0
+    sleep(INTERVAL)
+    return max(0.0, _others(first, sample()))
 
 
 class CoreShare:
@@ -44,15 +73,14 @@ class CoreShare:
     def __init__(
         self,
         max_threads: int,
-        machine: Callable[[], tuple[float, float] | None] = busy_jiffies,
-        own: Callable[[], float] = own_seconds,
+        machine: Callable[[], tuple[float, float] | None] = _busy_jiffies,
+        own: Callable[[], float] = _own_seconds,
         clock: Callable[[], float] = time.monotonic,
         cpus: int | None = None,
     ):
         self.max_threads = max_threads
         self.cpus = cpus or os.cpu_count() or 1
         self._machine, self._own, self._clock = machine, own, clock
-        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._threads, self._pending = max_threads, max_threads
         self._last = self._sample()
 
@@ -71,10 +99,8 @@ class CoreShare:
         now = self._sample()
         if now is None:
             return
-        (t0, busy0, own0), (t1, busy1, own1) = self._last, now
+        others = _others(self._last, now)
         self._last = now
-        wall = t1 - t0
-        others = ((busy1 - busy0) / self._tick - (own1 - own0)) / wall  # cores' worth of others' work
         want = max(1, min(self.max_threads, int(self.cpus - others + 0.5)))
         if want == self._pending:  # the same answer twice in a row: a change, not a blip
             self._threads = want

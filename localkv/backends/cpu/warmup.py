@@ -14,14 +14,13 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
 from numba.core import event  # imported by build.load once numba has imported
 
-from localkv.backends.cpu.threads import INTERVAL, busy_jiffies, own_seconds
+from localkv.backends.cpu.threads import busy_elsewhere
 from localkv.errors import LocalkvError
 
 
@@ -50,24 +49,6 @@ def setting() -> int | None:
         return max(1, int(value))
     except ValueError:
         raise LocalkvError(f"LOCALKV_COMPILE_WORKERS={value!r} is not a number of processes") from None
-
-
-def busy_elsewhere(machine=busy_jiffies, own=own_seconds, clock=time.monotonic, sleep=time.sleep) -> float:
-    """Cores' worth of CPU time other processes used over the next INTERVAL seconds (Linux's
-    counters less this process's own); elsewhere the load average. Not the load average where
-    the counters exist: it trails the last minute, so a first run right after `pip install`
-    (the README's first command) found no CPU free and compiled alone, twice as long. The
-    readers are parameters so tests can play a machine."""
-    first, own0, t0 = machine(), own(), clock()
-    if first is None:
-        try:
-            return os.getloadavg()[0]
-        except (AttributeError, OSError):  # no load average here
-            return 0.0
-    sleep(INTERVAL)
-    last, own1, t1 = machine(), own(), clock()
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    return max(0.0, ((last[0] - first[0]) / tick - (own1 - own0)) / (t1 - t0))
 
 
 def run(

@@ -163,13 +163,13 @@ def check_pool_rows(k_fmt: str, v_fmt: str) -> bool:
     ok = True
     x = rng.standard_normal((3, 2, 64), dtype=np.float32)  # [tokens, kv heads, head dim]
     slots = np.array([4, 0, 7], np.int64)
-    for fmt in {f for f in (kv_format.FORMATS[k_fmt], kv_format.FORMATS[v_fmt]) if f.quantized}:
+    quantized = {f for f in (kv_format.FORMATS[k_fmt], kv_format.FORMATS[v_fmt]) if f.quantized}
+    for fmt in quantized:
         want = kv_format.encode(x, fmt).view(np.uint8)
         for kernel in (encode_rows, encode_rows_par):  # a decode step's, a prefill pass's
             rows = np.zeros((8 * 2, fmt.row_bytes(64)), np.uint8)  # a layer of 8 slots' rows
             kernel(x, slots, rows, fmt is kv_format.Q4_0)
             ok = ok and np.array_equal(rows.reshape(8, 2, -1)[slots], want)
-    quantized = kv_format.FORMATS[k_fmt].quantized or kv_format.FORMATS[v_fmt].quantized
     return ok and (not quantized or _hadamard_ok(rng))
 
 
