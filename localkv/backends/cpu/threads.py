@@ -17,6 +17,7 @@ from collections.abc import Callable
 INTERVAL = 0.2  # seconds between two looks at the CPU counters
 _STAT = "/proc/stat"
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc/stat's clock ticks a second
+WINDOW = 0.2  # seconds busy_elsewhere looks (its own: CoreShare's INTERVAL is a re-measure period)
 
 
 def _busy_jiffies() -> tuple[float, float] | None:
@@ -46,7 +47,7 @@ def _others(before: tuple, after: tuple, tick: float = _TICK) -> float:
 
 
 def busy_elsewhere(machine=_busy_jiffies, own=_own_seconds, clock=time.monotonic, sleep=time.sleep) -> float:
-    """Cores' worth of CPU time other processes use over the next INTERVAL seconds; elsewhere
+    """Cores' worth of CPU time other processes use over the next WINDOW seconds; elsewhere
     than Linux the load average. Not the load average where the counters exist: it trails the
     last minute, so a first compile right after `pip install` (the README's first command)
     found no CPU free and ran alone, twice as long. The readers are parameters so tests can
@@ -62,7 +63,7 @@ def busy_elsewhere(machine=_busy_jiffies, own=_own_seconds, clock=time.monotonic
             return os.getloadavg()[0]
         except (AttributeError, OSError):  # no load average here
             return 0.0
-    sleep(INTERVAL)
+    sleep(WINDOW)
     return max(0.0, _others(first, sample()))
 
 
