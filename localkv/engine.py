@@ -361,6 +361,16 @@ class _DiskPrefix:
     def contains(self, h: int) -> bool:
         return self.disk.contains(self.fp, h)
 
+    def load_all(self, jobs: list[tuple[int, tuple[int, ...], int]]) -> list[bool]:
+        """load() of each (hash, tokens, block id), in order, the blocks' pages mapped
+        meanwhile on another thread (vm.prefault)."""
+        filler = vm.prefault(self.pool.spans([bid for *_, bid in jobs])) if self.pool.xp is np and jobs else None
+        try:
+            return [self.load(h, tokens, bid) for h, tokens, bid in jobs]
+        finally:
+            if filler is not None:
+                filler.join()
+
     def load(self, h: int, tokens, bid: int) -> bool:
         pool = self.pool
         if pool.xp is np:

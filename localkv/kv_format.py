@@ -129,13 +129,6 @@ def decode(a, xp=np):
     return (q * d).reshape(*a.shape[:-1], -1)
 
 
-def scales(payload: np.ndarray, fmt: KvFormat) -> np.ndarray:
-    """The f16 scales of quantized rows (bytes, any shape), as a uint16 array: what a disk
-    entry's NaN/Inf check reads."""
-    b = np.asarray(payload).view(np.uint8).reshape(-1, fmt.block_bytes)
-    return np.ascontiguousarray(b[:, :2]).view(np.uint16)
-
-
 def _inverse(d: np.ndarray) -> np.ndarray:
     """1 / d, 0 where d is 0 (a block of zeros), as ggml's quantizers take it."""
     with np.errstate(divide="ignore"):

@@ -17,6 +17,7 @@ import numpy as np
 MMAP_THRESHOLD = 32 << 20
 KEPT = 4  # large buffers each thread keeps for reuse (reused_empty)
 MADV_NOHUGEPAGE = 15  # <sys/mman.h>
+MADV_POPULATE_WRITE = 23  # <sys/mman.h>, Linux 5.14 on
 
 _madvise = None
 
@@ -35,6 +36,28 @@ def madvise(start: int, end: int, advice: int) -> bool:
     page = mmap.PAGESIZE
     start, end = -(-start // page) * page, end // page * page
     return end > start and _madvise(start, end - start, advice) == 0
+
+
+def prefault(spans: list[tuple[int, int]]) -> threading.Thread | None:
+    """Map every page touching the [start, end) address spans, writable, on a thread of its
+    own while the caller goes on: a fresh mapping takes a fault per 4 KiB page on its first
+    write, and a warm start copying its blocks into a fresh pool spent half its load in them.
+    madvise releases the GIL, so the caller keeps the interpreter (one call per span: a call per
+    page would pass the GIL back and forth). The contents are untouched. The thread, to join;
+    None where there is nothing to do."""
+    if not spans or not sys.platform.startswith("linux"):
+        return None
+    page = mmap.PAGESIZE
+    whole = [(start // page * page, -(-end // page) * page) for start, end in spans]
+
+    def fill():
+        for start, end in whole:
+            if not madvise(start, end, MADV_POPULATE_WRITE):
+                return  # an older kernel: the copies fault the pages in themselves
+
+    t = threading.Thread(target=fill, name="localkv-prefault", daemon=True)
+    t.start()
+    return t
 
 
 _kept = threading.local()

@@ -151,6 +151,18 @@ class BlockPool:
             return None
         return bid
 
+    def spans(self, bids: list[int]) -> list[tuple[int, int]]:
+        """The address spans [start, end) of these blocks' bytes in each layer of K and of V
+        (a host pool's), a run of consecutive ids as one span: what a loader writes."""
+        out, ids = [], sorted(set(bids))
+        starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1] + 1]
+        for a in (self.k, self.v):
+            for r0, r1 in zip(starts, starts[1:] + [len(ids)]):
+                for layer in range(a.shape[0]):
+                    start = a.ctypes.data + layer * a.strides[0] + ids[r0] * a.strides[1]
+                    out.append((start, start + (r1 - r0) * a.strides[1]))
+        return out
+
     def copy_block(self, src: int, dst: int, n_tokens: int):
         self.k[:, dst, :n_tokens] = self.k[:, src, :n_tokens]
         self.v[:, dst, :n_tokens] = self.v[:, src, :n_tokens]

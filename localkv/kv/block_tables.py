@@ -78,7 +78,8 @@ class KVManager:
     def match_prefix(self, seq: Sequence, disk=None) -> tuple[int, int]:
         """Attach cached blocks for the leading full blocks of a fresh sequence's prompt: from
         the pool, else from the disk tier into fresh blocks. disk, if given, has
-        contains(hash) -> bool and load(hash, tokens, block id) -> bool (fills the pool block).
+        contains(hash) -> bool and load_all([(hash, tokens, block id), ...]) -> [bool] (fills
+        the pool blocks).
         Disk blocks are found in chain order, then loaded on this thread (a second one made
         the load slower: the GIL passes back and forth between the two per block); the chain
         stops at the first block that fails to load. The last prompt token is
@@ -100,7 +101,7 @@ class KVManager:
                 bid = self.pool.allocate()
                 jobs.append((i, h, toks, bid))
             seq.block_table.append(bid)
-        loaded = [disk.load(h, toks, bid) for _, h, toks, bid in jobs]
+        loaded = disk.load_all([(h, toks, bid) for _, h, toks, bid in jobs]) if jobs else []
         hit = len(seq.block_table)
         for (i, h, toks, bid), ok in zip(jobs, loaded):
             if not ok:  # a corrupt or vanished entry: the chain ends before it

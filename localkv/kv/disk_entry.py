@@ -32,6 +32,8 @@ VERSION = 2  # 2: CRC-32 checksum (1 used BLAKE2b; such files read as another ve
 FIXED = struct.Struct("<4sHI")  # magic, format version, JSON header length
 MAX_HEAD = 1 << 20  # a JSON header longer than this is damage: a block's tokens take a few KiB
 
+_EXP_HIGH = np.uint8(0x7C)  # an f16's exponent bits in its high byte
+
 # per stored dtype: its bits as signed and unsigned integers, +Inf's bits and -Inf's (see all_finite)
 _NONFINITE = {
     "float16": (np.int16, np.uint16, 0x7C00, 0xFC00),
@@ -243,9 +245,11 @@ def all_finite(payload, dtype: str) -> bool:
     exponent, and no finite value is; read as unsigned, every negative NaN/Inf is at least the
     sign bit plus that exponent, and no finite value is."""
     fmt = kv_format.by_stored(dtype)
-    if fmt.quantized:  # the integers are finite; the blocks' f16 scales may not be
-        scales = kv_format.scales(np.frombuffer(payload, np.uint8), fmt)
-        return all_finite(memoryview(scales).cast("B"), "float16")
+    if fmt.quantized:  # the integers are finite; a block's f16 scale may not be
+        # a scale is NaN or Inf when its exponent bits are all ones: bits 2-6 of its high byte
+        # (little-endian, as GGUF lays out a block), read in place (a copy of the scales cost more)
+        high = np.frombuffer(payload, np.uint8).reshape(-1, fmt.block_bytes)[:, 1]
+        return int((high & _EXP_HIGH).max(initial=0)) < _EXP_HIGH
     signed, unsigned, exp, neg = _NONFINITE[dtype]
     if len(payload) == 0:
         return True

@@ -64,10 +64,11 @@ def dirs(parent: Path, pattern) -> list[Path]:
     return []
 
 
-def real_dirs(path: Path) -> bool:
+def real_dirs(path: Path | str) -> bool:
     """The entry's two folders are folders, not symlinks that could lead out of the cache."""
+    sub = os.path.dirname(path)
     try:
-        return all(stat.S_ISDIR(os.lstat(d).st_mode) for d in (path.parent.parent, path.parent))
+        return all(stat.S_ISDIR(os.lstat(d).st_mode) for d in (os.path.dirname(sub), sub))
     except OSError:
         return False
 

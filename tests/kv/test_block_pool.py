@@ -100,3 +100,23 @@ def test_allocation_reuses_warm_uncached_blocks_before_untouched_or_cached_ones(
     with pytest.raises(PoolExhausted):
         pool.allocate()
     pool.check()
+
+
+def test_spans_cover_the_blocks_bytes_in_every_layer_and_nothing_else():
+    pool = BlockPool(3, 16, 4, 2, 8, dtype=np.float16)
+    bids = [9, 2, 3, 4, 12, 3]  # runs 2-4, 9, 12; a repeat
+    spans = pool.spans(bids)
+    assert len(spans) == 2 * 3 * 3, "a span per run, layer and array"
+    for a in (pool.k, pool.v):
+        a.view(np.uint8)[...] = 0
+    for start, end in spans:
+        for a in (pool.k, pool.v):
+            lo = a.ctypes.data
+            if lo <= start and end <= lo + a.nbytes:
+                flat = a.reshape(-1).view(np.uint8)
+                flat[start - lo : end - lo] += 1
+    for a in (pool.k, pool.v):
+        marked = a.view(np.uint8).reshape(a.shape[0], a.shape[1], -1)
+        want = np.zeros(a.shape[1], bool)
+        want[sorted(set(bids))] = True
+        assert (marked[:, want] == 1).all() and (marked[:, ~want] == 0).all()

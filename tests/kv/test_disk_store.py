@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from localkv import kv_format
 from localkv.cli.cache import cache_app
 from localkv.kv import disk_entry as entry
 from localkv.kv import disk_files
@@ -585,6 +586,22 @@ def test_nan_or_inf_payload_is_never_loaded(tmp_path, dtype, value):
     assert store.put(FP, "tiny", h, t, k, v) and np.isfinite(store.get(FP, h, t)[0]).all()
     nonfinite_entry(store, 115, dtype, value)
     assert store.get(FP, *block(115)[:2]) is None and store.read(FP, *block(115)[:2]) is None
+
+
+@pytest.mark.parametrize("fmt", [kv_format.Q8_0, kv_format.Q4_0], ids=["q8_0", "q4_0"])
+def test_a_quantized_payload_is_finite_when_every_scale_is(fmt):
+    # every f16 bit pattern as the scale of one block among finite ones: the check reads the
+    # scales in place, from their bytes, and must agree with numpy on each
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, (64, fmt.block_bytes), dtype=np.uint8)
+    blocks[:, :2] = np.array([0.5], np.float16).view(np.uint8)
+    every = np.arange(1 << 16, dtype=np.uint16)
+    finite = np.isfinite(every.view(np.float16))
+    for bits in np.concatenate([every[::97], every[~finite][::7], [0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00]]):
+        b = blocks.copy()
+        b[17, :2] = np.array([bits], np.uint16).view(np.uint8)
+        assert entry.all_finite(memoryview(b).cast("B"), fmt.stored) == bool(finite[bits]), hex(bits)
+    assert entry.all_finite(memoryview(blocks).cast("B"), fmt.stored)
 
 
 def test_nan_block_is_never_stored(tmp_path):
