@@ -27,7 +27,10 @@ from localkv.spec.control import k_max
 TASKS = Path(__file__).parent / "data" / "spec_tasks.toml"
 FULL_TOKENS, QUICK_TOKENS = 256, 24
 GROUNDED, CONTROL = ("a", "b", "c", "d"), "e"
-SPEEDUP, VS_PEER, CONTROL_FLOOR, PER_VERIFY = 2.5, 2.0, 0.97, 3.0  # the issue's targets
+# the targets: speculation's issue (per task vs --spec off, each task vs llama.cpp's lookup, the
+# control never slower), and the accepted tokens per pass from the issue that began the suite
+SPEEDUP = {"a": 3.0, "b": 3.0, "c": 1.5, "d": 1.5}
+VS_PEER, CONTROL_FLOOR, PER_VERIFY = 3.0, 0.97, 3.0
 
 COLUMNS = [
     Column("task", "task", left=True),
@@ -169,8 +172,8 @@ def _targets(rows: list[dict], judged: bool) -> list[Target]:
     by = {r["task"]: r for r in rows}
     out = []
     for name in GROUNDED:
-        x = by[name]["speedup"]
-        out.append(Target(f"task {name} decode vs --spec off", _x(x), f">= {SPEEDUP}x", _ok(judged, x, SPEEDUP)))
+        x, goal = by[name]["speedup"], SPEEDUP[name]
+        out.append(Target(f"task {name} decode vs --spec off", _x(x), f">= {goal}x", _ok(judged, x, goal)))
     for name in GROUNDED:
         x = by[name]["vs_llama_cpp"]
         goal = f">= {VS_PEER}x"
