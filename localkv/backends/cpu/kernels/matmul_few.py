@@ -42,6 +42,7 @@ from localkv.backends.cpu.simd.f32x8 import (
     tofloat,
 )
 from localkv.backends.cpu.simd.u8x32 import prefetch
+from localkv.backends.cpu.simd.x16 import absmax16, quant16
 
 LANES = 8  # activation rows per block
 CHUNK = 16  # weight rows per work item
@@ -51,36 +52,41 @@ PREFETCH = 16384
 
 
 @register_jitable(fastmath=False)
+def _scale(bits, o, gs):
+    """(d, 1 / d) of values o .. o + gs - 1 of a row (bits: its float32 values' bits): d = amax
+    / 127; (nan, 0) for a group holding inf or nan, (0, 0) for one of zeros. amax is the
+    largest of the values' bits without the sign (an integer max: bits past +inf's are inf or
+    nan)."""
+    top = np.uint32(0)
+    for i in range(0, gs, 16):
+        top = absmax16(bits, o + i, top)
+    if top >= np.uint32(0x7F800000):
+        return np.float32(np.nan), np.float32(0)
+    d = float_of_bits(top) / np.float32(127)
+    return d, np.float32(1) / d if top > 0 else np.float32(0)
+
+
+@register_jitable(fastmath=False)
 def _quantize(x, xq, dx, xs16, gs):
-    """x [R, K] float32 -> xq int8 [R, K], per gs values (32, or 256 for the K-quants)
-    q = rint(x / d) with d = amax / 127, d stored once per 32 values (dx [R, K/32]);
-    xs16 [R, K/16] = d * the sum of each 16 q (what the offsets multiply). A group holding
-    inf or nan gets q = 0 and d = nan, so its outputs are nan as in float math (without
-    fastmath here: it would assume there are none). amax is the largest of the values' bits
-    without the sign (an integer max, which vectorizes where a float max without fastmath
-    does not; bits past +inf's: inf or nan)."""
+    """x [R, K] float32 (rows contiguous) -> xq int8 [R, K], per gs values (32, or 256 for the
+    K-quants) q = rint(x * (1 / d)) with d = amax / 127 (_scale), d stored once per 32 values
+    (dx [R, K/32]); xs16 [R, K/16] = d * the sum of each 16 q (what the offsets multiply). A
+    group holding inf or nan gets q = 0 and d = nan, so its outputs are nan as in float math
+    (without fastmath here: it would assume there are none). 16 values a step (x16.quant16),
+    the same values as one at a time."""
     R, K = x.shape
     bits = x.view(np.uint32)
     for r in range(R):
+        xr, qr = x[r], xq[r]
         for g in range(K // gs):
             o = gs * g
-            top = np.uint32(0)
-            for i in range(gs):
-                top = max(top, bits[r, o + i] & np.uint32(0x7FFFFFFF))
-            if top >= np.uint32(0x7F800000):
-                d, inv = np.float32(np.nan), np.float32(0)
-            else:
-                d = float_of_bits(top) / np.float32(127)
-                inv = np.float32(1) / d if top > 0 else np.float32(0)
-            if inv > 0:
-                for i in range(gs):
-                    xq[r, o + i] = np.int32(np.rint(x[r, o + i] * inv))
-            else:
-                xq[r, o : o + gs] = 0
+            d, inv = _scale(bits[r], o, gs)
             for k in range(gs // 16):
                 s = 0
-                for i in range(16):
-                    s += xq[r, o + 16 * k + i]
+                if inv > 0:
+                    s = quant16(xr, o + 16 * k, inv, qr, o + 16 * k)
+                else:
+                    qr[o + 16 * k : o + 16 * k + 16] = 0
                 xs16[r, gs // 16 * g + k] = d * np.float32(s)
             for k in range(gs // 32):
                 dx[r, gs // 32 * g + k] = d
@@ -168,42 +174,54 @@ def walk_from(step, qt, w, base, inp, ng, z):
     return a0, a1, m0, m1
 
 
-@register_jitable
-def _interleave_into(xq, dx, xs16, xi, dxv, xsa, xsb):
-    """The quantized activations (xq, dx, xs16: _quantize's) of up to L rows in the L-lane
-    layout, into given arrays (zeros where rows R to L - 1 go: their lanes compute nothing), for L
-    lanes (8, or 16 for matmul_wide: L = len(dxv) / groups): xi [g][dword][L rows][4 bytes],
-    dxv/xsa/xsb [g][L]."""
-    R, K = xq.shape
+@register_jitable(fastmath=False)
+def _lanes_block(x, r0, r1, gs, q, xi, dxv, xsa, xsb):
+    """Rows r0 .. r1 - 1 of x [R, K] quantized as _quantize does (the same values) straight into
+    one block of the L-lane layout, L = len(dxv) / (K / 32): xi [g][dword][L rows][4 bytes],
+    dxv (d), xsa, xsb (d times the sums of the first and the last 16 q) [g][L]; zeros in the
+    lanes of rows past r1, which compute nothing. q: 32 bytes of scratch, written a 4-byte word
+    at a time (a row's bytes of a block in xi are 4 apart, L words in between)."""
+    K = x.shape[1]
     L = dxv.shape[0] // (K // 32)
+    bits, words, qw = x.view(np.uint32), xi.view(np.uint32), q.view(np.uint32)
     for r in range(L):
-        for g in range(K // 32):
-            for k in range(8):
-                at = 32 * L * g + 4 * L * k + 4 * r
-                for i in range(4):
-                    xi[at + i] = xq[r, 32 * g + 4 * k + i] if r < R else 0
-            if r < R:
-                dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = dx[r, g], xs16[r, 2 * g], xs16[r, 2 * g + 1]
-            else:
-                dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = 0, 0, 0
+        row = r0 + r
+        for o in range(0, K, gs):
+            d, inv = _scale(bits[row], o, gs) if row < r1 else (np.float32(0), np.float32(0))
+            for g in range(o // 32, (o + gs) // 32):
+                sa = sb = 0
+                if inv > 0:
+                    sa = quant16(x[row], 32 * g, inv, q, 0)
+                    sb = quant16(x[row], 32 * g + 16, inv, q, 16)
+                else:
+                    q[:] = 0
+                if row < r1:
+                    dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = d, d * np.float32(sa), d * np.float32(sb)
+                else:
+                    dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = 0, 0, 0
+                for k in range(8):
+                    words[8 * L * g + L * k + r] = qw[k]
 
 
 @njit(**EXACT_PAR)
 def lanes_inputs(qt, x, L):
-    """x [R, K] quantized (_quantize) and interleaved per block of L rows (8 for
+    """x [R, K] quantized (_quantize's values) and interleaved per block of L rows (8 for
     matmul_lanes, 16 for matmul_wide): (xi [blocks, K * L] int8, dxv, xsa, xsb [blocks,
     K * L / 32] float32). Parallel over the blocks (a row's values are its own: the same bits
-    on any split)."""
+    on any split); one block (a decode or verify pass) on the calling thread, as a parallel
+    launch costs more than its work."""
     R, K = x.shape
     ng, nb = K // 32, (R + L - 1) // L
     # np.empty: in a parallel function each np.zeros is a parallel loop of its own (numba's
     # parfors), four thread launches that cost more than a decode pass's quantization
     xi, dxv = np.empty((nb, ng * 32 * L), np.int8), np.empty((nb, ng * L), np.float32)
     xsa, xsb = np.empty((nb, ng * L), np.float32), np.empty((nb, ng * L), np.float32)
+    if nb == 1:
+        _lanes_block(x, 0, R, act_group(qt), np.empty(32, np.int8), xi[0], dxv[0], xsa[0], xsb[0])
+        return xi, dxv, xsa, xsb
     for b in prange(nb):
-        r0, r1 = b * L, min(R, (b + 1) * L)
-        xq, dx, xs16 = quantized(x[r0:r1], act_group(qt))
-        _interleave_into(xq, dx, xs16, xi[b], dxv[b], xsa[b], xsb[b])
+        q = np.empty(32, np.int8)
+        _lanes_block(x, b * L, min(R, (b + 1) * L), act_group(qt), q, xi[b], dxv[b], xsa[b], xsb[b])
     return xi, dxv, xsa, xsb
 
 

@@ -29,7 +29,7 @@ from localkv.backends.cpu.simd.vec import (
     splat,
 )
 
-_V64I8 = ir.VectorType(I8, 64)
+_V64I8, _V16I8 = ir.VectorType(I8, 64), ir.VectorType(I8, 16)
 
 
 def has_vnni512(feats: str) -> bool:
@@ -252,3 +252,39 @@ def pairs_dot16(typingctx, acc, arr, off, word):
         return builder.add(acc, builder.add(even, odd))
 
     return I32x16(acc, arr, off, word), codegen
+
+
+# ------------------------------------------------ activation rows into int8 (kernels' _quantize)
+
+
+@intrinsic
+def absmax16(typingctx, bits, off, top):
+    """max(top, the largest of the 16 uint32 at bits[off:] with the sign bit cleared): a float32
+    row's amax by its bits (an integer max: no NaN rules, and bits past +inf's mean inf or nan)."""
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], V16I32), align=4)
+        v = builder.and_(v, ir.Constant(V16I32, [0x7FFFFFFF] * 16))
+        m = builder.call(function(builder, "llvm.vector.reduce.umax.v16i32", I32, [V16I32]), [v])
+        top = context.cast(builder, args[2], sig.args[2], types.uint32)
+        return builder.select(builder.icmp_unsigned(">", m, top), m, top)
+
+    return types.uint32(bits, off, top), codegen
+
+
+@intrinsic
+def quant16(typingctx, x, off, inv, q, qoff):
+    """q[qoff : qoff + 16] = rint(x[off : off + 16] * inv) as int8 (a float32 multiply, then
+    round half to even: np.rint's values, 16 lanes at once); returns the sum of the 16 stored
+    bytes."""
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(ptr(context, builder, sig.args[0], args[0], args[1], V16F32), align=4)
+        s = splat(builder, context.cast(builder, args[2], sig.args[2], types.float32), V16F32)
+        r = builder.call(function(builder, "llvm.rint.v16f32", V16F32, [V16F32]), [builder.fmul(v, s)])
+        b = builder.trunc(builder.fptosi(r, V16I32), _V16I8)
+        builder.store(b, ptr(context, builder, sig.args[3], args[3], args[4], _V16I8), align=1)
+        total = function(builder, "llvm.vector.reduce.add.v16i32", I32, [V16I32])
+        return builder.call(total, [builder.sext(b, V16I32)])
+
+    return types.int32(x, off, inv, q, qoff), codegen
