@@ -66,49 +66,96 @@ extern "C" __global__ void copy_blocks_f16(__half* __restrict__ kc, __half* __re
 }
 
 // ---------------------------------------------------------------------------------------------
-// Quantized rows, quantized once as they are written: one thread a 32-value block, with
-// llama.cpp's reference rounding as kv_format.encode has it (the same bytes): the products and
-// the q4_0 offset are rounded one at a time (__fmul_rn, __fadd_rn), never fused into an FMA.
+// Quantized rows, quantized once as they are written: one thread a 32-value block, with the
+// scale kv_format.fit chooses (the same bytes): for each divisor of its table in order, the
+// codes by llama.cpp's reference rounding over the scale as stored (f16) and their squared
+// error against the block summed in
+// kv_format._tree's order; the first least error wins. Every product, sum and difference is
+// rounded on its own (__fmul_rn, __fadd_rn, __fsub_rn), never fused into an FMA.
 
 __device__ __forceinline__ float lkv_to_float(float x) { return x; }
 __device__ __forceinline__ float lkv_to_float(__half x) { return __half2float(x); }
 
-struct LkvQuantQ8_0 {  // d = amax / 127, q = roundf(x / d): halves away from zero
+// kv_format.DIVISORS (binary fractions: exact as written)
+__constant__ float lkv_q8_0_divisors[17] = {127.f,   126.5f, 126.f,   125.5f, 125.f,   124.5f,
+                                            124.f,   123.5f, 123.f,   122.5f, 122.f,   121.5f,
+                                            121.f,   120.5f, 120.f,   119.5f, 119.f};
+__constant__ float lkv_q4_0_divisors[17] = {-8.f,    -9.f,    -8.875f, -8.75f,  -8.625f, -8.5f,
+                                            -8.375f, -8.25f,  -8.125f, -7.875f, -7.75f,  -7.625f,
+                                            -7.5f,   -7.375f, -7.25f,  -7.125f, -7.f};
+
+struct LkvQuantQ8_0 {  // q = roundf(x / d) in [-127, 127]: halves away from zero
   static constexpr int bytes = 34;
-  template <typename T>
-  static __device__ __forceinline__ void block(unsigned char* __restrict__ out, const T* __restrict__ x) {
+  static __device__ __forceinline__ float ref(const float* v) {  // the largest magnitude
     float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(lkv_to_float(x[j])));
-    const float d = amax / 127.f;
-    const float id = d != 0.f ? 1.f / d : 0.f;
-    *reinterpret_cast<__half*>(out) = __float2half(d);
+    for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    return amax;
+  }
+  static __device__ __forceinline__ const float* divisors() { return lkv_q8_0_divisors; }
+  static __device__ __forceinline__ float code(float y) { return fminf(fmaxf(roundf(y), -127.f), 127.f); }
+  static __device__ __forceinline__ float value(float c) { return c; }
+  static __device__ __forceinline__ void store(unsigned char* out, const float* v, float id) {
     signed char* q = reinterpret_cast<signed char*>(out + 2);
-    for (int j = 0; j < 32; ++j) q[j] = (signed char)roundf(__fmul_rn(lkv_to_float(x[j]), id));
+    for (int j = 0; j < 32; ++j) q[j] = (signed char)code(__fmul_rn(v[j], id));
   }
 };
 
-struct LkvQuantQ4_0 {  // the value of largest magnitude (the first, sign kept) maps to -8
+struct LkvQuantQ4_0 {  // n = trunc(x / d + 8.5) in [0, 15], the value n - 8
   static constexpr int bytes = 18;
-  template <typename T>
-  static __device__ __forceinline__ void block(unsigned char* __restrict__ out, const T* __restrict__ x) {
+  static __device__ __forceinline__ float ref(const float* v) {  // the value of largest magnitude, the first
     float amax = 0.f, mx = 0.f;
     for (int j = 0; j < 32; ++j) {
-      const float v = lkv_to_float(x[j]);
-      if (amax < fabsf(v)) {
-        amax = fabsf(v);
-        mx = v;
+      if (amax < fabsf(v[j])) {
+        amax = fabsf(v[j]);
+        mx = v[j];
       }
     }
-    const float d = mx / -8.f;
-    const float id = d != 0.f ? 1.f / d : 0.f;
-    *reinterpret_cast<__half*>(out) = __float2half(d);
+    return mx;
+  }
+  static __device__ __forceinline__ const float* divisors() { return lkv_q4_0_divisors; }
+  static __device__ __forceinline__ float code(float y) { return fminf(fmaxf(truncf(__fadd_rn(y, 8.5f)), 0.f), 15.f); }
+  static __device__ __forceinline__ float value(float c) { return __fsub_rn(c, 8.f); }
+  static __device__ __forceinline__ void store(unsigned char* out, const float* v, float id) {
     for (int j = 0; j < 16; ++j) {
-      const int lo = min(15, (int)__fadd_rn(__fmul_rn(lkv_to_float(x[j]), id), 8.5f));
-      const int hi = min(15, (int)__fadd_rn(__fmul_rn(lkv_to_float(x[j + 16]), id), 8.5f));
+      const int lo = (int)code(__fmul_rn(v[j], id)), hi = (int)code(__fmul_rn(v[j + 16], id));
       out[2 + j] = (unsigned char)(lo | (hi << 4));
     }
   }
 };
+
+// kv_format.fit for one block: the scale d whose stored values err least, the first such
+template <typename Q>
+__device__ __forceinline__ float lkv_fit(const float* v) {
+  const float r = Q::ref(v);
+  const float* div = Q::divisors();
+  float best_d = 0.f, best_err = 0.f;
+  for (int k = 0; k < 17; ++k) {
+    const float d = r / div[k];
+    const float stored = __half2float(__float2half(d)), id = stored != 0.f ? 1.f / stored : 0.f;
+    float e[32];
+    for (int j = 0; j < 32; ++j) {
+      const float diff = __fsub_rn(v[j], __fmul_rn(Q::value(Q::code(__fmul_rn(v[j], id))), stored));
+      e[j] = __fmul_rn(diff, diff);
+    }
+    for (int h = 16; h >= 1; h /= 2)
+      for (int j = 0; j < h; ++j) e[j] = __fadd_rn(e[j], e[j + h]);
+    if (k == 0 || e[0] < best_err) {
+      best_d = d;
+      best_err = e[0];
+    }
+  }
+  return best_d;
+}
+
+template <typename Q, typename T>
+__device__ __forceinline__ void lkv_quant_block(unsigned char* __restrict__ out, const T* __restrict__ x) {
+  float v[32];
+  for (int j = 0; j < 32; ++j) v[j] = lkv_to_float(x[j]);
+  const float d = lkv_fit<Q>(v);
+  const __half stored = __float2half(d);
+  *reinterpret_cast<__half*>(out) = stored;
+  Q::store(out, v, __half2float(stored) != 0.f ? 1.f / __half2float(stored) : 0.f);
+}
 
 // x: token t's row for kv head h starts at x + t * tok_stride + h * hd. Slots < 0 are skipped.
 // Grid-stride over n_tok * kvh * (hd / 32) blocks; any grid/block shape.
@@ -127,7 +174,7 @@ __device__ __forceinline__ void lkv_write_rows(void* __restrict__ pool, const lo
     const int h = r / nb, b = r - h * nb;
     const long long s = slots[t];
     if (s < 0) continue;
-    Q::block(out + ((s * kvh + h) * nb + b) * Q::bytes, x + t * tok_stride + (long long)h * hd + b * 32);
+    lkv_quant_block<Q, T>(out + ((s * kvh + h) * nb + b) * Q::bytes, x + t * tok_stride + (long long)h * hd + b * 32);
   }
 }
 

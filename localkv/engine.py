@@ -68,6 +68,8 @@ class Engine:
         dtype = k_fmt.stored if k_fmt == v_fmt else f"{k_fmt.stored}:{v_fmt.stored}"
         rope = f"rope-{run_cfg.rope_style}{self.model.rope_variant}"
         salt = f"{self.model_config.fingerprint}:{cfg.block_size}:{dtype}:{rope}:{KV_FORMAT}"
+        if k_fmt.quantized or v_fmt.quantized:  # rows another encoder wrote are other bytes
+            salt += f":{kv_format.ENCODER}"
         rot = Rotation.for_formats(k_fmt.quantized, v_fmt.quantized, run_cfg.head_dim, cfg.kv_rotate)
         self.model.rotation = rot
         if rot is not None:  # rows turned otherwise are another format

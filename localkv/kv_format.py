@@ -9,7 +9,8 @@ each format's layout, its bytes, and its one encoder and decoder.
 
 A row is the pool's last axis. The pool array's numpy dtype names its format, which is what the
 compiled kernels dispatch on as they compile: float32, float16, int8 (q8_0 bytes), uint8 (q4_0
-bytes). Rows are quantized once, when written, with llama.cpp's reference rounding; decoding is
+bytes). Rows are quantized once, when written, each block with the scale that stores it best of
+a fixed few (fit; llama.cpp's reference rounding of each value); decoding is
 exact in float32 (an 8-bit integer times an f16 fits its 24-bit significand), so every path
 that reads a row reads the same floats.
 """
@@ -23,6 +24,14 @@ from localkv.errors import LocalkvError
 QK = 32  # values per quantized block (both formats)
 Q8_0_BYTES = 34  # f16 scale + 32 int8
 Q4_0_BYTES = 18  # f16 scale + 16 bytes of nibbles
+# the divisors of a block's scale that the encoder tries, llama.cpp's first (fit): a q8_0 block's
+# largest magnitude maps to 127, 126.5 ... 119; a q4_0 block's value of largest magnitude to
+# -8, then -9, -8.875 ... -7 (binary fractions: the same float32 in numpy, numba and CUDA C)
+DIVISORS = {
+    "q8_0": np.float32(127) - np.arange(17, dtype=np.float32) / np.float32(2),
+    "q4_0": np.concatenate([[-8], -8 + np.arange(-8, 9)[np.arange(-8, 9) != 0] / 8]).astype(np.float32),
+}
+ENCODER = "fit17"  # which encoder wrote a quantized pool's rows: in the prefix cache's key
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,23 +103,72 @@ def by_stored(name: str) -> KvFormat | None:
 
 
 def encode(x: np.ndarray, fmt: KvFormat) -> np.ndarray:
-    """Rows x [..., head_dim] (float32) in fmt: [..., fmt.row_len(head_dim)] of fmt.dtype."""
+    """Rows x [..., head_dim] (float32) in fmt: [..., fmt.row_len(head_dim)] of fmt.dtype. A
+    quantized block takes the scale of DIVISORS[fmt] that stores it with the least squared
+    error (see fit)."""
     if not fmt.quantized:
         return x.astype(fmt.dtype, copy=False)
     x = np.asarray(x, np.float32)
     blocks = x.reshape(*x.shape[:-1], -1, QK)
-    if fmt is Q8_0:
-        d = _block_max(np.abs(blocks)) / np.float32(127)
-        q = _round_away(blocks * _inverse(d)).astype(np.int8)
-    else:  # the value of largest magnitude, sign kept, maps to -8
-        at = np.abs(blocks).argmax(axis=-1)[..., None]
-        d = np.take_along_axis(blocks, at, axis=-1) / np.float32(-8)
-        n = np.minimum(np.trunc(blocks * _inverse(d) + np.float32(8.5)), 15).astype(np.uint8)
-        q = n[..., :16] | (n[..., 16:] << 4)
+    d, q = fit(blocks, fmt)
+    if fmt is Q4_0:
+        q = q[..., :16] | (q[..., 16:] << 4)
     out = np.empty((*blocks.shape[:-1], fmt.block_bytes), np.uint8)
     out[..., :2] = d.astype(np.float16).view(np.uint8)
     out[..., 2:] = q.view(np.uint8)
     return out.reshape(*x.shape[:-1], -1).view(fmt.dtype)
+
+
+def fit(blocks: np.ndarray, fmt: KvFormat) -> tuple[np.ndarray, np.ndarray]:
+    """Each block's scale d [..., 1] (float32, stored as f16) and its 32 codes (q8_0: int8 q;
+    q4_0: uint8 nibbles n, value n - 8). For each divisor c of DIVISORS[fmt] in order, d =
+    ref / c (ref: q8_0 the largest magnitude, q4_0 the value of largest magnitude with its
+    sign, the first such), the codes by llama.cpp's rounding of each value over the scale as
+    stored (f16(d): llama.cpp divides by d before rounding it, so a value near a rounding
+    boundary can land on the farther point), clamped; the block keeps the first c whose values
+    (codes times f16(d)) have the least squared error, summed in _tree order. The first
+    divisor is llama.cpp's scale, so a block is never stored worse than by its rule; the
+    others shrink the grid so that the values land nearer its points (BENCHMARKS.md, "K/V
+    scales fitted"). The kernels and the GPU's encoder compute every step alike: the same
+    bytes."""
+    if fmt is Q8_0:
+        ref = _block_max(np.abs(blocks))
+    else:
+        at = np.abs(blocks).argmax(axis=-1)[..., None]
+        ref = np.take_along_axis(blocks, at, axis=-1)
+    best_d = best_q = best_err = None
+    for c in DIVISORS[fmt.name]:
+        d = ref / c
+        stored = d.astype(np.float16).astype(np.float32)
+        q = _codes(blocks * _inverse(stored), fmt)
+        value = (q.astype(np.float32) - np.float32(8)) if fmt is Q4_0 else q.astype(np.float32)
+        e = blocks - value * stored
+        err = _tree(e * e)
+        if best_err is None:
+            best_d, best_q, best_err = d, q, err
+            continue
+        better = err < best_err  # NaN never is: a block with NaN or Inf keeps the first rule
+        best_d, best_err = np.where(better, d, best_d), np.where(better, err, best_err)
+        best_q = np.where(better, q, best_q)
+    return best_d, best_q
+
+
+def _codes(y: np.ndarray, fmt: KvFormat) -> np.ndarray:
+    """Values over the scale as codes: q8_0 C's roundf in [-127, 127]; q4_0 trunc(y + 8.5)
+    in [0, 15] (llama.cpp's q4_0 rounding, its offset added as a float)."""
+    if fmt is Q8_0:
+        return np.clip(_round_away(y), -127, 127).astype(np.int8)
+    with np.errstate(invalid="ignore"):
+        return np.clip(np.trunc(y + np.float32(8.5)), 0, 15).astype(np.uint8)
+
+
+def _tree(a: np.ndarray) -> np.ndarray:
+    """The sum over the last axis (32 values) [..., 1], in one fixed order every encoder keeps:
+    the second half added to the first lane by lane, then again, down to one."""
+    while a.shape[-1] > 1:
+        h = a.shape[-1] // 2
+        a = a[..., :h] + a[..., h:]
+    return a
 
 
 def decode(a, xp=np):

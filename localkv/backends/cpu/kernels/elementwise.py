@@ -12,8 +12,12 @@ from localkv import kv_format
 from localkv.backends.cpu.kernels import EXACT, EXACT_PAR, SER, self_check
 from localkv.backends.cpu.kernels.attention import exp
 from localkv.backends.cpu.simd.f32x8 import fadd, fload, fstore, fsub
-from localkv.backends.cpu.simd.u8x32 import half_bits
-from localkv.kv_format import Q4_0_BYTES, Q8_0_BYTES, QK
+from localkv.backends.cpu.simd.u8x32 import as_half, half_bits
+from localkv.backends.cpu.simd.x16 import fit_error32, store_codes32
+from localkv.kv_format import DIVISORS, Q4_0_BYTES, Q8_0_BYTES, QK
+
+# frozen into the kernels as constants (kv_format.fit's tables)
+_Q8_DIVISORS, _Q4_DIVISORS = DIVISORS["q8_0"], DIVISORS["q4_0"]
 
 
 @njit(**SER)
@@ -229,35 +233,47 @@ def _scale(pool, row, at, d):
 
 
 @register_jitable
+def _fit(x, base, ref, q4):
+    """kv_format.fit's scale of the block at x's flat offset base (ref: its reference value):
+    every divisor tried in order, its codes and their stored error 16 values a step
+    (x16.fit_error32: the same operations in the same order), the first least error kept."""
+    divisors = _Q4_DIVISORS if q4 else _Q8_DIVISORS
+    best_d, best_err = np.float32(0), np.float32(0)
+    for k in range(len(divisors)):
+        d = ref / divisors[k]
+        stored = as_half(d)
+        if q4:
+            err = fit_error32(x, base, _inverse(stored), stored, True)
+        else:
+            err = fit_error32(x, base, _inverse(stored), stored, False)
+        if k == 0 or err < best_err:
+            best_d, best_err = d, err
+    return best_d
+
+
+@register_jitable
 def _q8_0(x, t, h, d0, pool, row, at):
-    """One block: d = max |x| / 127, each value x / d rounded halves away from zero."""
+    """One block: d = max |x| / c for the divisor c that fits it best (_fit), each value over
+    f16(d) rounded halves away from zero."""
     top = np.float32(0)
     for i in range(QK):
         top = max(top, abs(x[t, h, d0 + i]))
-    d = top / np.float32(127)
-    inv = _inverse(d)
-    for i in range(QK):
-        v = x[t, h, d0 + i] * inv
-        r = np.rint(v)
-        if abs(v - r) == np.float32(0.5):  # a tie: rint went to even, C's roundf goes away
-            r = v + (np.float32(0.5) if v > 0 else np.float32(-0.5))
-        pool[row, at + 2 + i] = int(r) & 0xFF
+    base = (t * x.shape[1] + h) * x.shape[2] + d0
+    d = _fit(x, base, top, False)
+    store_codes32(x, base, _inverse(as_half(d)), False, pool, row * pool.shape[1] + at + 2)
     _scale(pool, row, at, d)
 
 
 @register_jitable
 def _q4_0(x, t, h, d0, pool, row, at):
-    """One block: the value of largest magnitude (the first such), sign kept, maps to -8; each
-    value to min(trunc(x / d + 8.5), 15), value i < 16 in byte i's low nibble, i + 16 its high."""
+    """One block: d = the value of largest magnitude (the first such, sign kept) / c for the
+    divisor c that fits it best (_fit); each value to trunc(x / f16(d) + 8.5) in [0, 15], value i
+    < 16 in byte i's low nibble, i + 16 its high."""
     best, top = 0, abs(x[t, h, d0])
     for i in range(1, QK):
         if abs(x[t, h, d0 + i]) > top:
             best, top = i, abs(x[t, h, d0 + i])
-    d = x[t, h, d0 + best] / np.float32(-8)
-    inv = _inverse(d)
-    half = QK // 2
-    for i in range(half):
-        lo = min(int(np.trunc(x[t, h, d0 + i] * inv + np.float32(8.5))), 15)
-        hi = min(int(np.trunc(x[t, h, d0 + half + i] * inv + np.float32(8.5))), 15)
-        pool[row, at + 2 + i] = lo | (hi << 4)
+    base = (t * x.shape[1] + h) * x.shape[2] + d0
+    d = _fit(x, base, x[t, h, d0 + best], True)
+    store_codes32(x, base, _inverse(as_half(d)), True, pool, row * pool.shape[1] + at + 2)
     _scale(pool, row, at, d)

@@ -223,6 +223,17 @@ def half_bits(typingctx, x):
 
 
 @intrinsic
+def as_half(typingctx, x):
+    """A float32 rounded to the nearest IEEE half float (half_bits' rounding), as float32."""
+
+    def codegen(context, builder, sig, args):
+        x = context.cast(builder, args[0], sig.args[0], types.float32)
+        return builder.fpext(builder.fptrunc(x, ir.HalfType()), F32)
+
+    return types.float32(x), codegen
+
+
+@intrinsic
 def at(typingctx, arr, off):
     """arr[off] for a C-contiguous array of any dimension (flat index), without the
     negative-index and bounds handling of numba's indexing."""

@@ -288,3 +288,85 @@ def quant16(typingctx, x, off, inv, q, qoff):
         return builder.call(total, [builder.sext(b, V16I32)])
 
     return types.int32(x, off, inv, q, qoff), codegen
+
+
+# ------------------------------------------------ K/V rows into q8_0 / q4_0 (kv_format.fit)
+
+
+def _codes16(builder, v, inv, q4: bool):
+    """kv_format._codes of 16 values over their scale (v * inv): q8_0 C's roundf (llvm.round:
+    halves away from zero) in [-127, 127], q4_0 trunc(v * inv + 8.5) in [0, 15]; as floats."""
+    y = builder.fmul(v, inv)
+    if q4:
+        c = builder.call(function(builder, "llvm.trunc.v16f32", V16F32, [V16F32]), [builder.fadd(y, _splat_f(8.5))])
+        lo, hi = 0.0, 15.0
+    else:
+        c = builder.call(function(builder, "llvm.round.v16f32", V16F32, [V16F32]), [y])
+        lo, hi = -127.0, 127.0
+    c = builder.call(function(builder, "llvm.maxnum.v16f32", V16F32, [V16F32, V16F32]), [c, _splat_f(lo)])
+    return builder.call(function(builder, "llvm.minnum.v16f32", V16F32, [V16F32, V16F32]), [c, _splat_f(hi)])
+
+
+def _splat_f(value: float):
+    return ir.Constant(V16F32, [value] * 16)
+
+
+def _halves(context, builder, sig, args):
+    """The block's two F32x16 (values 0-15, 16-31) and inv splat."""
+    p = ptr(context, builder, sig.args[0], args[0], args[1], V16F32)
+    lo = builder.load(p, align=4)
+    hi = builder.load(builder.gep(p, [ir.Constant(I32, 1)]), align=4)
+    inv = splat(builder, context.cast(builder, args[2], sig.args[2], types.float32), V16F32)
+    return lo, hi, inv
+
+
+@intrinsic
+def fit_error32(typingctx, x, off, inv, stored, q4):
+    """kv_format.fit's error of one candidate for the 32 values at x[off:] (float32): each
+    value less its code (less 8 for q4_0) times the stored scale, squared, summed in
+    kv_format._tree's order (the halves added lane by lane, then 8, 4, 2, 1). q4 a literal."""
+    if not isinstance(q4, types.BooleanLiteral):
+        return None
+    nibbles = q4.literal_value
+
+    def codegen(context, builder, sig, args):
+        lo, hi, inv_v = _halves(context, builder, sig, args)
+        s = splat(builder, context.cast(builder, args[3], sig.args[3], types.float32), V16F32)
+        sq = []
+        for v in (lo, hi):
+            value = _codes16(builder, v, inv_v, nibbles)
+            if nibbles:
+                value = builder.fsub(value, _splat_f(8.0))
+            r = builder.fsub(v, builder.fmul(value, s))
+            sq.append(builder.fmul(r, r))
+        t = builder.fadd(sq[0], sq[1])
+        for n in (8, 4, 2, 1):
+            a = builder.shuffle_vector(t, t, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+            b = builder.shuffle_vector(t, t, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+            t = builder.fadd(a, b)
+        return builder.extract_element(t, ir.Constant(I32, 0))
+
+    return types.float32(x, off, inv, stored, q4), codegen
+
+
+@intrinsic
+def store_codes32(typingctx, x, off, inv, q4, out, at):
+    """The codes of the 32 values at x[off:] (kv_format._codes) as a block's bytes at out[at:]
+    (a uint8 array): q8_0 32 int8, q4_0 16 bytes, value i < 16 in byte i's low nibble, i + 16
+    its high. q4 a literal."""
+    if not isinstance(q4, types.BooleanLiteral):
+        return None
+    nibbles = q4.literal_value
+
+    def codegen(context, builder, sig, args):
+        lo, hi, inv_v = _halves(context, builder, sig, args)
+        a, b = (builder.fptosi(_codes16(builder, v, inv_v, nibbles), V16I32) for v in (lo, hi))
+        if nibbles:
+            codes = builder.trunc(builder.or_(a, builder.shl(b, ir.Constant(V16I32, [4] * 16))), _V16I8)
+        else:
+            both = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+            codes = builder.trunc(both, ir.VectorType(I8, 32))
+        builder.store(codes, ptr(context, builder, sig.args[4], args[4], args[5], codes.type), align=1)
+        return context.get_dummy_value()
+
+    return types.none(x, off, inv, q4, out, at), codegen
