@@ -32,6 +32,17 @@ def cached(root) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("__pycache__/*.nb[ic]"))
 
 
+def test_an_edit_to_the_formats_constants_drops_every_cached_kernel(tree, tmp_path):
+    """The kernels freeze kv_format's block sizes and encoder divisors in as constants."""
+    constants = tmp_path / "kv_format.py"
+    shutil.copy(build.kv_format.__file__, constants)
+    build.drop_stale_cache(tree, constants)
+    cache_kernels(tree)
+    assert not build.drop_stale_cache(tree, constants)
+    constants.write_text(constants.read_text().replace("127", "126", 1))
+    assert build.drop_stale_cache(tree, constants) and cached(tree) == []
+
+
 def test_an_unchanged_tree_keeps_the_cache(tree):
     cache_kernels(tree)
     assert not build.drop_stale_cache(tree)

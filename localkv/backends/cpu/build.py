@@ -279,13 +279,16 @@ def _passes(group: str, qtype: str, what: str) -> str | None:
         return f"{what}s unavailable ({type(e).__name__}: {first_line(e)})"
 
 
-def drop_stale_cache(root: Path = ROOT) -> bool:
+def drop_stale_cache(root: Path = ROOT, constants: Path = Path(kv_format.__file__)) -> bool:
     """numba's cache knows only the file of the kernel it compiled, not the SIMD helpers,
-    decoders and other kernels it inlined from the other files here: drop every cached kernel
-    under root when any .py file under it changed (its name or its text). True when it did."""
+    decoders and other kernels it inlined from the other files here, nor kv_format's
+    constants it froze in (the blocks' sizes, the encoder's divisors): drop every cached
+    kernel under root when any .py file under it or `constants` (kv_format.py) changed (its
+    name or its text). True when it did."""
     digest = hashlib.sha1()
     for p in sorted(root.rglob("*.py")):
         digest.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
+    digest.update(b"kv_format.py\0" + constants.read_bytes())
     stamp = root / "__pycache__" / "kernel_sources.sha1"
     try:
         if stamp.exists() and stamp.read_text() == digest.hexdigest():
