@@ -7,6 +7,7 @@ import numpy as np
 from localkv import backends, kv_format
 from localkv.backends import Backend, vm
 from localkv.config import EngineConfig
+from localkv.disk_prefix import DiskPrefix
 from localkv.errors import BudgetReached, ContextOverflow, LocalkvError, PoolExhausted
 from localkv.hub.fit import check_fits
 from localkv.hub.resolve import resolve_model
@@ -252,7 +253,7 @@ class Engine:
         if not self.prefix_caching:
             return seq, 0
         mem, disk = self.kv.match_prefix(
-            seq, _DiskPrefix(self.disk, self.model_config.fingerprint, self.pool) if self.disk else None
+            seq, DiskPrefix(self.disk, self.model_config.fingerprint, self.pool) if self.disk else None
         )
         if self.disk and record:
             self.disk.record(len(prompt_ids), mem + disk)
@@ -351,37 +352,6 @@ class Engine:
             total = min(total, ev.budget + bs)
         shared = min(n_prompt, total) // bs if n_seqs > 1 else 0  # full prompt blocks every fork shares
         return shared + n_seqs * (-(-total // bs) - shared), total
-
-
-class _DiskPrefix:
-    """The disk tier as KVManager.match_prefix reads it: one model's entries, loaded straight
-    into pool blocks (through host memory when the pool lives on a GPU)."""
-
-    def __init__(self, disk, fingerprint: str, pool: BlockPool):
-        self.disk, self.fp, self.pool = disk, fingerprint, pool
-
-    def contains(self, h: int) -> bool:
-        return self.disk.contains(self.fp, h)
-
-    def load_all(self, jobs: list[tuple[int, tuple[int, ...], int]]) -> list[bool]:
-        """load() of each (hash, tokens, block id), in order, the blocks' pages mapped
-        meanwhile on another thread (vm.prefault)."""
-        filler = vm.prefault(self.pool.spans([bid for *_, bid in jobs])) if self.pool.xp is np and jobs else None
-        try:
-            return [self.load(h, tokens, bid) for h, tokens, bid in jobs]
-        finally:
-            if filler is not None:
-                filler.join()
-
-    def load(self, h: int, tokens, bid: int) -> bool:
-        pool = self.pool
-        if pool.xp is np:
-            return self.disk.load_into(self.fp, h, tokens, pool.k[:, bid], pool.v[:, bid])
-        kv = self.disk.read(self.fp, h, tokens)
-        if kv is None or kv.dtype != pool.k.dtype:  # as load_into: an entry of another dtype is a miss
-            return False
-        pool.k[:, bid], pool.v[:, bid] = (pool.xp.asarray(a) for a in kv)
-        return True
 
 
 def _blas_threads() -> int:
