@@ -25,9 +25,8 @@ class DiskPrefix:
         a few runs of consecutive ids get their pages mapped meanwhile on another thread
         (vm.prefault). Blocks scattered over a pool in use were most likely written before:
         their pages are there, and a call per run and layer would cost more than it saves."""
-        spans = self.pool.spans([bid for *_, bid in jobs]) if self.pool.xp is np else []
-        fresh = len(spans) <= PREFAULT_RUNS * 2 * self.pool.k.shape[0]
-        filler = vm.prefault(spans) if fresh else None
+        spans = self.pool.spans([bid for *_, bid in jobs], PREFAULT_RUNS) if self.pool.xp is np else []
+        filler = vm.prefault(spans)
         try:
             return [self.load(h, tokens, bid) for h, tokens, bid in jobs]
         finally:

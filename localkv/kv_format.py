@@ -29,7 +29,7 @@ Q4_0_BYTES = 18  # f16 scale + 16 bytes of nibbles
 # -8, then -9, -8.875 ... -7 (binary fractions: the same float32 in numpy, numba and CUDA C)
 DIVISORS = {
     "q8_0": np.float32(127) - np.arange(17, dtype=np.float32) / np.float32(2),
-    "q4_0": np.concatenate([[-8], -8 + np.arange(-8, 9)[np.arange(-8, 9) != 0] / 8]).astype(np.float32),
+    "q4_0": np.float32(-8) + np.r_[0, -8:0, 1:9].astype(np.float32) / np.float32(8),
 }
 ENCODER = "fit17"  # which encoder wrote a quantized pool's rows: in the prefix cache's key
 
@@ -165,10 +165,7 @@ def _codes(y: np.ndarray, fmt: KvFormat) -> np.ndarray:
 def _tree(a: np.ndarray) -> np.ndarray:
     """The sum over the last axis (32 values) [..., 1], in one fixed order every encoder keeps:
     the second half added to the first lane by lane, then again, down to one."""
-    while a.shape[-1] > 1:
-        h = a.shape[-1] // 2
-        a = a[..., :h] + a[..., h:]
-    return a
+    return _halving(a, np.add)
 
 
 def decode(a, xp=np):
@@ -196,9 +193,14 @@ def _inverse(d: np.ndarray) -> np.ndarray:
 def _block_max(a: np.ndarray) -> np.ndarray:
     """The max over the last axis (32 values) [..., 1], as halving np.maximum steps: numpy's
     reduction over a short last axis runs a loop per block."""
+    return _halving(a, np.maximum)
+
+
+def _halving(a: np.ndarray, op) -> np.ndarray:
+    """op over the last axis [..., 1]: the second half into the first lane by lane, down to one."""
     while a.shape[-1] > 1:
         h = a.shape[-1] // 2
-        a = np.maximum(a[..., :h], a[..., h:])
+        a = op(a[..., :h], a[..., h:])
     return a
 
 

@@ -151,11 +151,14 @@ class BlockPool:
             return None
         return bid
 
-    def spans(self, bids: list[int]) -> list[tuple[int, int]]:
+    def spans(self, bids: list[int], most_runs: int | None = None) -> list[tuple[int, int]]:
         """The address spans [start, end) of these blocks' bytes in each layer of K and of V
-        (a host pool's), a run of consecutive ids as one span: what a loader writes."""
+        (a host pool's), a run of consecutive ids as one span: what a loader writes; none when
+        the blocks lie in more than most_runs runs."""
         out, ids = [], sorted(set(bids))
         starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1] + 1]
+        if most_runs is not None and len(starts) > most_runs:
+            return []
         for a in (self.k, self.v):
             for r0, r1 in zip(starts, starts[1:] + [len(ids)]):
                 for layer in range(a.shape[0]):

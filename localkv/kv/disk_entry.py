@@ -32,13 +32,12 @@ VERSION = 2  # 2: CRC-32 checksum (1 used BLAKE2b; such files read as another ve
 FIXED = struct.Struct("<4sHI")  # magic, format version, JSON header length
 MAX_HEAD = 1 << 20  # a JSON header longer than this is damage: a block's tokens take a few KiB
 
-_EXP_HIGH = np.uint8(0x7C)  # an f16's exponent bits in its high byte
-
 # per stored dtype: its bits as signed and unsigned integers, +Inf's bits and -Inf's (see all_finite)
 _NONFINITE = {
     "float16": (np.int16, np.uint16, 0x7C00, 0xFC00),
     "float32": (np.int32, np.uint32, 0x7F800000, 0xFF800000),
 }
+_EXP_HIGH = np.uint8(_NONFINITE["float16"][2] >> 8)  # an f16's exponent bits in its high byte
 
 
 class Damaged(Exception):
