@@ -37,6 +37,8 @@
 // Quantized rows are read as they are stored, each value q * d exactly in fp32 (what the CPU's
 // kv_format.decode gives); the format is a template parameter of the device code, chosen once per
 // thread at the kernel's entry (lkv_kv_formats), so the f16 path runs the same loop as before.
+// A quantized K multiplies a query rounded per 32 values as the CPU's integer scores round it
+// (lkv_round_q): the same products, summed in fp32 (dp4a would be the integer form's next step).
 //
 // The -inf handling: a warp that saw no key keeps m = -inf, l = 0, acc = 0 and is given
 // weight 0 when partials are merged; every (query, partition) that is written saw >= 1 key.
@@ -89,6 +91,7 @@ __device__ __forceinline__ float lkv_block_scale(const unsigned char* b) {
 
 struct LkvKvF16 {
   typedef __half2 unit;
+  static constexpr bool integer = false;
   static constexpr __host__ __device__ int row_bytes(int hd) { return 2 * hd; }
   static __device__ __forceinline__ float2 pair(const unsigned char* row, int p) {
     return __half22float2(reinterpret_cast<const __half2*>(row)[p]);
@@ -97,6 +100,7 @@ struct LkvKvF16 {
 
 struct LkvKvQ8_0 {  // block: d, then q[32] int8; value q * d
   typedef unsigned short unit;
+  static constexpr bool integer = true;
   static constexpr __host__ __device__ int row_bytes(int hd) { return hd / 32 * 34; }
   static __device__ __forceinline__ float2 pair(const unsigned char* row, int p) {
     const unsigned char* b = row + (p >> 4) * 34;
@@ -108,6 +112,7 @@ struct LkvKvQ8_0 {  // block: d, then q[32] int8; value q * d
 
 struct LkvKvQ4_0 {  // block: d, then 16 bytes: value c < 16 the low nibble of byte c, else the high of c - 16
   typedef unsigned short unit;
+  static constexpr bool integer = true;
   static constexpr __host__ __device__ int row_bytes(int hd) { return hd / 32 * 18; }
   static __device__ __forceinline__ float2 pair(const unsigned char* row, int p) {
     const unsigned char* b = row + (p >> 4) * 18;
@@ -165,7 +170,30 @@ __device__ __forceinline__ void lkv_online_step(const float (&qr)[GMAX][(HD / 2 
   }
 }
 
-template <int HD, int GMAX>
+// A query row (scaled, lane-owned pairs lane + 32 * i) rounded as a quantized K multiplies it
+// (kv_format.round_queries; the CPU's integer scores): per 32 values, which are 16 lanes' pairs,
+// d = amax / 127 and each value rint(x * (1 / d)) * d; 0 for a block of zeros, nan for one
+// holding inf or nan. The products stay fp32 here: the CPU's scores up to rounding. Every lane
+// of the warp calls it (the shuffles).
+template <int PPL>
+__device__ __forceinline__ void lkv_round_q(float (&x)[PPL][2]) {
+#pragma unroll
+  for (int i = 0; i < PPL; ++i) {
+    float a = fmaxf(fabsf(x[i][0]), fabsf(x[i][1]));
+    int bad = !(isfinite(x[i][0]) && isfinite(x[i][1]));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+      a = fmaxf(a, __shfl_xor_sync(LKV_FULL_MASK, a, o));
+      bad |= __shfl_xor_sync(LKV_FULL_MASK, bad, o);
+    }
+    const float d = a / 127.f;
+    const float inv = a > 0.f ? 1.f / d : 0.f;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) x[i][c] = bad ? __int_as_float(0x7fc00000) : rintf(x[i][c] * inv) * d;
+  }
+}
+
+template <int HD, int GMAX, typename KF>
 __device__ __forceinline__ void lkv_load_q(const __half* __restrict__ qtok, int h0, int ng, float scale,
                                            float (&qr)[GMAX][(HD / 2 + 31) / 32][2]) {
   constexpr int NP = HD / 2;
@@ -182,6 +210,7 @@ __device__ __forceinline__ void lkv_load_q(const __half* __restrict__ qtok, int 
       qr[j][i][0] = f.x * scale;
       qr[j][i][1] = f.y * scale;
     }
+    if constexpr (KF::integer) lkv_round_q<PPL>(qr[j]);
   }
 }
 
@@ -223,7 +252,7 @@ __device__ __forceinline__ void lkv_paged_decode(
   const int* bt = block_tables + (long long)b * bt_stride;
 
   float qr[GMAX][PPL][2];
-  lkv_load_q<HD, GMAX>(q + (long long)b * q_tok_stride, h0, ng, scale, qr);
+  lkv_load_q<HD, GMAX, KF>(q + (long long)b * q_tok_stride, h0, ng, scale, qr);
 
   float m[GMAX], l[GMAX], acc[GMAX][PPL][2];
 #pragma unroll
@@ -403,7 +432,7 @@ __device__ __forceinline__ void lkv_paged_prefill(LkvPrefillShared<HD>& sm, __ha
   const int blk_lim = past + last_q + 1;
 
   float qr[GMAX][PPL][2];
-  lkv_load_q<HD, GMAX>(q + (long long)(valid ? i : 0) * q_tok_stride, h0, valid ? ng : 0, scale, qr);
+  lkv_load_q<HD, GMAX, KF>(q + (long long)(valid ? i : 0) * q_tok_stride, h0, valid ? ng : 0, scale, qr);
   float m[GMAX], l[GMAX], acc[GMAX][PPL][2];
 #pragma unroll
   for (int j = 0; j < GMAX; ++j) {
@@ -500,21 +529,24 @@ __device__ __forceinline__ void lkv_attention_mass(float* __restrict__ mass, con
       const int p = lane + 32 * x;
       float2 a = make_float2(0.f, 0.f);
       if (p < NP) a = KF::pair(krow, p);
-      kf[x][0] = a.x * scale;
-      kf[x][1] = a.y * scale;
+      kf[x][0] = KF::integer ? a.x : a.x * scale;  // an integer K's query is scaled, then rounded
+      kf[x][1] = KF::integer ? a.y : a.y * scale;
     }
     for (int i = i0; i < T; ++i) {
       for (int h = kh * g; h < (kh + 1) * g; ++h) {
         const __half2* q2 = reinterpret_cast<const __half2*>(q + (long long)i * q_tok_stride + (long long)h * HD);
-        float s = 0.f;
+        float qv[PPL][2];
 #pragma unroll
         for (int x = 0; x < PPL; ++x) {
           const int p = lane + 32 * x;
-          if (p < NP) {
-            const float2 a = __half22float2(q2[p]);
-            s += a.x * kf[x][0] + a.y * kf[x][1];
-          }
+          const float2 a = p < NP ? __half22float2(q2[p]) : make_float2(0.f, 0.f);
+          qv[x][0] = KF::integer ? a.x * scale : a.x;
+          qv[x][1] = KF::integer ? a.y * scale : a.y;
         }
+        if constexpr (KF::integer) lkv_round_q<PPL>(qv);
+        float s = 0.f;
+#pragma unroll
+        for (int x = 0; x < PPL; ++x) s += qv[x][0] * kf[x][0] + qv[x][1] * kf[x][1];
         s = lkv_warp_sum(s);
         total += __expf(s - lse[(long long)i * H + h]);
       }

@@ -310,7 +310,10 @@ def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=Non
     kvh = k.shape[1]
     g = H // kvh
     qg = q.astype(cp.float32).reshape(T, kvh, g, hd).transpose(1, 2, 0, 3).reshape(kvh, g * T, hd)
-    s = cp.matmul(qg, k.transpose(1, 2, 0)) * scale
+    if kv_format.of(k_layer).quantized:  # the CPU's integer scores' products (the kernels' too)
+        s = cp.matmul(kv_format.round_queries(qg * np.float32(scale), cp), k.transpose(1, 2, 0))
+    else:
+        s = cp.matmul(qg, k.transpose(1, 2, 0)) * scale
     if T > 1:
         s = s.reshape(kvh, g, T, n_ctx)
         s += cp.triu(cp.full((T, n_ctx), -cp.inf, cp.float32), k=n_ctx - T + 1)

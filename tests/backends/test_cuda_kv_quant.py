@@ -56,16 +56,21 @@ def _check(q, k, v, table, n_ctx, scale, **split):
     mass = np.ones(n_ctx, np.float32)
     out, lse, parts = host.paged_attention(q, k, v, table, n_ctx, scale, mass, **split)
     np.testing.assert_allclose(out.astype(np.float32), ref, **F16)
-    np.testing.assert_allclose(lse, _lse_ref(q, kv_format.decode(k), table, n_ctx, scale), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(lse, _lse_ref(q, k, table, n_ctx, scale), rtol=0, atol=1e-4)
     np.testing.assert_allclose(mass - 1, mass_ref, rtol=1e-4, atol=1e-5)
     return parts
 
 
 def _lse_ref(q, k, table, n_ctx, scale):
+    """float64 log-sum-exp of the scores over the decoded keys of pool k, the query scaled and
+    rounded as a quantized K multiplies it."""
     T, H, hd = q.shape
     kvh = k.shape[2]
-    keys = k[table].reshape(-1, kvh, hd)[:n_ctx].astype(np.float64)
-    s = np.einsum("thd,nhd->thn", q.astype(np.float64), np.repeat(keys, H // kvh, axis=1)) * scale
+    keys = kv_format.decode(k)[table].reshape(-1, kvh, hd)[:n_ctx].astype(np.float64)
+    qs = np.asarray(q, np.float32) * np.float32(scale)
+    if kv_format.of(k).quantized:
+        qs = kv_format.round_queries(qs)
+    s = np.einsum("thd,nhd->thn", qs.astype(np.float64), np.repeat(keys, H // kvh, axis=1))
     s = np.where(np.arange(T)[:, None, None] + n_ctx - T < np.arange(n_ctx), -np.inf, s)
     m = s.max(-1, keepdims=True)
     return (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]

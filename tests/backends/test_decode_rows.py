@@ -42,13 +42,18 @@ def batch():
 
 
 def reference(q, k, v, table, n):
-    """numpy's float64 attention of one token's heads q [H, hd] over the first n keys."""
+    """numpy's float64 attention of one token's heads q [H, hd] over the first n keys (of k, v:
+    a pool's rows; a quantized K's scores with the query rounded as its integer products take it)."""
     hd = q.shape[-1]
+    q = q * np.float32(0.125)
+    if kv_format.of(k).quantized:
+        q = kv_format.round_queries(q)
+    k, v = kv_format.decode(k), kv_format.decode(v)
     K = k[table].reshape(-1, KVH, hd)[:n].astype(np.float64)
     V = v[table].reshape(-1, KVH, hd)[:n].astype(np.float64)
     out = np.empty((KVH * G, hd))
     for j in range(KVH * G):
-        s = K[:, j // G] @ q[j].astype(np.float64) * 0.125
+        s = K[:, j // G] @ q[j].astype(np.float64)
         w = np.exp(s - s.max())
         out[j] = w @ V[:, j // G] / w.sum()
     return out
@@ -58,7 +63,7 @@ def reference(q, k, v, table, n):
 # (and the last 8 alone; float pools only: a quantized row is whole blocks of 32)
 @pytest.mark.parametrize("fmt,hd", [(f, 64) for f in ("f16", "f32", "q8_0", "q4_0")] + [("q8_0", 96), ("f16", 72)])
 def test_a_decode_row_has_the_bits_of_the_causal_kernel_at_depth(fmt, hd):
-    k, v, kf, vf = pools(200, fmt, hd)
+    k, v, _, _ = pools(200, fmt, hd)
     tables, lens = batch()
     q = RNG.standard_normal((4, KVH * G, hd)).astype(np.float32)
     got = cpu_kernels.decode_rows(q, k, v, tables, lens, 0.125)
@@ -68,7 +73,7 @@ def test_a_decode_row_has_the_bits_of_the_causal_kernel_at_depth(fmt, hd):
             rows[-1] = q[b]
             alone = cpu_kernels.causal_attention(rows, k, v, tables[b], int(lens[b]), 0.125)
             assert np.array_equal(alone[-1], got[b]), (b, T)
-        np.testing.assert_allclose(got[b], reference(q[b], kf, vf, tables[b], int(lens[b])), atol=3e-5)
+        np.testing.assert_allclose(got[b], reference(q[b], k, v, tables[b], int(lens[b])), atol=3e-5)
 
 
 def test_spans_fold_in_position_order_whatever_the_window_start():

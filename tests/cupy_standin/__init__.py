@@ -50,6 +50,7 @@ from cupy_standin._math import (
     multiply,
     negative,
     reshape,
+    rint,
     sqrt,
     stack,
     subtract,
@@ -83,6 +84,6 @@ __all__ = [
     "RawKernel", "RawModule", "abs", "absolute", "add", "amax", "amin", "arange", "argmax", "array", "asarray",
     "ascontiguousarray", "asnumpy", "concatenate", "copy", "cuda", "divide", "dot", "empty", "empty_like", "exp",
     "full", "full_like", "get_array_module", "isfinite", "isnan", "log", "matmul", "max", "maximum", "mean", "min",
-    "minimum", "multiply", "ndarray", "negative", "ones", "reshape", "sqrt", "stack", "subtract", "sum", "take",
+    "minimum", "multiply", "ndarray", "negative", "ones", "reshape", "rint", "sqrt", "stack", "subtract", "sum", "take",
     "tanh", "transpose", "tril", "triu", "true_divide", "where", "zeros", "zeros_like",
 ]  # fmt: skip

@@ -36,6 +36,7 @@ minimum = _ufunc(np.minimum)
 where = _ufunc(np.where)
 isfinite = _ufunc(np.isfinite)
 isnan = _ufunc(np.isnan)
+rint = _ufunc(np.rint)
 
 
 def _arrays(seq) -> list[np.ndarray]:

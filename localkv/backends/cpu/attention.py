@@ -113,7 +113,10 @@ def paged_attention(
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
     else:
         k, v = (_keys(layer, block_table, n_ctx, extra, i) for i, layer in enumerate((k_layer, v_layer)))
-    return _by_query(q, k, v, scale, mass, k.shape[1] - n_ctx, softcap, window, holes)
+    qs = q * np.float32(scale)
+    if kv_format.of(k_layer).quantized:  # the products the kernels' integer scores give
+        qs = kv_format.round_queries(qs)
+    return _by_query(qs, k, v, mass, k.shape[1] - n_ctx, softcap, window, holes)
 
 
 def _keys(layer: np.ndarray, block_table, n_ctx: int, extra, which: int) -> np.ndarray:
@@ -125,10 +128,8 @@ def _keys(layer: np.ndarray, block_table, n_ctx: int, extra, which: int) -> np.n
     return np.ascontiguousarray(kv)
 
 
-def _by_query(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mass, ne: int, softcap: float, window: int, holes
-):
-    """paged_attention one query token at a time (keys k, v [kvh, n, hd]: ne extra keys, then
+def _by_query(q: np.ndarray, k: np.ndarray, v: np.ndarray, mass, ne: int, softcap: float, window: int, holes):
+    """paged_attention one query token at a time (q scaled; keys k, v [kvh, n, hd]: ne extra keys, then
     the table's, the last T of them the queries' own): each query's scores, softmax and
     weighted sum over exactly the keys it sees, in matmuls over its heads whose shapes depend on
     its position alone, so that its result does not depend on the tokens that share its pass
@@ -136,7 +137,7 @@ def _by_query(
     T, H, hd = q.shape
     kvh, n = k.shape[0], k.shape[1]
     g = H // kvh
-    qg = (q * np.float32(scale)).reshape(T, kvh, g, hd)
+    qg = q.reshape(T, kvh, g, hd)
     kt = k.transpose(0, 2, 1)
     out = np.empty((T, kvh, g, hd), np.float32)
     for t in range(T):

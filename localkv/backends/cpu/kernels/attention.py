@@ -25,6 +25,7 @@ from numba import njit, prange, types
 from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR, self_check, uniform_pool
+from localkv.backends.cpu.kernels.key_scores import lanes_of, query_lanes, scores_sourced
 from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import (
     EXP_FLOOR,
@@ -277,6 +278,41 @@ def _sourced_rows(pool, extra, tables, h, t0, n, dst, hd, seen):
         t += run
 
 
+def queries(k, gq, L, xi, dq, qs, row, q):
+    """A pool of quantized K: the query rows of gq [hd, R] into key_scores' lane blocks of L
+    (query_lanes); of float K: nothing (the float products read gq as it is)."""
+
+
+@overload(queries, jit_options=NO_NRT)
+def _queries_impl(k, gq, L, xi, dq, qs, row, q):
+    if _quantized(k):
+        return lambda k, gq, L, xi, dq, qs, row, q: query_lanes(gq, gq.shape[1], L, xi, dq, qs, row, q)
+    return lambda k, gq, L, xi, dq, qs, row, q: None
+
+
+def key_chunk(gq, k, extra, tables, h, t0, n, kc, st, seen, xi, dq, qs):
+    """st [KEYS, R] = the scores of the chunk's keys at t0 .. t0 + n - 1 (through a per-kv-head
+    table, _sourced_rows) for the query rows of gq [hd, R]: a quantized K's in integer form
+    (key_scores, on the lanes `queries` made), a float K's converted into kc and multiplied
+    (_scores)."""
+
+
+@overload(key_chunk, jit_options=NO_NRT)
+def _key_chunk_impl(gq, k, extra, tables, h, t0, n, kc, st, seen, xi, dq, qs):
+    if _quantized(k):
+
+        def ints(gq, k, extra, tables, h, t0, n, kc, st, seen, xi, dq, qs):
+            scores_sourced(k, extra, tables, h, t0, n, xi, dq, qs, st, gq.shape[1], gq.shape[0], seen)
+
+        return ints
+
+    def floats(gq, k, extra, tables, h, t0, n, kc, st, seen, xi, dq, qs):
+        _sourced_rows(k, extra, tables, h, t0, n, kc, gq.shape[0], seen)
+        _scores(gq, kc, st, gq.shape[1], gq.shape[0])
+
+    return floats
+
+
 @register_jitable(**NO_NRT)
 def _cap_and_mask(st, n, t0, first, g, rows, softcap, window, seen):
     """Scores st [KEYS, RT] of a chunk at t0, for rows whose token r // g sits at position
@@ -339,12 +375,14 @@ def _span_part(qt, k, v, tables, extra_k, extra_v, h, c, lo, hi, first, g, rows,
     kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
     st, top = np.empty((KEYS, RT), np.float32), np.empty(RT, np.float32)
     seen = np.empty(KEYS, np.bool_)
+    nb = hd // QK
+    xi, dq, qs = np.empty(RT * hd, np.int8), np.empty(RT * nb, np.float32), np.empty(RT * nb, np.int32)
+    queries(k, qt[h, c], lanes_of(RT), xi, dq, qs, np.empty(hd, np.float32), np.empty(QK, np.int8))
     _empty(o, m, sums)
     for t0 in range(lo, hi, KEYS):
         n = min(hi - t0, KEYS)
-        _sourced_rows(k, extra_k, tables, h, t0, n, kc, hd, seen)
+        key_chunk(qt[h, c], k, extra_k, tables, h, t0, n, kc, st, seen, xi, dq, qs)
         _sourced_rows(v, extra_v, tables, h, t0, n, vc, hd, seen)
-        _scores(qt[h, c], kc, st, RT, hd)
         _cap_and_mask(st, n, t0, first, g, rows, softcap, window, seen)
         _softmax_step(st, n, o, m, sums, top)
         _accumulate(st, vc, o, RT, hd)

@@ -16,6 +16,7 @@ from numba import types
 from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels.attention import KEYS, _quantized, block_values, exp, rload
+from localkv.backends.cpu.kernels.key_scores import ROWS  # the rows of a group this path takes
 from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import (
     fadd,
@@ -36,7 +37,6 @@ from localkv.backends.cpu.simd.u8x32 import half
 from localkv.backends.cpu.simd.x16 import hload16, load16, q4load16, q8load16, zero16
 from localkv.kv_format import QK
 
-ROWS = 4  # the rows of a group this path takes
 # 64 values of hd for 4 rows held in 16 registers: only where AVX-512 has 32 of them (AVX2's 16
 # would spill); elsewhere 16 values at a time on 8-lane vectors
 WIDE = bool(llvm.get_host_cpu_features().get("avx512f"))

@@ -18,7 +18,7 @@ models) takes kernels/decode_few's tiles, keys in the lanes, with the same bits.
 
 import numpy as np
 from numba import njit, prange
-from numba.extending import register_jitable
+from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR, self_check, uniform_pool
 from localkv.backends.cpu.kernels.attention import (
@@ -27,13 +27,17 @@ from localkv.backends.cpu.kernels.attention import (
     _accumulate,
     _empty,
     _fold,
+    _quantized,
     _scores,
     _softmax_step,
+    queries,
     row_into,
 )
 from localkv.backends.cpu.kernels.decode_few import ROWS, accumulate_rows, rows_t, scores_t, softmax_t
+from localkv.backends.cpu.kernels.key_scores import lanes_of, scores_at, scores_keys
 from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.u8x32 import prefetch
+from localkv.kv_format import QK
 
 AHEAD = 2  # chunks between a chunk's prefetch and its reads (BENCHMARKS.md, attention at depth)
 
@@ -121,17 +125,23 @@ def _span(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
     taken, members = np.zeros(s1 - s0, np.bool_), np.empty(s1 - s0, np.int64)
     held = np.empty(s1 - s0, np.int64)  # the group whose state the lanes hold
     offs, ahead = np.empty(KEYS, np.int64), np.empty(KEYS, np.int64)
+    nb = hd // QK
+    lanes = (np.empty(R8 * hd, np.int8), np.empty(R8 * nb, np.float32), np.empty(R8 * nb, np.int32))
     bufs = (kc, vc, st_buf, gq_buf, go_buf, top, gm, gs, kt, st_t)
-    _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, (taken, members, held, offs, ahead))
+    ints = (taken, members, held, offs, ahead)
+    scratch = (np.empty(hd, np.float32), np.empty(QK, np.int8))
+    _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, ints, lanes, scratch)
 
 
 @register_jitable(**NO_NRT)
-def _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, ints):
-    """_span's chunks, on the buffers it made (bufs, ints): without reference counts, as the
-    views it takes per chunk (of the buffers, of a block table) cost as much as a chunk's
-    prefetches at depth."""
+def _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, ints, lanes, scratch):
+    """_span's chunks, on the buffers it made (bufs, ints; lanes and row: a quantized K's query
+    lanes, key_scores; scratch, theirs): without reference counts, as the views it takes per chunk (of the
+    buffers, of a block table) cost as much as a chunk's prefetches at depth."""
     kc, vc, st_buf, gq_buf, go_buf, top, gm, gs, kt, st_t = bufs
     taken, members, held, offs, ahead = ints
+    xi, dq, qs = lanes
+    row, code = scratch
     B, H, hd = q.shape
     bs = k.shape[1]
     g = H // k.shape[2]
@@ -165,21 +175,56 @@ def _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, ints)
             if not _holds(held, resident, members, count):  # the lanes change hands
                 _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
                 _gather(q, scale, o, m, sums, members, count, g, h, s0, gq, go, gm, gs)
+                queries(k, gq, 1 if count * g <= ROWS else lanes_of(r8), xi, dq, qs, row, code)
                 for i in range(count):  # a loop: a slice copy between arrays needs numba's runtime
                     held[i] = members[i]
                 resident = count
-            if count * g <= ROWS:  # 8 lanes of rows mostly padding: keys in the lanes (decode_few)
-                rows_t(k, offs, n, kt, hd)
-                scores_t(kt, gq, r8, st_t, hd)
-                softmax_t(st_t, n, go, gm, gs, count * g)
-                accumulate_rows(st_t, 1, KEYS, v, offs, n, go, count * g)
+            _chunk(k, v, offs, n, count * g, gq, go, gm, gs, st, top, bufs, lanes)
+    _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
+
+
+def _chunk(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
+    """One chunk of a group's rows (gq [hd, r8], their state go, gm, gs), keys at the pool rows
+    offs[:n]: scored (a quantized K in integer form, on the lanes; a float K's rows converted),
+    the softmax step, the weighted values. A group of up to ROWS rows, 8 lanes mostly padding,
+    takes decode_few's sums (and with a float K its scores, keys in the lanes)."""
+
+
+@overload(_chunk, jit_options=NO_NRT)
+def _chunk_impl(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
+    if _quantized(k):
+
+        def ints(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
+            vc, st_t = bufs[1], bufs[9]
+            hd, r8 = gq.shape
+            if rows <= ROWS:
+                scores_keys(k, offs, n, lanes[0], lanes[1], lanes[2], st_t, hd)
+                softmax_t(st_t, n, go, gm, gs, rows)
+                accumulate_rows(st_t, 1, KEYS, v, offs, n, go, rows)
             else:
-                _rows(k, offs, n, kc, hd)
-                _scores(gq, kc, st, r8, hd)
+                scores_at(k, offs, n, lanes[0], lanes[1], lanes[2], st, r8, hd)
                 _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
                 _rows(v, offs, n, vc, hd)
                 _accumulate(st, vc, go, r8, hd)
-    _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
+
+        return ints
+
+    def floats(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
+        kc, vc, kt, st_t = bufs[0], bufs[1], bufs[8], bufs[9]
+        hd, r8 = gq.shape
+        if rows <= ROWS:  # 8 lanes of rows mostly padding: keys in the lanes (decode_few)
+            rows_t(k, offs, n, kt, hd)
+            scores_t(kt, gq, r8, st_t, hd)
+            softmax_t(st_t, n, go, gm, gs, rows)
+            accumulate_rows(st_t, 1, KEYS, v, offs, n, go, rows)
+        else:
+            _rows(k, offs, n, kc, hd)
+            _scores(gq, kc, st, r8, hd)
+            _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
+            _rows(v, offs, n, vc, hd)
+            _accumulate(st, vc, go, r8, hd)
+
+    return floats
 
 
 @register_jitable(**NO_NRT)

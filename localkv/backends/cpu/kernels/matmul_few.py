@@ -52,7 +52,7 @@ PREFETCH = 16384
 
 
 @register_jitable(fastmath=False)
-def _scale(bits, o, gs):
+def group_scale(bits, o, gs):
     """(d, 1 / d) of values o .. o + gs - 1 of a row (bits: its float32 values' bits): d = amax
     / 127; (nan, 0) for a group holding inf or nan, (0, 0) for one of zeros. amax is the
     largest of the values' bits without the sign (an integer max: bits past +inf's are inf or
@@ -69,7 +69,7 @@ def _scale(bits, o, gs):
 @register_jitable(fastmath=False)
 def _quantize(x, xq, dx, xs16, gs):
     """x [R, K] float32 (rows contiguous) -> xq int8 [R, K], per gs values (32, or 256 for the
-    K-quants) q = rint(x * (1 / d)) with d = amax / 127 (_scale), d stored once per 32 values
+    K-quants) q = rint(x * (1 / d)) with d = amax / 127 (group_scale), d stored once per 32 values
     (dx [R, K/32]); xs16 [R, K/16] = d * the sum of each 16 q (what the offsets multiply). A
     group holding inf or nan gets q = 0 and d = nan, so its outputs are nan as in float math
     (without fastmath here: it would assume there are none). 16 values a step (x16.quant16),
@@ -80,7 +80,7 @@ def _quantize(x, xq, dx, xs16, gs):
         xr, qr = x[r], xq[r]
         for g in range(K // gs):
             o = gs * g
-            d, inv = _scale(bits[r], o, gs)
+            d, inv = group_scale(bits[r], o, gs)
             for k in range(gs // 16):
                 s = 0
                 if inv > 0:
@@ -187,7 +187,7 @@ def _lanes_block(x, r0, r1, gs, q, xi, dxv, xsa, xsb):
     for r in range(L):
         row = r0 + r
         for o in range(0, K, gs):
-            d, inv = _scale(bits[row], o, gs) if row < r1 else (np.float32(0), np.float32(0))
+            d, inv = group_scale(bits[row], o, gs) if row < r1 else (np.float32(0), np.float32(0))
             for g in range(o // 32, (o + gs) // 32):
                 sa = sb = 0
                 if inv > 0:
