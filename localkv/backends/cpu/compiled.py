@@ -95,9 +95,12 @@ def decode_rows(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables,
     kvh = k_layer.shape[2]
     out = np.empty(q.shape, np.float32)
     spans = -(-int(lens.max()) // state.attention.SPAN)  # jobs per kv head and part of the sequences
-    parts = min(B, -(-2 * numba.get_num_threads() // (kvh * spans)))  # enough jobs to keep every thread busy
+    threads = numba.get_num_threads()
+    parts = min(B, -(-2 * threads // (kvh * spans)))  # enough jobs to keep every thread busy
     q = np.ascontiguousarray(q, dtype=np.float32)
-    state.decode_rows.paged_decode(q, np.float32(scale), _bits(k_layer), _bits(v_layer), tables, lens, parts, out)
+    state.decode_rows.paged_decode(
+        q, np.float32(scale), _bits(k_layer), _bits(v_layer), tables, lens, parts, threads, out
+    )
     return out
 
 

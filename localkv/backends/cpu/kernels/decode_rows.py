@@ -69,14 +69,15 @@ def _group(tables, lens, s0, s1, t0, bs, taken, members):
 
 
 @njit(**EXACT_PAR)
-def paged_decode(q, scale, k, v, tables, lens, parts, out):
+def paged_decode(q, scale, k, v, tables, lens, parts, workers, out):
     """Attention of B sequences' last tokens: q [B, H, hd] their query rows, each value times
     scale (float32, as the causal kernel's queries), sequence b at position lens[b] - 1 over
     the first lens[b] tokens of its block table tables[b] (int64 [B, blocks]); out [B, H, hd]
     normalised. Parallel over (kv head, part of the sequences, SPAN of positions): `parts`
     runs of sequences per head, each span's partial softmax kept, then folded in position order
-    as the causal kernel folds them (one read of the K/V a step, on every thread at depth).
-    The queries are scaled and the outputs placed here, not in numpy around the call (a few
+    as the causal kernel folds them (one read of the K/V a step, on every thread at depth);
+    `workers` (the thread count) take the jobs in turn, each on buffers it makes once. The
+    queries are scaled and the outputs placed here, not in numpy around the call (a few
     microseconds a layer, as much as a short context's attention)."""
     B, H, hd = q.shape
     kvh = k.shape[2]
@@ -88,9 +89,14 @@ def paged_decode(q, scale, k, v, tables, lens, parts, out):
     spans = -(-most // SPAN)
     po = np.empty((kvh, spans, rows, hd), np.float32)
     pm, ps = np.empty((kvh, spans, rows), np.float32), np.empty((kvh, spans, rows), np.float32)
-    for job in prange(kvh * parts * spans):
-        h, p, s = job // (parts * spans), job // spans % parts, job % spans
-        _span(q, scale, k, v, tables, lens, h, p * B // parts, (p + 1) * B // parts, s, po[h, s], pm[h, s], ps[h, s])
+    jobs = kvh * parts * spans
+    workers = min(jobs, workers)
+    for w in prange(workers):  # which worker runs a job changes no bit
+        bufs, ints, lanes, scratch = _buffers(hd, -(-B // parts), g)
+        for job in range(w, jobs, workers):
+            h, p, s = job // (parts * spans), job // spans % parts, job % spans
+            s0, s1 = p * B // parts, (p + 1) * B // parts
+            _walk(q, scale, k, v, tables, lens, h, s0, s1, s, po[h, s], pm[h, s], ps[h, s], bufs, ints, lanes, scratch)
     for job in prange(kvh * parts):
         h, p = job // parts, job % parts
         r0, r1 = p * B // parts * g, (p + 1) * B // parts * g
@@ -106,15 +112,12 @@ def paged_decode(q, scale, k, v, tables, lens, parts, out):
 
 
 @register_jitable
-def _span(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
-    """Kv head h's partial softmax of sequences s0 .. s1 - 1 over the keys of one span: po
-    [rows, hd], pm, ps [rows] at the rows of those sequences (an empty state for a sequence
-    that does not reach the span). Makes its buffers; _walk runs the chunks."""
-    hd, g = q.shape[2], q.shape[1] // k.shape[2]
-    R = (s1 - s0) * g  # the job's rows
-    R8 = -(-R // 8) * 8
+def _buffers(hd, seqs, g):
+    """A worker's buffers for jobs of up to `seqs` sequences of g query heads: a group's
+    tiles as contiguous arrays of its own width (bufs: views of these), the walk's ints, a
+    quantized K's query lanes (key_scores) and their scratch."""
+    R8 = -(-seqs * g // 8) * 8
     kc, vc = np.empty((KEYS, hd), np.float32), np.empty((KEYS, hd), np.float32)
-    # a group's tiles, as contiguous arrays of its own width (views of these buffers)
     st_buf, gq_buf, go_buf = (
         np.empty(KEYS * R8, np.float32),
         np.empty(hd * R8, np.float32),
@@ -122,22 +125,22 @@ def _span(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps):
     )
     top, gm, gs = np.empty(R8, np.float32), np.empty(R8, np.float32), np.empty(R8, np.float32)
     kt, st_t = np.empty(hd * KEYS, np.float32), np.empty(ROWS * KEYS, np.float32)  # decode_few's
-    taken, members = np.zeros(s1 - s0, np.bool_), np.empty(s1 - s0, np.int64)
-    held = np.empty(s1 - s0, np.int64)  # the group whose state the lanes hold
+    taken, members = np.zeros(seqs, np.bool_), np.empty(seqs, np.int64)
+    held = np.empty(seqs, np.int64)  # the group whose state the lanes hold
     offs, ahead = np.empty(KEYS, np.int64), np.empty(KEYS, np.int64)
     nb = hd // QK
     lanes = (np.empty(R8 * hd, np.int8), np.empty(R8 * nb, np.float32), np.empty(R8 * nb, np.int32))
     bufs = (kc, vc, st_buf, gq_buf, go_buf, top, gm, gs, kt, st_t)
-    ints = (taken, members, held, offs, ahead)
-    scratch = (np.empty(hd, np.float32), np.empty(QK, np.int8))
-    _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, ints, lanes, scratch)
+    return bufs, (taken, members, held, offs, ahead), lanes, (np.empty(hd, np.float32), np.empty(QK, np.int8))
 
 
 @register_jitable(**NO_NRT)
 def _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, ints, lanes, scratch):
-    """_span's chunks, on the buffers it made (bufs, ints; lanes and row: a quantized K's query
-    lanes, key_scores; scratch, theirs): without reference counts, as the views it takes per chunk (of the
-    buffers, of a block table) cost as much as a chunk's prefetches at depth."""
+    """Kv head h's partial softmax of sequences s0 .. s1 - 1 over the keys of one span: po
+    [rows, hd], pm, ps [rows] at the rows of those sequences (an empty state for a sequence
+    that does not reach the span), chunk by chunk on a worker's buffers (_buffers): without
+    reference counts, as the views it takes per chunk (of the buffers, of a block table) cost
+    as much as a chunk's prefetches at depth."""
     kc, vc, st_buf, gq_buf, go_buf, top, gm, gs, kt, st_t = bufs
     taken, members, held, offs, ahead = ints
     xi, dq, qs = lanes
@@ -318,5 +321,5 @@ def check(k_fmt: str, v_fmt: str) -> bool:
     lens = np.array([3, 2, 4], np.int64)
     tables.flags.writeable = lens.flags.writeable = False
     out = np.empty((3, 2, hd), np.float32)
-    paged_decode(np.ones((3, 2, hd), np.float32), np.float32(1), k, v, tables, lens, 2, out)
+    paged_decode(np.ones((3, 2, hd), np.float32), np.float32(1), k, v, tables, lens, 2, 2, out)
     return np.allclose(out, value, rtol=1e-6, atol=0)
