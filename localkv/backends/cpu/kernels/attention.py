@@ -2,9 +2,10 @@
 of query tokens; in the key chunks that cross a tile's positions, the keys past a row's own are
 masked), and the pieces decode_rows shares with it.
 
-The keys are taken KEYS at a time (a chunk). A chunk's K and V rows are converted once (f16
-pool: F16C; q8_0 / q4_0: integers times their block's scale, exact: kv_format) into float32
-rows for every query row that reads them, and the two products are register tiles of 8 x 8:
+The keys are taken KEYS at a time (a chunk). A chunk's V rows, and a float K's, are converted
+once (pool_rows: f16 by F16C; q8_0 / q4_0 codes times their block's scale, exact) into float32
+rows for every query row that reads them; a q8_0 / q4_0 K is scored in its integer form
+(key_scores) instead. The products are register tiles of 8 x 8:
 the scores of 8 query rows (one vector, queries transposed) for 8 keys, and the weighted values
 of 8 query rows for 8 of the head dimension, each a vector load, 8 broadcasts and 8 FMAs a step
 with the accumulators in registers. A row of scores per query, as
@@ -21,11 +22,12 @@ Head dimensions must be a multiple of 8 (every model the loader takes has one).
 """
 
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, prange
 from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.kernels import EXACT_PAR, self_check, uniform_pool
 from localkv.backends.cpu.kernels.key_scores import lanes_of, query_lanes, scores_sourced
+from localkv.backends.cpu.kernels.pool_rows import quant_bytes, row_into
 from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import (
     EXP_FLOOR,
@@ -41,15 +43,11 @@ from localkv.backends.cpu.simd.f32x8 import (
     fstore,
     fweights,
     fzero,
-    hload,
-    q4load,
-    q8load,
     wload,
     wsplat_at,
 )
-from localkv.backends.cpu.simd.u8x32 import half
 from localkv.backends.cpu.simd.x16 import zero16
-from localkv.kv_format import Q4_0_BYTES, Q8_0_BYTES, QK
+from localkv.kv_format import QK
 from localkv.sequence import HOLE
 
 KEYS = 64  # keys per chunk
@@ -70,80 +68,6 @@ def exp(x):
     for i in range(1, len(EXP_POLY)):
         p = p * r + np.float32(EXP_POLY[i])
     return p * float_of_bits((np.int32(k) + np.int32(127)) << np.int32(23))
-
-
-def vload(a, off):
-    """8 pool values at a flat offset as float32: float32 as is, uint16 as half floats."""
-
-
-@overload(vload, jit_options={"fastmath": True, **NO_NRT})
-def _vload_impl(a, off):
-    if a.dtype == types.uint16:
-        return lambda a, off: hload(a, off)
-    return lambda a, off: fload(a, off)
-
-
-def _quantized(a) -> int:
-    """The bytes of one 32-value block of a pool array in a quantized K/V format (0: floats)."""
-    return Q8_0_BYTES if a.dtype == types.int8 else Q4_0_BYTES if a.dtype == types.uint8 else 0
-
-
-def block_values(a, at, j, s):
-    """Values j .. j + 7 (j a multiple of 8) of the quantized block at byte `at` of a pool array,
-    times its scale s, as float32: q8_0, 32 int8 after the f16 scale; q4_0, 16 bytes of two
-    nibbles (values 0-15 low, 16-31 high)."""
-
-
-@overload(block_values, inline="always")
-def _block_values_impl(a, at, j, s):
-    if a.dtype == types.int8:
-        return lambda a, at, j, s: q8load(a, at + 2 + j, s)
-    return lambda a, at, j, s: q4load(a, at + 2 + j % (QK // 2), j // (QK // 2) * 4, s)
-
-
-def rload(a, row, d):
-    """Values d .. d + 7 (d a multiple of 8) of row `row` of a pool array (a row: its last
-    axis; row a flat index over the others) as float32, in the array's K/V format (kv_format:
-    its dtype names it)."""
-
-
-@overload(rload, jit_options={"fastmath": True, **NO_NRT})
-def _rload_impl(a, row, d):
-    last, nbytes = a.ndim - 1, _quantized(a)
-    if nbytes:
-
-        def quantized(a, row, d):
-            at = row * a.shape[last] + d // QK * nbytes
-            return block_values(a, at, d % QK, half(a, at))
-
-        return quantized
-    return lambda a, row, d: vload(a, row * a.shape[last] + d)
-
-
-def row_into(dst, off, a, row, hd):
-    """dst[off : off + hd] = row `row` of a pool array as float32 (rload's values; a quantized
-    format's scale read once per block, not once per 8 values)."""
-
-
-@overload(row_into, jit_options={"fastmath": True, **NO_NRT})
-def _row_into_impl(dst, off, a, row, hd):
-    last, nbytes = a.ndim - 1, _quantized(a)
-    if nbytes:
-
-        def quantized(dst, off, a, row, hd):
-            for b in range(hd // QK):
-                at = row * a.shape[last] + b * nbytes
-                s = half(a, at)
-                for j in range(0, QK, 8):
-                    fstore(dst, off + b * QK + j, block_values(a, at, j, s))
-
-        return quantized
-
-    def floats(dst, off, a, row, hd):
-        for d in range(0, hd, 8):
-            fstore(dst, off + d, vload(a, row * a.shape[last] + d))
-
-    return floats
 
 
 @register_jitable(**NO_NRT)
@@ -285,7 +209,7 @@ def queries(k, gq, L, xi, dq, qs, row, q):
 
 @overload(queries, jit_options=NO_NRT)
 def _queries_impl(k, gq, L, xi, dq, qs, row, q):
-    if _quantized(k):
+    if quant_bytes(k):
         return lambda k, gq, L, xi, dq, qs, row, q: query_lanes(gq, gq.shape[1], L, xi, dq, qs, row, q)
     return lambda k, gq, L, xi, dq, qs, row, q: None
 
@@ -299,7 +223,7 @@ def key_chunk(gq, k, extra, tables, h, t0, n, kc, st, seen, xi, dq, qs):
 
 @overload(key_chunk, jit_options=NO_NRT)
 def _key_chunk_impl(gq, k, extra, tables, h, t0, n, kc, st, seen, xi, dq, qs):
-    if _quantized(k):
+    if quant_bytes(k):
 
         def ints(gq, k, extra, tables, h, t0, n, kc, st, seen, xi, dq, qs):
             scores_sourced(k, extra, tables, h, t0, n, xi, dq, qs, st, gq.shape[1], gq.shape[0], seen)

@@ -15,8 +15,9 @@ import llvmlite.binding as llvm
 from numba import types
 from numba.extending import overload, register_jitable
 
-from localkv.backends.cpu.kernels.attention import KEYS, _quantized, block_values, exp, rload
+from localkv.backends.cpu.kernels.attention import KEYS, exp
 from localkv.backends.cpu.kernels.key_scores import ROWS  # the rows of a group this path takes
+from localkv.backends.cpu.kernels.pool_rows import block_values, quant_bytes, rload
 from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import (
     fadd,
@@ -55,7 +56,7 @@ def rload16(a, row, d):
 
 @overload(rload16, jit_options={"fastmath": True, **NO_NRT})
 def _rload16_impl(a, row, d):
-    last, nbytes = a.ndim - 1, _quantized(a)
+    last, nbytes = a.ndim - 1, quant_bytes(a)
     if nbytes:
 
         def quantized(a, row, d):
@@ -87,7 +88,7 @@ def rows_t(pool, offs, n, kt, hd):
 
 @overload(rows_t, jit_options={"fastmath": True, **NO_NRT})
 def _rows_t_impl(pool, offs, n, kt, hd):
-    last, nbytes = pool.ndim - 1, _quantized(pool)
+    last, nbytes = pool.ndim - 1, quant_bytes(pool)
     if not nbytes:
 
         def floats(pool, offs, n, kt, hd):

@@ -27,14 +27,13 @@ from localkv.backends.cpu.kernels.attention import (
     _accumulate,
     _empty,
     _fold,
-    _quantized,
     _scores,
     _softmax_step,
     queries,
-    row_into,
 )
 from localkv.backends.cpu.kernels.decode_few import ROWS, accumulate_rows, rows_t, scores_t, softmax_t
 from localkv.backends.cpu.kernels.key_scores import lanes_of, scores_at, scores_keys
+from localkv.backends.cpu.kernels.pool_rows import quant_bytes, row_into
 from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.u8x32 import prefetch
 from localkv.kv_format import QK
@@ -195,7 +194,7 @@ def _chunk(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
 
 @overload(_chunk, jit_options=NO_NRT)
 def _chunk_impl(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
-    if _quantized(k):
+    if quant_bytes(k):
 
         def ints(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
             vc, st_t = bufs[1], bufs[9]
