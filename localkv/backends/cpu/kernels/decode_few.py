@@ -50,7 +50,7 @@ def _key(pool, offs, n, t, d):
 
 
 def rload16(a, row, d):
-    """attention.rload's values d .. d + 15 (d a multiple of 16) as an F32x16: the same floats
+    """pool_rows.rload's values d .. d + 15 (d a multiple of 16) as an F32x16: the same floats
     (each conversion is exact), 16 at a time."""
 
 
@@ -70,7 +70,7 @@ def _rload16_impl(a, row, d):
 
 
 def block_values16(a, at, j, s):
-    """attention.block_values' values j .. j + 15 (j 0 or 16) of the block at byte `at`."""
+    """pool_rows.block_values' values j .. j + 15 (j 0 or 16) of the block at byte `at`."""
 
 
 @overload(block_values16, inline="always")
