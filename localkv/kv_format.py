@@ -191,12 +191,11 @@ def round_queries(x, xp=np):
     int32 (kernels/key_scores.py); a float path that multiplies these rows with the decoded K
     computes the same products, rounded its own way (numpy's, CuPy's and CUDA's paths do)."""
     b = x.reshape(*x.shape[:-1], -1, QK)
-    amax = xp.abs(b).max(axis=-1, keepdims=True)  # nan where a value is nan
+    amax = xp.abs(b).max(axis=-1, keepdims=True)  # inf or nan: d too, so q * d is nan
     d = amax / np.float32(127)
     with np.errstate(divide="ignore", invalid="ignore"):
         inv = xp.where(amax > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
         r = xp.rint(b * inv) * d
-    r = xp.where(xp.isfinite(amax), r, np.float32(np.nan))
     return r.astype(np.float32, copy=False).reshape(x.shape)
 
 

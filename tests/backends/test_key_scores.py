@@ -60,8 +60,8 @@ def _fma32(a: float, b: float, c: float) -> np.float32:
     return np.float32(s)
 
 
-def reference(pool, offs, gq):
-    """The scores [R, keys] of the pool rows offs (flat row indices) for the rows gq [hd, R]."""
+def rounded(gq):
+    """The rule's codes [R, blocks, 32] and scales [R, blocks] of the rows gq [hd, R]."""
     x = np.ascontiguousarray(gq.T).reshape(gq.shape[1], NB, QK)
     amax = np.abs(x).max(axis=-1)
     d = amax / np.float32(127)
@@ -70,6 +70,12 @@ def reference(pool, offs, gq):
         cq = np.rint(x * inv[..., None])
     bad = ~np.isfinite(amax)
     cq[bad], d[bad] = 0, np.nan
+    return cq, d
+
+
+def reference(pool, offs, gq):
+    """The scores [R, keys] of the pool rows offs (flat row indices) for the rows gq [hd, R]."""
+    cq, d = rounded(gq)
     rows = pool.reshape(-1, pool.shape[-1])[offs]
     blocks = rows.view(np.uint8).reshape(len(offs), NB, -1)
     scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -121,3 +127,13 @@ def test_keys_in_the_lanes_give_the_rule_bits(fmt):
     got, want = _keys(pool, offs, 37, gq), reference(pool, offs[:37], gq)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got, _at(pool, offs[:37], np.pad(gq, ((0, 0), (0, 4))), 8)[:4])
+
+
+def test_the_float_paths_round_the_query_by_the_same_rule():
+    """kv_format.round_queries (numpy's and CuPy's paths) gives q * d of the codes and scales the
+    kernels multiply: nan for a block holding nan, 0 for one of zeros."""
+    gq = _queries(8)
+    cq, d = rounded(gq)
+    got = kv_format.round_queries(np.ascontiguousarray(gq.T))
+    np.testing.assert_array_equal(got, (cq * d[..., None]).reshape(8, HD))
+    assert (got[1, :QK] == 0).all() and np.isnan(got[2, QK:]).all() and not np.isnan(got[2, :QK]).any()
