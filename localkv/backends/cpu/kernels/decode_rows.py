@@ -92,8 +92,10 @@ def paged_decode(q, scale, k, v, tables, lens, parts, workers, out):
     workers = min(jobs, workers)
     for w in prange(workers):  # which worker runs a job changes no bit
         bufs, ints, lanes, scratch = _buffers(hd, -(-B // parts), g)
-        for job in range(w, jobs, workers):
-            h, p, s = job // (parts * spans), job // spans % parts, job % spans
+        # a worker's jobs are consecutive, the kv heads of a span next to each other: a block
+        # holds every head's rows, so the heads after the first read its lines from the cache
+        for job in range(w * jobs // workers, (w + 1) * jobs // workers):
+            s, h, p = job // (kvh * parts), job // parts % kvh, job % parts
             s0, s1 = p * B // parts, (p + 1) * B // parts
             _walk(q, scale, k, v, tables, lens, h, s0, s1, s, po[h, s], pm[h, s], ps[h, s], bufs, ints, lanes, scratch)
     for job in prange(kvh * parts):
