@@ -171,7 +171,7 @@ __device__ __forceinline__ void lkv_online_step(const float (&qr)[GMAX][(HD / 2 
 }
 
 // A query row (scaled, lane-owned pairs lane + 32 * i) rounded as a quantized K multiplies it
-// (kv_format.round_queries; the CPU's integer scores): per 32 values, which are 16 lanes' pairs,
+// (quant/fallback.quantize_activations; the CPU's integer scores): per 32 values, which are 16 lanes' pairs,
 // d = amax / 127 and each value rint(x * (1 / d)) * d; 0 for a block of zeros, nan for one
 // holding inf or nan. The products stay fp32 here: the CPU's scores up to rounding. Every lane
 // of the warp calls it (the shuffles).

@@ -184,21 +184,6 @@ def decode(a, xp=np):
     return (q * d).reshape(*a.shape[:-1], -1)
 
 
-def round_queries(x, xp=np):
-    """Query rows x [..., head_dim] (float32, scaled) as a quantized K multiplies them: per 32
-    values d = amax / 127 and q = rint(x * (1 / d)), the rows taken as q * d (0 for a block of
-    zeros, nan for one holding inf or nan). The CPU kernels sum q times K's codes exactly in
-    int32 (kernels/key_scores.py); a float path that multiplies these rows with the decoded K
-    computes the same products, rounded its own way (numpy's, CuPy's and CUDA's paths do)."""
-    b = x.reshape(*x.shape[:-1], -1, QK)
-    amax = xp.abs(b).max(axis=-1, keepdims=True)  # inf or nan: d too, so q * d is nan
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        inv = xp.where(amax > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-        r = xp.rint(b * inv) * d
-    return r.astype(np.float32, copy=False).reshape(x.shape)
-
-
 def _inverse(d: np.ndarray) -> np.ndarray:
     """1 / d, 0 where d is 0 (a block of zeros), as ggml's quantizers take it."""
     with np.errstate(divide="ignore"):

@@ -19,6 +19,7 @@ import cupy as cp
 import numpy as np
 
 from localkv import kv_format
+from localkv.backends.cpu.quant import fallback
 from localkv.backends.cuda_kernels import (
     DECODE_WARPS,
     F16,
@@ -311,7 +312,7 @@ def _paged_attention_xp(q, k_layer, v_layer, block_table, n_ctx, scale, mass=Non
     g = H // kvh
     qg = q.astype(cp.float32).reshape(T, kvh, g, hd).transpose(1, 2, 0, 3).reshape(kvh, g * T, hd)
     if kv_format.of(k_layer).quantized:  # the CPU's integer scores' products (the kernels' too)
-        s = cp.matmul(kv_format.round_queries(qg * np.float32(scale), cp), k.transpose(1, 2, 0))
+        s = cp.matmul(fallback.quantize_activations(qg * np.float32(scale), xp=cp), k.transpose(1, 2, 0))
     else:
         s = cp.matmul(qg, k.transpose(1, 2, 0)) * scale
     if T > 1:

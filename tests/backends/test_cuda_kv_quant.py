@@ -14,6 +14,7 @@ from cuda_emu import LAUNCHED, compiler, host
 
 from localkv import kv_format
 from localkv.backends import cpu as ops_numpy
+from localkv.backends.cpu.quant import fallback
 
 pytestmark = pytest.mark.skipif(
     compiler() is None, reason="no C++ compiler (g++, c++ or clang++; or set CXX): cannot emulate CUDA kernels"
@@ -69,7 +70,7 @@ def _lse_ref(q, k, table, n_ctx, scale):
     keys = kv_format.decode(k)[table].reshape(-1, kvh, hd)[:n_ctx].astype(np.float64)
     qs = np.asarray(q, np.float32) * np.float32(scale)
     if kv_format.of(k).quantized:
-        qs = kv_format.round_queries(qs)
+        qs = fallback.quantize_activations(qs)
     s = np.einsum("thd,nhd->thn", qs.astype(np.float64), np.repeat(keys, H // kvh, axis=1))
     s = np.where(np.arange(T)[:, None, None] + n_ctx - T < np.arange(n_ctx), -np.inf, s)
     m = s.max(-1, keepdims=True)

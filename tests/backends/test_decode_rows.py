@@ -9,6 +9,7 @@ import pytest
 from localkv import kv_format
 from localkv.backends.cpu import build
 from localkv.backends.cpu import compiled as cpu_kernels
+from localkv.backends.cpu.quant import fallback
 
 pytestmark = pytest.mark.skipif(not build.load(), reason="no numba kernels")
 
@@ -47,7 +48,7 @@ def reference(q, k, v, table, n):
     hd = q.shape[-1]
     q = q * np.float32(0.125)
     if kv_format.of(k).quantized:
-        q = kv_format.round_queries(q)
+        q = fallback.quantize_activations(q)
     k, v = kv_format.decode(k), kv_format.decode(v)
     K = k[table].reshape(-1, KVH, hd)[:n].astype(np.float64)
     V = v[table].reshape(-1, KVH, hd)[:n].astype(np.float64)

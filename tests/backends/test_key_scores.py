@@ -17,6 +17,7 @@ from localkv import kv_format
 from localkv.backends.cpu import build
 from localkv.backends.cpu.kernels.attention import KEYS
 from localkv.backends.cpu.kernels.key_scores import ROWS, lanes_of, query_lanes, scores_at, scores_keys
+from localkv.backends.cpu.quant import fallback
 
 pytestmark = pytest.mark.skipif(not build.load(), reason="no numba kernels")
 
@@ -130,10 +131,10 @@ def test_keys_in_the_lanes_give_the_rule_bits(fmt):
 
 
 def test_the_float_paths_round_the_query_by_the_same_rule():
-    """kv_format.round_queries (numpy's and CuPy's paths) gives q * d of the codes and scales the
+    """fallback.quantize_activations (numpy's and CuPy's paths) gives q * d of the codes and scales the
     kernels multiply: nan for a block holding nan, 0 for one of zeros."""
     gq = _queries(8)
     cq, d = rounded(gq)
-    got = kv_format.round_queries(np.ascontiguousarray(gq.T))
+    got = fallback.quantize_activations(np.ascontiguousarray(gq.T))
     np.testing.assert_array_equal(got, (cq * d[..., None]).reshape(8, HD))
     assert (got[1, :QK] == 0).all() and np.isnan(got[2, QK:]).all() and not np.isnan(got[2, :QK]).any()

@@ -6,6 +6,7 @@ import numpy as np
 
 import localkv.backends.cpu.compiled as cpu_kernels
 from localkv import kv_format
+from localkv.backends.cpu.quant import fallback
 
 
 def gather_kv(layer: np.ndarray, block_table: np.ndarray, n_ctx: int) -> np.ndarray:
@@ -115,7 +116,7 @@ def paged_attention(
         k, v = (_keys(layer, block_table, n_ctx, extra, i) for i, layer in enumerate((k_layer, v_layer)))
     qs = q * np.float32(scale)
     if kv_format.of(k_layer).quantized:  # the products the kernels' integer scores give
-        qs = kv_format.round_queries(qs)
+        qs = fallback.quantize_activations(qs)
     return _by_query(qs, k, v, mass, k.shape[1] - n_ctx, softcap, window, holes)
 
 

@@ -187,46 +187,51 @@ def _walk(q, scale, k, v, tables, lens, h, s0, s1, span, po, pm, ps, bufs, ints,
     _scatter(go_buf, gm, gs, held, resident, g, s0, o, m, sums)
 
 
+@register_jitable(**NO_NRT)
 def _chunk(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
     """One chunk of a group's rows (gq [hd, r8], their state go, gm, gs), keys at the pool rows
-    offs[:n]: scored (a quantized K in integer form, on the lanes; a float K's rows converted),
-    the softmax step, the weighted values. A group of up to ROWS rows, 8 lanes mostly padding,
-    takes decode_few's sums (and with a float K its scores, keys in the lanes)."""
+    offs[:n]: scored (_chunk_scores), the softmax step, the weighted values. A group of up to
+    ROWS rows, 8 lanes mostly padding, takes decode_few's sums, keys in the lanes."""
+    vc, st_t = bufs[1], bufs[9]
+    hd, r8 = gq.shape
+    _chunk_scores(k, offs, n, rows, gq, st, bufs, lanes)
+    if rows <= ROWS:
+        softmax_t(st_t, n, go, gm, gs, rows)
+        accumulate_rows(st_t, 1, KEYS, v, offs, n, go, rows)
+    else:
+        _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
+        _rows(v, offs, n, vc, hd)
+        _accumulate(st, vc, go, r8, hd)
 
 
-@overload(_chunk, jit_options=NO_NRT)
-def _chunk_impl(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
+def _chunk_scores(k, offs, n, rows, gq, st, bufs, lanes):
+    """The scores of the pool rows offs[:n] for a group's rows gq [hd, r8]: up to ROWS rows into
+    decode_few's st_t (bufs[9]) with the keys in the lanes, more into st [KEYS, r8]; a quantized
+    K in integer form (key_scores, on the query lanes), a float K's rows converted first."""
+
+
+@overload(_chunk_scores, jit_options=NO_NRT)
+def _chunk_scores_impl(k, offs, n, rows, gq, st, bufs, lanes):
     if quant_bytes(k):
 
-        def ints(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
-            vc, st_t = bufs[1], bufs[9]
+        def ints(k, offs, n, rows, gq, st, bufs, lanes):
             hd, r8 = gq.shape
             if rows <= ROWS:
-                scores_keys(k, offs, n, lanes[0], lanes[1], lanes[2], st_t, hd)
-                softmax_t(st_t, n, go, gm, gs, rows)
-                accumulate_rows(st_t, 1, KEYS, v, offs, n, go, rows)
+                scores_keys(k, offs, n, lanes[0], lanes[1], lanes[2], bufs[9], hd)
             else:
                 scores_at(k, offs, n, lanes[0], lanes[1], lanes[2], st, r8, hd)
-                _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
-                _rows(v, offs, n, vc, hd)
-                _accumulate(st, vc, go, r8, hd)
 
         return ints
 
-    def floats(k, v, offs, n, rows, gq, go, gm, gs, st, top, bufs, lanes):
-        kc, vc, kt, st_t = bufs[0], bufs[1], bufs[8], bufs[9]
+    def floats(k, offs, n, rows, gq, st, bufs, lanes):
+        kc, kt, st_t = bufs[0], bufs[8], bufs[9]
         hd, r8 = gq.shape
-        if rows <= ROWS:  # 8 lanes of rows mostly padding: keys in the lanes (decode_few)
+        if rows <= ROWS:
             rows_t(k, offs, n, kt, hd)
             scores_t(kt, gq, r8, st_t, hd)
-            softmax_t(st_t, n, go, gm, gs, rows)
-            accumulate_rows(st_t, 1, KEYS, v, offs, n, go, rows)
         else:
             _rows(k, offs, n, kc, hd)
             _scores(gq, kc, st, r8, hd)
-            _softmax_step(st, n, go, gm[:r8], gs[:r8], top[:r8])
-            _rows(v, offs, n, vc, hd)
-            _accumulate(st, vc, go, r8, hd)
 
     return floats
 

@@ -21,15 +21,17 @@ def tile_rows(cols: int, values: int | None = None) -> int:
     return max(64, (TILE_VALUES if values is None else values) // cols)
 
 
-def quantize_activations(x: np.ndarray, group: int = 32) -> np.ndarray:
-    """x [R, K] float32 with each `group` values rounded to int8 steps of amax/127 (as float32)."""
-    R, K = x.shape
-    xb = x.reshape(R, K // group, group)
-    amax = np.abs(xb).max(axis=-1)
+def quantize_activations(x, group: int = 32, xp=np):
+    """x [..., K] float32 with each `group` values rounded to int8 steps of amax/127 (as float32:
+    q * d, q = rint(x * (1 / d))); a group of zeros stays 0, one holding inf or nan becomes nan.
+    Also the query rows a q8_0 / q4_0 K multiplies (group 32: the CPU kernels' integer scores,
+    kernels/key_scores), for the numpy and CuPy attention; xp: the array module of x."""
+    xb = x.reshape(*x.shape[:-1], -1, group)
+    amax = xp.abs(xb).max(axis=-1, keepdims=True)  # inf or nan: d too, so q * d is nan
     d = amax / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=amax > 0)
-    with np.errstate(invalid="ignore"):  # inf or nan in a group: its outputs are nan
-        return (np.rint(xb * inv[..., None]) * d[..., None]).reshape(R, K)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = xp.where(amax > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        return (xp.rint(xb * inv) * d).astype(np.float32, copy=False).reshape(x.shape)
 
 
 def dequantize_rows(data: np.ndarray, qtype: str, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
