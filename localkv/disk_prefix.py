@@ -38,7 +38,7 @@ class DiskPrefix:
         if pool.xp is np:
             return self.disk.load_into(self.fp, h, tokens, pool.k[:, bid], pool.v[:, bid])
         kv = self.disk.read(self.fp, h, tokens)
-        if kv is None or kv.dtype != pool.k.dtype:  # as load_into: an entry of another dtype is a miss
+        if kv is None or (kv[0].dtype, kv[1].dtype) != (pool.k.dtype, pool.v.dtype):  # as load_into: a miss
             return False
         pool.k[:, bid], pool.v[:, bid] = (pool.xp.asarray(a) for a in kv)
         return True

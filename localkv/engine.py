@@ -49,12 +49,14 @@ class Engine:
         self.loaded = loaded = load_model(self.path, progress=progress)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         check_backend(self.model_config, self.backend)  # an architecture it cannot run: one line, before the device
-        _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)  # one a backend cannot take: one line, now
+        offload = cfg.evict.policy == "offload"
+        # a format the backend cannot take: one line, now
+        _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim, offload)
         self.backend.start(progress)  # kernels, after the model: a bad model fails first
         weights, run_cfg = loaded.weights, self.model_config  # run_cfg: as the model computes (dense: NEOX RoPE)
         if not self.backend.caps.quant_weights:  # a backend without kernels on quantized weights
             weights, run_cfg = dense_weights(weights, self.model_config, np.dtype(self.backend.act_dtype))
-        self.kv_formats = _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)
+        self.kv_formats = _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim, offload)
         self.backend.prepare_kv(kv_format.pair_name(*self.kv_formats))  # first: its kernels compile with the weights'
         prepared = self.backend.prepare_weights(weights, self.model_config.fingerprint)
         self.model = Llama(run_cfg, prepared, self.backend, n_ctx=cfg.ctx)
@@ -66,7 +68,7 @@ class Engine:
         self.ctx = self._context()  # tokens one sequence may hold: --ctx, checked against the model and the pool
         # K/V of another dtype, RoPE order or format must never be read as these: all in the key
         k_fmt, v_fmt = self.kv_formats
-        dtype = k_fmt.stored if k_fmt == v_fmt else f"{k_fmt.stored}:{v_fmt.stored}"
+        dtype = kv_format.pair_stored(k_fmt, v_fmt)
         rope = f"rope-{run_cfg.rope_style}{self.model.rope_variant}"
         salt = f"{self.model_config.fingerprint}:{cfg.block_size}:{dtype}:{rope}:{KV_FORMAT}"
         if k_fmt.quantized or v_fmt.quantized:  # rows another encoder wrote are other bytes
@@ -79,7 +81,7 @@ class Engine:
         self.prefix_caching = cfg.prefix_cache
         # entries in the pool's own dtype: loading is a checked copy, no conversion
         self.disk = None
-        if cfg.prefix_cache and cfg.disk_cache and k_fmt == v_fmt:  # an entry holds K and V in one format
+        if cfg.prefix_cache and cfg.disk_cache:
             self.disk = DiskStore(max_bytes=cfg.disk_cache_size, dtype=dtype)
 
     def _draft_engine(self, progress: bool) -> "Engine":
@@ -365,9 +367,14 @@ def _blas_threads() -> int:
         return os.cpu_count() or 1
 
 
-def _kv_formats(choice: str, backend: Backend, head_dim: int) -> tuple[kv_format.KvFormat, kv_format.KvFormat]:
-    """The pool's (K, V) formats for EngineConfig.kv_dtype on this backend ("auto": its own)."""
+def _kv_formats(
+    choice: str, backend: Backend, head_dim: int, one: bool = False
+) -> tuple[kv_format.KvFormat, kv_format.KvFormat]:
+    """The pool's (K, V) formats for EngineConfig.kv_dtype on this backend ("auto": its own;
+    with one, K's format for both: the offload tier keeps K and V in one format)."""
     pair = kv_format.parse(backend.default_kv(head_dim) if choice == "auto" else choice)
+    if choice == "auto" and one:
+        pair = (pair[0], pair[0])
     for fmt in pair:
         if fmt.name not in backend.caps.kv_dtypes:
             raise LocalkvError(

@@ -98,8 +98,22 @@ def of(a) -> KvFormat:
 
 
 def by_stored(name: str) -> KvFormat | None:
-    """The format of a disk entry's dtype field, or None for a name no format has."""
+    """The format of one stored name (float16, q8_0...), or None for a name no format has."""
     return _BY_STORED.get(name)
+
+
+def pair_stored(k: KvFormat, v: KvFormat) -> str:
+    """A pool's formats as salts and disk entries name them: K's stored name, or "K:V"."""
+    return k.stored if k == v else f"{k.stored}:{v.stored}"
+
+
+def pair_by_stored(name: str) -> tuple[KvFormat, KvFormat] | None:
+    """(K, V) formats of a disk entry's dtype field (pair_stored's names), or None for a name
+    no pool has."""
+    parts = name.split(":") if type(name) is str else []
+    if len(parts) not in (1, 2) or any(p not in _BY_STORED for p in parts):
+        return None
+    return _BY_STORED[parts[0]], _BY_STORED[parts[-1]]
 
 
 def encode(x: np.ndarray, fmt: KvFormat) -> np.ndarray:

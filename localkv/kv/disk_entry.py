@@ -1,11 +1,11 @@
 """One entry of the disk cache as a file, and every check a file must pass to be loaded.
 
 File: fixed header (magic, format version, JSON length) + JSON header + raw payload (K then
-V). The JSON's checksum (CRC-32, cheaper than BLAKE2b: it guards against torn
-writes and bit rot, not against an attacker who can write the cache directory anyway) covers
-the rest of the JSON and the payload, so any bit flip or truncation is caught. It is zlib's
-CRC-32, computed by ISA-L (isal): the same values many times faster, and a warm start checks
-every block it reads.
+V, each in its format: the dtype field names one, or K:V). The JSON's checksum (CRC-32,
+cheaper than BLAKE2b: it guards against torn writes and bit rot, not against an attacker who
+can write the cache directory anyway) covers the rest of the JSON and the payload, so any
+bit flip or truncation is caught. It is zlib's CRC-32, computed by ISA-L (isal): the same
+values many times faster, and a warm start checks every block it reads.
 
 The cache's contents are not trusted beyond that: only regular files are opened (no FIFO,
 device or symlink; see home.open_regular), the JSON must have every field with the type this
@@ -78,10 +78,9 @@ def header_ok(m) -> bool:
         and _hex(m["hash"], 32)
         and _hex(m["checksum"], 128)  # any version's: read_header shows older entries too
         and type(m["dtype"]) is str
-        and kv_format.by_stored(m["dtype"]) is not None
         and _ints(m["shape"], 1, MAX_DIM + 1)
         and len(m["shape"]) == 4
-        and m["shape"][3] % _row_unit(m["dtype"]) == 0
+        and layout(m["dtype"], m["shape"]) is not None
         and _ints(m["tokens"], 0, MAX_TOKEN)
         and m["shape"][1] == len(m["tokens"])
     )
@@ -129,14 +128,40 @@ def encode(meta: dict, payload) -> list:
     return [FIXED.pack(MAGIC, VERSION, len(head)), head, payload]
 
 
-def _row_unit(stored: str) -> int:
-    """What a row's length (the shape's last axis) is a multiple of: a quantized format's block."""
-    fmt = kv_format.by_stored(stored)
-    return fmt.block_bytes if fmt.quantized else 1
+def layout(dtype: str, shape: list) -> tuple[tuple[kv_format.KvFormat, tuple], ...] | None:
+    """K's and V's (format, array shape) in an entry whose dtype field is `dtype` (one stored
+    name, or K:V as kv_format.pair_stored writes it) and whose shape is K's [layers,
+    block_size, kv_heads, row_len]; None when no pool holds such rows (a name no format has, a
+    row that is not whole blocks, a head V's format cannot split)."""
+    pair = kv_format.pair_by_stored(dtype)
+    if pair is None:
+        return None
+    k, v = pair
+    if shape[3] * k.dtype.itemsize % k.block_bytes:
+        return None
+    head_dim = k.head_dim(shape[3])
+    if head_dim % v.block:
+        return None
+    return (k, tuple(shape)), (v, (*shape[:3], v.row_len(head_dim)))
 
 
 def payload_size(meta: dict) -> int:
-    return 2 * math.prod(meta["shape"]) * kv_format.by_stored(meta["dtype"]).dtype.itemsize
+    return sum(math.prod(shape) * fmt.dtype.itemsize for fmt, shape in layout(meta["dtype"], meta["shape"]))
+
+
+def halves(meta: dict, payload) -> tuple[np.ndarray, np.ndarray] | None:
+    """(K, V) of a decoded entry as arrays in their formats (views of payload), or None when
+    either holds NaN or Inf (see all_finite)."""
+    out, at = [], 0
+    view = memoryview(payload).cast("B")
+    for fmt, shape in layout(meta["dtype"], meta["shape"]):
+        n = math.prod(shape) * fmt.dtype.itemsize
+        part = view[at : at + n]
+        if not all_finite(part, fmt.stored):
+            return None
+        out.append(np.frombuffer(part, fmt.dtype).reshape(shape))
+        at += n
+    return out[0], out[1]
 
 
 def decode(data: bytes) -> tuple[dict, memoryview] | None:

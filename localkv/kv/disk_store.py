@@ -42,6 +42,7 @@ from localkv.kv.disk_entry import (
     all_finite,
     decode,
     encode,
+    halves,
     holds_entry,
     read_file,
     read_header,
@@ -76,11 +77,11 @@ class DiskStore:
     def __init__(self, root: Path | None = None, max_bytes: int = 2 << 30, dtype="float16"):
         self.root = Path(root) if root is not None else home() / "kvcache"
         self.max_bytes = int(max_bytes)
-        # entries are written in it (a pool's own: no conversion): float16, float32, q8_0 or q4_0
-        self.format = kv_format.by_stored(dtype if isinstance(dtype, str) else np.dtype(dtype).name)
-        if self.format is None:
-            raise ValueError(f"disk cache dtype must be float16, float32, q8_0 or q4_0, not {dtype}")
-        self.dtype = self.format.dtype
+        # entries are written in the pool's (K, V) formats (no conversion): float16, float32,
+        # q8_0, q4_0, or a K:V pair of them (kv_format.pair_stored)
+        self.formats = kv_format.pair_by_stored(dtype if isinstance(dtype, str) else np.dtype(dtype).name)
+        if self.formats is None:
+            raise ValueError(f"disk cache dtype must be float16, float32, q8_0, q4_0 or K:V of them, not {dtype}")
         self.disabled = False
         self.warning: str | None = None  # set once when writes fail; the CLI prints it
         self.cleared_bytes = 0  # bytes freed by the last clear()
@@ -113,23 +114,24 @@ class DiskStore:
         got = self.read(fingerprint, h, tokens)
         if got is None:
             return None
-        kv = kv_format.decode(got)
-        return kv[0], kv[1]
+        return kv_format.decode(got[0]), kv_format.decode(got[1])
 
     def load_into(self, fingerprint: str, h: int, tokens, k_out: np.ndarray, v_out: np.ndarray) -> bool:
         """get() straight into two (pool) arrays [layers, block_size, kv_heads, head_dim] of
         the entry's own dtype; False (outputs untouched) on a miss, and an entry in another
         dtype is one (K/V are never converted on the way in). Thread-safe."""
         got = self.read(fingerprint, h, tokens, self._buffer)
-        if got is None or got.shape[1:] != k_out.shape or got.dtype != k_out.dtype:
+        if got is None or any(a.shape != o.shape or a.dtype != o.dtype for a, o in zip(got, (k_out, v_out))):
             return False
         np.copyto(k_out, got[0], casting="unsafe")
         np.copyto(v_out, got[1], casting="unsafe")
         return True
 
-    def read(self, fingerprint: str, h: int, tokens, into: ReadBuffer | None = None) -> np.ndarray | None:
-        """The verified payload as [2, layers, block_size, kv_heads, head_dim] in its stored
-        dtype (a view of the file's bytes; read into `into`'s buffer if given: valid until this
+    def read(
+        self, fingerprint: str, h: int, tokens, into: ReadBuffer | None = None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The verified (K, V), each [layers, block_size, kv_heads, row_len] in its stored
+        format (views of the file's bytes; read into `into`'s buffer if given: valid until this
         thread's next read), or None; a file that fails a check is deleted."""
         path = self._where(fingerprint, h)
         if not real_dirs(path):
@@ -144,14 +146,14 @@ class DiskStore:
                 raise Damaged("hash does not match the file name")
             if meta["fingerprint"] != fingerprint or meta["tokens"] != list(tokens):
                 return None  # a valid entry, just not this block
-            if not all_finite(payload, meta["dtype"]):
+            kv = halves(meta, payload)
+            if kv is None:
                 raise Damaged("NaN or Inf in K/V")
         except Damaged:
             self._drop(Path(path))
             return None
         except OSError:  # unreadable, or removed by another process mid-read
             return None
-        kv = np.frombuffer(payload, kv_format.by_stored(meta["dtype"]).dtype).reshape(2, *meta["shape"])
         with contextlib.suppress(OSError):
             os.utime(path)  # mtime is the LRU clock
         return kv
@@ -197,34 +199,23 @@ class DiskStore:
         block holding NaN or Inf is not stored; parent: the hash of the block before it. Never
         raises for I/O: a failure disables writes for this process and sets warning."""
         k, v = to_host(k), to_host(v)  # a GPU pool's block: copied to the host (CuPy has no implicit copy)
-        if k.shape != v.shape or k.ndim != 4 or k.shape[1] != len(tokens):
-            raise ValueError(f"k {k.shape} and v {v.shape} must both be [layers, {len(tokens)}, heads, dim]")
+        if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or k.shape[1] != len(tokens):
+            raise ValueError(f"k {k.shape} and v {v.shape} must both be [layers, {len(tokens)}, heads, row]")
         path = self.path(fingerprint, h)
         if self.disabled or (self.full and self._kept is not None):  # the prefix ended at its last block
             return False
         if real_dirs(path) and self._holds(path):  # never look through a symlink
             return False
-        if self.format.quantized:  # the pool's bytes as they are: never requantized
-            if k.dtype != self.dtype or v.dtype != self.dtype:
-                raise ValueError(f"a {self.format.name} disk cache stores {self.format.name} blocks, not {k.dtype}")
-            kv = np.ascontiguousarray(np.stack([k, v]))
-            if not all_finite(memoryview(kv).cast("B"), self.format.stored):
-                return False
-        else:
-            with np.errstate(over="ignore"):
-                kv = np.ascontiguousarray(np.stack([k, v]).astype(self.dtype))
-        if not self.format.quantized and not all_finite(memoryview(kv).cast("B"), kv.dtype.name):
-            if self.dtype == np.float32:
-                return False
-            kv = np.ascontiguousarray(np.stack([k, v]).astype(np.float32))  # fp16 overflowed: keep it exact
-            if not all_finite(memoryview(kv).cast("B"), "float32"):
-                return False  # the model made NaN or Inf: nothing a later run should load
+        got = self._payload(k, v)
+        if got is None:
+            return False  # the model made NaN or Inf: nothing a later run should load
+        dtype, kv = got
         meta = {
             "fingerprint": fingerprint,
             "model": model_name,
             "hash": f"{h:032x}",
             "tokens": [int(t) for t in tokens],
-            "dtype": kv_format.of(kv).stored,
+            "dtype": dtype,
             "shape": list(k.shape),
         } | ({PARENT: f"{parent:032x}"} if parent is not None else {})
         chunks = encode(meta, memoryview(kv).cast("B"))
@@ -253,6 +244,25 @@ class DiskStore:
                 self.full = True
                 return False
         return True
+
+    def _payload(self, k: np.ndarray, v: np.ndarray) -> tuple[str, np.ndarray] | None:
+        """(dtype field, payload: K's bytes then V's) of a block, or None when it holds NaN or
+        Inf. One float format: converted to it, float32 where float16 would overflow (kept
+        exact); otherwise the pool's bytes as they are, never requantized."""
+        kf, vf = self.formats
+        if kf == vf and not kf.quantized:
+            with np.errstate(over="ignore"):
+                kv = np.ascontiguousarray(np.stack([k, v]).astype(kf.dtype))
+            if not all_finite(memoryview(kv).cast("B"), kv.dtype.name) and kf.dtype != np.float32:
+                kv = np.ascontiguousarray(np.stack([k, v]).astype(np.float32))  # fp16 overflowed
+            return (kv.dtype.name, kv) if all_finite(memoryview(kv).cast("B"), kv.dtype.name) else None
+        if k.dtype != kf.dtype or v.dtype != vf.dtype:
+            name = kv_format.pair_name(kf, vf)
+            raise ValueError(f"a {name} disk cache stores {name} blocks, not {k.dtype} and {v.dtype}")
+        parts = [np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in (k, v)]
+        if not all(all_finite(memoryview(p), f.stored) for p, f in zip(parts, self.formats)):
+            return None
+        return kv_format.pair_stored(kf, vf), np.concatenate(parts)
 
     def _holds(self, path: Path) -> bool:
         """An entry is at path; anything else there is deleted, so the block gets written."""

@@ -103,8 +103,8 @@ def test_capabilities_are_complete(backend):
     assert flags == set(ABILITIES), "every boolean ability names its methods in ABILITIES"
     assert all(isinstance(getattr(caps, f), bool) for f in flags)
     for head_dim in (16, 64, 80, 96, 128):  # "auto" must be a format it takes, one that splits the heads
-        fmt = kv_format.FORMATS[backend.default_kv(head_dim)]
-        assert fmt.name in caps.kv_dtypes and fmt.row_len(head_dim)
+        for fmt in kv_format.parse(backend.default_kv(head_dim)):
+            assert fmt.name in caps.kv_dtypes and fmt.row_len(head_dim)
     assert all(d in kv_format.FORMATS for d in caps.kv_dtypes)
     assert isinstance(caps.attention_options, frozenset) and caps.attention_options <= ATTENTION_OPTIONS
 

@@ -275,11 +275,11 @@ def test_heads_not_a_multiple_of_8_take_numpy(kernels, monkeypatch):
 
 @pytest.mark.parametrize(
     "quant_type, head_dim, kv_dtype",
-    [("F32", 16, "auto"), ("Q4_1", 16, "auto"), ("Q4_1", 32, "auto"), ("Q4_1", 32, "q8_0:q4_0")],
+    [("F32", 16, "auto"), ("Q4_1", 16, "auto"), ("Q4_1", 32, "auto"), ("Q4_1", 32, "q8_0")],
 )
 def test_a_run_compiles_nothing_after_the_start(tmp_path, quant_type, head_dim, kv_dtype):
     """Engine() loads every build a run's kernels need (the array kinds the model passes, its
-    pool's formats: f16 for heads of 16, q8_0 by default for heads of 32): a prompt, its decode
+    pool's formats: f16 for heads of 16, q8_0:q4_0 by default for heads of 32): a prompt, its decode
     steps and 4 forked branches compile or load nothing more. In a fresh process: what an
     earlier test compiled would hide a missing build."""
     code = """if True:
@@ -306,7 +306,7 @@ def test_a_run_compiles_nothing_after_the_start(tmp_path, quant_type, head_dim, 
     assert out.returncode == 0, out.stderr
     on, pool, start, after = json.loads(out.stdout.strip().splitlines()[-1])
     assert on and start
-    assert pool == (kv_dtype if kv_dtype != "auto" else "q8_0" if head_dim % 32 == 0 else "f16")
+    assert pool == (kv_dtype if kv_dtype != "auto" else "q8_0:q4_0" if head_dim % 32 == 0 else "f16")
     assert after == start, sorted(set(map(tuple, after)) - set(map(tuple, start)))
 
 
@@ -352,13 +352,15 @@ def test_idle_workers_spin_briefly_unless_the_user_says_otherwise():
         assert out.stdout.split() == want.split(), out.stderr
 
 
-def test_auto_is_q8_0_where_the_kernels_run_and_a_head_splits(kernels, monkeypatch):
-    """--kv-dtype auto on the CPU: q8_0 for heads of a multiple of its 32-value blocks, f16 for
-    others, and f16 whenever the kernels are off (numpy's quantization is many passes)."""
+def test_auto_is_q8_0_k_q4_0_v_where_the_kernels_run_and_a_head_splits(kernels, monkeypatch):
+    """--kv-dtype auto on the CPU: K in q8_0 and V in q4_0 for heads of a multiple of their
+    32-value blocks, f16 for others, and f16 whenever the kernels are off (numpy's quantization
+    is many passes)."""
     from localkv.backends.cpu.backend import CpuBackend
 
     sizes = (16, 32, 64, 80, 96, 128)
-    assert [CpuBackend.default_kv(hd) for hd in sizes] == ["f16", "q8_0", "q8_0", "f16", "q8_0", "q8_0"]
+    pair = "q8_0:q4_0"
+    assert [CpuBackend.default_kv(hd) for hd in sizes] == ["f16", pair, pair, "f16", pair, pair]
     monkeypatch.setattr(build.state, "ok", False)
     assert CpuBackend.default_kv(64) == "f16"
 

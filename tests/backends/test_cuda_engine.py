@@ -22,6 +22,7 @@ import pytest
 from cuda_emu import LAUNCHED, settings
 from cupy_standin import swap
 
+from localkv import kv_format
 from localkv.config import EngineConfig
 from localkv.engine import Engine
 from localkv.generation import Generation
@@ -200,7 +201,7 @@ def test_prefix_cache_on_disk_is_fp16_and_only_for_the_gpu(device, real_model_pa
     reads them."""
     ids = _chat_ids(real_model_path)
     first = Engine(_config(real_model_path, device="cuda", disk_cache=True))
-    assert first.disk is not None and first.disk.dtype == "float16"
+    assert first.disk is not None and first.disk.formats == (kv_format.F16, kv_format.F16)
     r1 = _greedy(first, ids, n=3)
     assert r1.cached_tokens == 0
     second = Engine(_config(real_model_path, device="cuda", disk_cache=True))

@@ -674,6 +674,9 @@ BAD_HEADERS = {
     "shape_huge": lambda m: {**m, "shape": [2**62, 4, 2, 8]},
     "dtype_int": lambda m: {**m, "dtype": 3},
     "dtype_object": lambda m: {**m, "dtype": "object"},
+    "dtype_pair_unknown": lambda m: {**m, "dtype": "float16:bogus"},
+    "dtype_triple": lambda m: {**m, "dtype": "float16:float16:float16"},
+    "dtype_pair_rows": lambda m: {**m, "dtype": "q8_0:q4_0"},  # rows of 8 are no q8_0 blocks
     "list": lambda m: [m],
     "nested": lambda m: "[" * 50_000 + "]" * 50_000,  # deeper than Python's recursion limit
 }

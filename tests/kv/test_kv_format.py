@@ -86,7 +86,8 @@ def test_quantized_kv_stays_close_to_f16(model):
     assert 0 < err["q8_0"] < err["q4_0"] and err["q8_0"] < 0.05 * np.abs(ref).max()
 
 
-def test_the_disk_tier_stores_the_pools_bytes_and_other_formats_miss(model):
+@pytest.mark.parametrize("dtype", ["q8_0", "q8_0:q4_0"])
+def test_the_disk_tier_stores_the_pools_bytes_and_other_formats_miss(model, dtype):
     prompt = PROMPT * 2
 
     def run(dtype: str):
@@ -96,17 +97,36 @@ def test_the_disk_tier_stores_the_pools_bytes_and_other_formats_miss(model):
         eng.persist_prompt(seq, len(prompt), hit)
         return eng, seq, hit
 
-    cold, seq, hit = run("q8_0")
+    cold, seq, hit = run(dtype)
     assert hit == 0
-    assert {r["dtype"] for r in cold.disk.ls()} == {"q8_0"}
-    warm, wseq, hit = run("q8_0")
+    stored = "q8_0" if dtype == "q8_0" else "q8_0:q4_0"
+    assert {r["dtype"] for r in cold.disk.ls()} == {stored}
+    warm, wseq, hit = run(dtype)
     assert hit == len(prompt) // 16 * 16
     for i in range(hit // 16):  # the blocks loaded are the bytes written
         a, b = seq.block_table[i], wseq.block_table[i]
         assert np.array_equal(warm.pool.k[:, b], cold.pool.k[:, a])
         assert np.array_equal(warm.pool.v[:, b], cold.pool.v[:, a])
-    assert run("f16")[2] == 0  # q8_0 entries are never read into an f16 pool
-    assert run("q4_0")[2] == 0
+    for other in {"f16", "q4_0", "q8_0", "q8_0:q4_0", "q4_0:q8_0"} - {dtype}:
+        assert run(other)[2] == 0, other  # entries of one format are never read into another's pool
+
+
+def test_a_k_v_pair_entry_is_k_then_v_each_in_its_format(tmp_path):
+    store = DiskStore(tmp_path, dtype="q8_0:q4_0")
+    x = RNG.standard_normal((2, 2, 1, 64)).astype(np.float32)
+    k, v = kv_format.encode(x, kv_format.Q8_0), kv_format.encode(-x, kv_format.Q4_0)
+    assert store.put("fp", "m", 3, (5, 6), k, v)
+    got = store.read("fp", 3, (5, 6))
+    assert got is not None and np.array_equal(got[0], k) and np.array_equal(got[1], v)
+    assert got[0].dtype == np.int8 and got[1].dtype == np.uint8
+    k_out, v_out = np.zeros_like(k), np.zeros_like(v)
+    assert store.load_into("fp", 3, (5, 6), k_out, v_out) and np.array_equal(v_out, v)
+    assert not store.load_into("fp", 3, (5, 6), np.zeros_like(k), np.zeros_like(k)), "V of another format"
+    with pytest.raises(ValueError, match="q8_0:q4_0 disk cache stores q8_0:q4_0 blocks"):
+        store.put("fp", "m", 4, (5, 6), k, k)
+    bad = v.copy()
+    bad.view(np.uint8)[1, 0, 0, 18:20] = np.array([np.inf], np.float16).view(np.uint8)  # V's second block
+    assert not store.put("fp", "m", 4, (5, 6), k, bad), "a NaN or Inf scale in V is never stored"
 
 
 def test_a_block_with_a_nan_scale_is_not_stored(tmp_path):
@@ -142,12 +162,14 @@ def test_a_backend_without_quantized_kv_refuses_it_in_one_line():
     assert _kv_formats("auto", _FloatOnly, 64) == (kv_format.F16, kv_format.F16)
 
 
-def test_offload_refuses_k_and_v_in_different_formats(model):
+def test_offload_refuses_k_and_v_in_different_formats_and_auto_keeps_ks(model):
     from localkv.kv.evict import EvictConfig
 
     cfg = EvictConfig(policy="offload", budget=96, sinks=8, recent=16)
     with pytest.raises(LocalkvError, match="--evict offload keeps K and V in one format"):
         engine(model, kv_dtype="q8_0:q4_0", block_size=8, evict=cfg)
+    assert engine(model, block_size=8).kv_dtype == "q8_0:q4_0"  # auto
+    assert engine(model, block_size=8, evict=cfg).kv_dtype == "q8_0"
 
 
 def test_run_json_verbose_and_metrics_report_the_format_and_bytes_per_token(model):

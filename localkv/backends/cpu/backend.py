@@ -69,10 +69,11 @@ def linear(x: np.ndarray, w, kind: str) -> np.ndarray:
 
 
 def default_kv(head_dim: int) -> str:
-    """The pool's format for --kv-dtype auto: q8_0 where the kernels run and the heads split
-    into its blocks (the smallest format within +0.5% perplexity of f16 and no slower than it:
-    `localkv bench kv`, BENCHMARKS.md), else f16 (numpy's quantization is a dozen passes)."""
-    return "q8_0" if build.usable() and head_dim % kv_format.Q8_0.block == 0 else "f16"
+    """The pool's formats for --kv-dtype auto: K in q8_0 and V in q4_0 where the kernels run
+    and the heads split into their blocks (the smallest within +0.5% perplexity of f16 and no
+    slower than it: `localkv bench kv`, BENCHMARKS.md), else f16 (numpy's quantization is a
+    dozen passes)."""
+    return "q8_0:q4_0" if build.usable() and head_dim % kv_format.QK == 0 else "f16"
 
 
 def uses_kernels(rows: int) -> bool:
