@@ -3,8 +3,9 @@ spec_tasks.toml): four whose replies copy their context (a rename, a spelling fi
 list of an earlier answer) and a free-chat control. Each task runs greedy with --spec off and
 --spec ngram (and, with --vs, llama-cpp-python with LlamaPromptLookupDecoding), reps
 interleaved; decode t/s are medians of the reps, and the texts with and without speculation
-must be identical. With --draft-model, --spec draft runs beside them (its own columns; the
-targets stay prompt lookup's)."""
+must be identical; each run drafts from its own context only (the engine's shared n-grams are
+cleared before it: the rep before wrote the same reply). With --draft-model, --spec draft runs
+beside them (its own columns; the targets stay prompt lookup's)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from localkv.generation import Generation
 from localkv.hub.catalog import DEFAULT_MODEL, entry_for
 from localkv.result import Result
 from localkv.sampling import SamplingParams
-from localkv.spec.control import k_max
+from localkv.spec.control import k_max, pool_of
 
 TASKS = Path(__file__).parent / "data" / "spec_tasks.toml"
 FULL_TOKENS, QUICK_TOKENS = 256, 24
@@ -124,6 +125,9 @@ def measure(o: Options, engines: dict, prompts: list[list[int]], params: Samplin
             for name, prompt in zip(names, prompts):
                 for side, eng in engines.items():
                     o.say(f"spec task {name} --spec {side} rep {i + 1}/{reps}: {n} tokens")
+                    # each run drafts from its own text only: the engine's shared n-grams would
+                    # otherwise hold the same greedy reply from the rep before (a copy to draft)
+                    pool_of(eng).clear()
                     runs[name][side].append(Generation(eng, prompt, params).run())
                 if peer:
                     o.say(f"spec task {name} llama.cpp prompt lookup rep {i + 1}/{reps}")

@@ -33,6 +33,10 @@ class SharedNgrams:
             i = h % slots
             self._key[i], self._next[i] = h, tokens[p]
 
+    def clear(self) -> None:
+        """Forget every recorded text (the table keeps its size)."""
+        self._key.fill(0)
+
     def draft(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens after `tokens`, each the one recorded after the N before it (the draft's
         own tokens included): [] when the context's end was never recorded."""

@@ -32,6 +32,25 @@ def test_spec_quick(tiny):
     assert verdicts["task a decode vs --spec off"] is None  # speed is judged on SmolLM2 at full size only
 
 
+def test_each_measured_run_drafts_from_its_own_text_only(tiny, monkeypatch):
+    """The engine's shared n-grams are empty as each measured run starts: the rep before wrote
+    the same greedy reply, which it would otherwise draft as a copy."""
+    from localkv.spec.control import pool_of
+
+    filled = []
+
+    class Watched(spec.Generation):
+        def run(self):
+            filled.append(bool(pool_of(self.engine)._key.any()))
+            return super().run()
+
+    monkeypatch.setattr(spec, "Generation", Watched)
+    o = Options(engine=EngineConfig(model=str(tiny), threads=1), quick=True, reps=2)
+    spec.run(o)
+    warmups = 2  # one per engine, before the reps: --spec ngram's records its text
+    assert len(filled) == warmups + 2 * 5 * 2 and not any(filled[warmups:])
+
+
 def test_speculation_flags_reach_the_serve_suite_and_its_command(monkeypatch):
     """`localkv bench serve --spec ngram`: the server under test speculates, and the command
     that reproduces the suite says so (bench spec runs both sides itself: no --spec there)."""

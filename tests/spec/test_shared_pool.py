@@ -18,6 +18,10 @@ def test_a_recorded_text_is_drafted_back_and_an_unseen_one_is_not():
     assert pool.draft(text[:10], 8) == text[10:18]
     assert pool.draft([1, 2, 3], 8) == []
     assert pool.draft(text[:2], 8) == [], "shorter than the context hashed"
+    pool.clear()
+    assert pool.draft(text[:10], 8) == [] and not pool._key.any()
+    pool.record(text, 0, len(text))
+    assert pool.draft(text[:10], 8) == text[10:18], "and learns again"
     size = pool._key.nbytes + pool._next.nbytes
     pool.record(list(range(10_000)), 0, 10_000)  # more contexts than slots: older ones overwritten
     assert pool._key.nbytes + pool._next.nbytes == size
