@@ -49,14 +49,12 @@ class Engine:
         self.loaded = loaded = load_model(self.path, progress=progress)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         check_backend(self.model_config, self.backend)  # an architecture it cannot run: one line, before the device
-        offload = cfg.evict.policy == "offload"
-        # a format the backend cannot take: one line, now
-        _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim, offload)
+        _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)  # one a backend cannot take: one line, now
         self.backend.start(progress)  # kernels, after the model: a bad model fails first
         weights, run_cfg = loaded.weights, self.model_config  # run_cfg: as the model computes (dense: NEOX RoPE)
         if not self.backend.caps.quant_weights:  # a backend without kernels on quantized weights
             weights, run_cfg = dense_weights(weights, self.model_config, np.dtype(self.backend.act_dtype))
-        self.kv_formats = _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim, offload)
+        self.kv_formats = _kv_formats(cfg.kv_dtype, self.backend, self.model_config.head_dim)
         self.backend.prepare_kv(kv_format.pair_name(*self.kv_formats))  # first: its kernels compile with the weights'
         prepared = self.backend.prepare_weights(weights, self.model_config.fingerprint)
         self.model = Llama(run_cfg, prepared, self.backend, n_ctx=cfg.ctx)
@@ -367,14 +365,9 @@ def _blas_threads() -> int:
         return os.cpu_count() or 1
 
 
-def _kv_formats(
-    choice: str, backend: Backend, head_dim: int, one: bool = False
-) -> tuple[kv_format.KvFormat, kv_format.KvFormat]:
-    """The pool's (K, V) formats for EngineConfig.kv_dtype on this backend ("auto": its own;
-    with one, K's format for both: the offload tier keeps K and V in one format)."""
+def _kv_formats(choice: str, backend: Backend, head_dim: int) -> tuple[kv_format.KvFormat, kv_format.KvFormat]:
+    """The pool's (K, V) formats for EngineConfig.kv_dtype on this backend ("auto": its own)."""
     pair = kv_format.parse(backend.default_kv(head_dim) if choice == "auto" else choice)
-    if choice == "auto" and one:
-        pair = (pair[0], pair[0])
     for fmt in pair:
         if fmt.name not in backend.caps.kv_dtypes:
             raise LocalkvError(

@@ -284,7 +284,7 @@ def test_preempted_requests_are_recomputed_to_the_same_logits(models, name):
         assert_same_run(g, a, f"{name}: request {i} after preemption")
 
 
-@pytest.mark.parametrize("name", [m for m in WARM_MODELS if ":" not in m])  # offload keeps one format
+@pytest.mark.parametrize("name", WARM_MODELS)
 def test_offload_recall_gives_the_logits_of_the_full_cache(models, name):
     """Offload moves blocks out and recalls every one of them while they fit its recall slots:
     the logits equal those of the whole cache held in the pool."""

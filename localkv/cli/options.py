@@ -74,7 +74,7 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any, tuple[str, ...], str]] = {
         ("--kv-dtype",),
         "How K/V rows are stored: f32, f16, q8_0, q4_0 (GGUF's blocks), K:V apart (q8_0:q4_0), or auto "
         "(the backend's default: q8_0:q4_0 on the CPU where the kernels run and a head splits into "
-        "blocks of 32, q8_0 under --evict offload, else f16; f16 on CUDA, which takes f16, q8_0 and q4_0).",
+        "blocks of 32, else f16; f16 on CUDA, which takes f16, q8_0 and q4_0).",
     ),
     "cache_type_k": (
         str | None,

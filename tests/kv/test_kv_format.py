@@ -162,14 +162,18 @@ def test_a_backend_without_quantized_kv_refuses_it_in_one_line():
     assert _kv_formats("auto", _FloatOnly, 64) == (kv_format.F16, kv_format.F16)
 
 
-def test_offload_refuses_k_and_v_in_different_formats_and_auto_keeps_ks(model):
+def test_offload_keeps_k_and_v_each_in_its_format(model):
     from localkv.kv.evict import EvictConfig
 
     cfg = EvictConfig(policy="offload", budget=96, sinks=8, recent=16)
-    with pytest.raises(LocalkvError, match="--evict offload keeps K and V in one format"):
-        engine(model, kv_dtype="q8_0:q4_0", block_size=8, evict=cfg)
-    assert engine(model, block_size=8).kv_dtype == "q8_0:q4_0"  # auto
-    assert engine(model, block_size=8, evict=cfg).kv_dtype == "q8_0"
+    eng = engine(model, block_size=8, evict=cfg)  # auto
+    assert eng.kv_dtype == "q8_0:q4_0"
+    tier = eng.policy.tier
+    assert [a.dtype for a in tier.kv] == [np.int8, np.uint8]
+    assert [a.shape[-1] for a in tier.kv] == [kv_format.Q8_0.row_len(64), kv_format.Q4_0.row_len(64)]
+    seq = Sequence(PROMPT * 2)
+    eng.prefill(seq)
+    assert eng.stats.offloads > 0 and tier.nbytes == len(tier.entries) * 2 * 8 * (68 + 36) * eng.model_config.n_layers
 
 
 def test_run_json_verbose_and_metrics_report_the_format_and_bytes_per_token(model):

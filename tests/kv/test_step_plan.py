@@ -35,11 +35,12 @@ def engine(path, **kw):
 def state(eng, *seqs):
     """Everything a failed step must leave as it was."""
     tier = getattr(eng.policy, "tier", None)
+    files = [] if tier is None else [os.fstat(f.fileno()).st_size for f in tier.files]  # K's spill file, V's
     return (
         [(list(s.block_table), s.num_computed, s.num_stored, s.hashable) for s in seqs],
         eng.pool.num_free,
         len(eng.stats.events),
-        None if tier is None else (dict(tier.entries), tier.capacity, os.fstat(tier.file.fileno()).st_size),
+        None if tier is None else (dict(tier.entries), tier.capacity, files),
     )
 
 

@@ -20,11 +20,12 @@ from localkv.stats import Stats
 
 
 class OffloadTier:
-    """Blocks moved out of the pool: K/V of all layers, bit-exact, one slot each laid out
-    [2, layers, kv_heads, block_size, hd] (one layer and head of a block is one contiguous
-    run), plus the keys' min/max per layer and kv head (Quest's metadata, [layers, kv_heads,
-    head_dim, slot], so one layer's bounds are two matmuls). In RAM, or in an np.memmap file
-    under `path` (a directory), unlinked at once so nothing is left behind."""
+    """Blocks moved out of the pool: K/V of all layers, bit-exact, each in the pool's format for
+    it (K and V may differ, as in a q8_0:q4_0 pool), one slot each laid out [layers, kv_heads,
+    block_size, row] (one layer and head of a block is one contiguous run), plus the keys'
+    min/max per layer and kv head (Quest's metadata, [layers, kv_heads, head_dim, slot], so one
+    layer's bounds are two matmuls). In RAM, or in np.memmap files (one for K, one for V) under
+    `path` (a directory), unlinked at once so nothing is left behind."""
 
     def __init__(
         self,
@@ -32,45 +33,49 @@ class OffloadTier:
         dtype=np.float32,
         path: Path | str | None = None,
         capacity: int = 8,
+        v_dtype=None,
     ):
-        self.block_shape = tuple(block_shape)  # (layers, block_size, kv_heads, head_dim)
-        self.dtype = np.dtype(dtype)
-        self.file = None if path is None else _open_spill(Path(path))
+        self.block_shape = tuple(block_shape)  # (layers, block_size, kv_heads, K's row)
+        self.dtypes = (np.dtype(dtype), np.dtype(dtype if v_dtype is None else v_dtype))
+        self.files = [None, None] if path is None else [_open_spill(Path(path)) for _ in range(2)]
         self.entries: dict[tuple[int, int], int] = {}  # (seq id, start) -> slot
         self.free_slots: list[int] = []
         self.version = 0  # bumped whenever entries change: cached indexes are rebuilt
         layers, bs, kvh, row = self.block_shape
-        self.slot_shape = (2, layers, kvh, bs, row)
-        self.kv = np.empty((0, *self.slot_shape), self.dtype)
-        self.kmin = np.empty((layers, kvh, kv_format.of(self.dtype).head_dim(row), 0), np.float32)
+        hd = kv_format.of(self.dtypes[0]).head_dim(row)
+        rows = (row, kv_format.of(self.dtypes[1]).row_len(hd))
+        self.slot_shapes = tuple((layers, kvh, bs, r) for r in rows)
+        self.kv = [np.empty((0, *shape), dt) for shape, dt in zip(self.slot_shapes, self.dtypes)]  # [K, V]
+        self.kmin = np.empty((layers, kvh, hd, 0), np.float32)
         self.kmax = np.empty_like(self.kmin)
         self._grow(max(1, capacity))
 
     @classmethod
     def for_pool(cls, pool: BlockPool, path: Path | str | None = None) -> "OffloadTier":
-        """A tier of the pool's own rows (block_shape's last axis: a row in its kv_format)."""
-        if pool.k.dtype != pool.v.dtype:
-            raise LocalkvError("--evict offload keeps K and V in one format: use one --kv-dtype for both")
+        """A tier of the pool's own rows (block_shape's last axis: a K row in its kv_format)."""
         layers, _, bs, kvh, row = pool.k.shape
-        return cls((layers, bs, kvh, row), pool.k.dtype, path)
+        return cls((layers, bs, kvh, row), pool.k.dtype, path, v_dtype=pool.v.dtype)
 
     @property
     def capacity(self) -> int:
-        return len(self.kv)
+        return len(self.kv[0])
 
     @property
     def nbytes(self) -> int:
-        return len(self.entries) * self.kv[0].nbytes
+        return len(self.entries) * sum(a[0].nbytes for a in self.kv)
 
     def _grow(self, capacity: int):
-        old, n = self.kv, len(self.kv)
-        shape = (capacity, *self.slot_shape)
-        if self.file is None:
-            self.kv = np.empty(shape, self.dtype)
-            self.kv[:n] = old
-        else:
-            _reserve(self.file, int(np.prod(shape)) * self.dtype.itemsize)
-            self.kv = np.memmap(self.file, self.dtype, "r+", shape=shape)
+        n = self.capacity
+        shapes = [(capacity, *slot) for slot in self.slot_shapes]
+        for f, shape, dtype in zip(self.files, shapes, self.dtypes):  # both files first: a full disk changes nothing
+            if f is not None:
+                _reserve(f, int(np.prod(shape)) * dtype.itemsize)
+        for i, (f, shape, dtype) in enumerate(zip(self.files, shapes, self.dtypes)):
+            if f is None:
+                old, self.kv[i] = self.kv[i], np.empty(shape, dtype)
+                self.kv[i][:n] = old
+            else:
+                self.kv[i] = np.memmap(f, dtype, "r+", shape=shape)
         pad = ((0, 0),) * 3 + ((0, capacity - n),)
         self.kmin, self.kmax = np.pad(self.kmin, pad), np.pad(self.kmax, pad)
         self.free_slots.extend(range(capacity - 1, n - 1, -1))
@@ -99,7 +104,7 @@ class OffloadTier:
         self.reserve(1)
         slot = self.free_slots.pop()
         k = to_host(pool.k[:, bid])  # [L, bs, kvh, row]: the pool's bytes, moved as they are
-        self.kv[slot, 0], self.kv[slot, 1] = k.transpose(0, 2, 1, 3), to_host(pool.v[:, bid]).transpose(0, 2, 1, 3)
+        self.kv[0][slot], self.kv[1][slot] = k.transpose(0, 2, 1, 3), to_host(pool.v[:, bid]).transpose(0, 2, 1, 3)
         keys = kv_format.decode(k)  # the bounds of the keys attention reads
         self.kmin[..., slot], self.kmax[..., slot] = keys.min(axis=1), keys.max(axis=1)
         pos = table.positions(i)
@@ -116,7 +121,7 @@ class OffloadTier:
     def block_kv(self, slots: np.ndarray, which: int, layer: int, head) -> np.ndarray:
         """K (which=0) or V (1) of one layer for the given slots and kv head (or heads, an array
         that broadcasts with slots): [*shape, block_size, hd], exact copies of what was offloaded."""
-        return self.kv[slots, which, layer, head]
+        return self.kv[which][slots, layer, head]
 
     def index(self, seq_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """A sequence's offloaded blocks: starts [n], slots [n], key min and max [L, kvh, hd, n]."""
@@ -131,10 +136,11 @@ class OffloadTier:
             self.version += 1
 
     def close(self) -> None:
-        if self.file is not None:
-            self.kv = np.empty((0, *self.slot_shape), self.dtype)
-            self.file.close()
-            self.file = None
+        for i, f in enumerate(self.files):
+            if f is not None:
+                self.kv[i] = np.empty((0, *self.slot_shapes[i]), self.dtypes[i])
+                f.close()
+                self.files[i] = None
 
 
 def _open_spill(directory: Path):
@@ -232,7 +238,7 @@ class Retriever:
         else:
             cand = np.broadcast_to(np.arange(n), (kvh, n))
         chosen = np.empty((kvh, r), np.int64)
-        k = np.empty((kvh, r, bs, self.tier.block_shape[3]), self.tier.dtype)  # rows as stored
+        k = np.empty((kvh, r, bs, self.tier.block_shape[3]), self.tier.dtypes[0])  # rows as stored
         for h in range(kvh):
             keys = self.tier.block_kv(self.slots[cand[h]], 0, layer, h)  # [c, bs, row]
             best = (kv_format.decode(keys).reshape(c * bs, hd) @ qh[h].T).reshape(c, -1).max(axis=1)
