@@ -212,14 +212,16 @@ def test_prefix_cache_on_disk_is_fp16_and_only_for_the_gpu(device, real_model_pa
     assert _greedy(third, ids, n=1).cached_tokens == 0
 
 
-def test_prefix_cache_on_disk_holds_a_quantized_pools_bytes(device, real_model_path):
-    """A q8_0 pool's full blocks go to the disk tier as its bytes (entries in q8_0); a new CUDA
-    engine of that format loads them, with the same result, an f16 one never reads them."""
+@pytest.mark.parametrize("kv_dtype", ["q8_0", "q8_0:q4_0"])
+def test_prefix_cache_on_disk_holds_a_quantized_pools_bytes(device, real_model_path, kv_dtype):
+    """A quantized pool's full blocks go to the disk tier as its bytes (entries in its K and V
+    formats); a new CUDA engine of those formats loads them, with the same result, an f16 one
+    never reads them."""
     ids = _chat_ids(real_model_path)
-    first = Engine(_config(real_model_path, device="cuda", disk_cache=True, kv_dtype="q8_0"))
-    assert first.disk is not None and first.disk.format.name == "q8_0"
+    first = Engine(_config(real_model_path, device="cuda", disk_cache=True, kv_dtype=kv_dtype))
+    assert first.disk is not None and first.disk.formats == kv_format.parse(kv_dtype)
     r1 = _greedy(first, ids, n=3)
-    second = Engine(_config(real_model_path, device="cuda", disk_cache=True, kv_dtype="q8_0"))
+    second = Engine(_config(real_model_path, device="cuda", disk_cache=True, kv_dtype=kv_dtype))
     r2 = _greedy(second, ids, n=3)
     full = len(ids) // second.block_size * second.block_size
     assert r1.cached_tokens == 0 and r2.cached_tokens == full and r2.tokens == r1.tokens
