@@ -49,6 +49,15 @@ def llama_cpp_logits(engine, real_model_path):
     return ids, np.asarray(llm.scores[: len(ids)], dtype=np.float32)
 
 
+@pytest.fixture(scope="module")
+def parity_engine(real_model_path):
+    """K/V in q8_0, the format nearest llama.cpp's f16 K/V (-0.17% perplexity against an f16
+    pool, BENCHMARKS.md): the default q8_0:q4_0's V moves the top-1 token at about 6% of
+    positions against any f16 pool, llama.cpp's own q8_0:q4_0 included (`bench kv`), which is
+    the format's cost, not the arithmetic's that these bounds hold."""
+    return Engine(EngineConfig(model=real_model_path, kv_dtype="q8_0"))
+
+
 def _parity(ours, theirs, what: str):
     top1 = float((ours.argmax(-1) == theirs.argmax(-1)).mean())
     mean_abs = float(np.abs(ours - theirs).mean())
@@ -58,17 +67,18 @@ def _parity(ours, theirs, what: str):
 
 
 @pytest.mark.peer
-def test_logits_match_llama_cpp(engine, llama_cpp_logits):
+def test_logits_match_llama_cpp(parity_engine, llama_cpp_logits):
     """Teacher-forced 256 tokens of English in one prefill (BLAS on dequantized tiles): top-1
     agrees on >= 95% of positions and the mean |logit difference| is <= 0.3."""
     ids, theirs = llama_cpp_logits
-    _parity(engine.score(ids), theirs, "prefill")
+    _parity(parity_engine.score(ids), theirs, "prefill")
 
 
 @pytest.mark.peer
-def test_decode_steps_match_llama_cpp(engine, llama_cpp_logits):
+def test_decode_steps_match_llama_cpp(parity_engine, llama_cpp_logits):
     """The same positions one decode step at a time (the kernels on the Q4_1 blocks, int8
     activations): the same bounds."""
+    engine = parity_engine
     ids, theirs = llama_cpp_logits
     n = len(ids)
     seq = Sequence(ids[:1])
