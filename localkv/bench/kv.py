@@ -15,7 +15,8 @@ from localkv.bench.report import Column, LoadMeter, Report, Target
 from localkv.bench.speed import LocalRunner, _depth_tokens
 from localkv.bench.teacher import Sums, log_softmax, predicting
 from localkv.bench.text import text_tokens
-from localkv.kv_format import parse
+from localkv.hub.catalog import DEFAULT_MODEL, entry_for
+from localkv.kv_format import pair_name, parse
 from localkv.sequence import Sequence
 
 FULL = dict(n_tokens=4096, chunk=256, depth=8000, n_gen=64)
@@ -172,6 +173,9 @@ def run(o: Options) -> Report:
     local = {r["kv_dtype"]: r for r in rows if r["engine"] == "localkv"}
     theirs = {r["kv_dtype"]: r for r in rows if r["engine"] == "llama.cpp"}
     rep.targets = _targets(local, theirs, o.quick)
+    entry = entry_for(f16.path)  # the default was chosen on the default model's real weights
+    judged = not o.quick and entry is not None and entry.name == DEFAULT_MODEL
+    rep.targets.append(_default_target(local, f16.backend.default_kv(f16.model_config.head_dim), judged))
     rep.summary = {"f16 perplexity": rows[0]["ppl"], "default by measurement": _default(local)}
     return meter.finish(rep, f16.threads)
 
@@ -180,6 +184,14 @@ def _default(by: dict) -> str:
     """The smallest format within DEFAULT_PPL of f16's perplexity and no slower than f16 at depth."""
     fit = [r for r in by.values() if r["ppl_vs_f16"] <= DEFAULT_PPL and r["tg_vs_f16"] >= 1.0]
     return min(fit, key=lambda r: r["bytes_per_token"])["kv_dtype"]
+
+
+def _default_target(by: dict, auto: str, judged: bool) -> Target:
+    """Whether --kv-dtype auto (`auto`: the backend's default here) is the format _default
+    picks from these rows: the README's default, checked against the measurement."""
+    auto = pair_name(*parse(auto))
+    pick = _default(by)
+    return Target("--kv-dtype auto vs the format the rule picks", auto, pick, (auto == pick) if judged else None)
 
 
 def _targets(by: dict, theirs: dict, quick: bool) -> list[Target]:

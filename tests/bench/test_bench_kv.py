@@ -35,6 +35,23 @@ def test_bench_kv_measures_each_format_against_f16(tiny64, monkeypatch):
     assert targets["bytes per token, q8_0 vs f16"] and targets["tokens in the pool, q8_0 vs f16"]
     assert targets["perplexity, q8_0 vs f16"] is None  # --quick judges no quality
     assert targets["tg at depth, q8_0 pool vs f16"] is None
+    assert targets["--kv-dtype auto vs the format the rule picks"] is None  # judged on the default model only
+
+
+def test_the_default_is_checked_against_the_rules_pick():
+    """The rule: the fewest bytes per token within +0.5% of f16's perplexity and no slower at
+    depth; the target compares --kv-dtype auto's formats with it, by name."""
+    rows = {
+        "f16": {"kv_dtype": "f16", "ppl_vs_f16": 0.0, "tg_vs_f16": 1.0, "bytes_per_token": 64},
+        "q8_0": {"kv_dtype": "q8_0", "ppl_vs_f16": -0.001, "tg_vs_f16": 1.5, "bytes_per_token": 34},
+        "q8_0:q4_0": {"kv_dtype": "q8_0:q4_0", "ppl_vs_f16": 0.004, "tg_vs_f16": 1.6, "bytes_per_token": 26},
+        "q4_0": {"kv_dtype": "q4_0", "ppl_vs_f16": 0.05, "tg_vs_f16": 1.7, "bytes_per_token": 18},
+    }
+    assert bench_kv._default_target(rows, "q8_0:q4_0", True).ok is True
+    assert bench_kv._default_target(rows, "q8_0", True).ok is False
+    rows["q8_0:q4_0"]["ppl_vs_f16"] = 0.006  # past +0.5%: q8_0 is the pick
+    t = bench_kv._default_target(rows, "q8_0:q8_0", True)
+    assert t.ok is True and (t.value, t.goal) == ("q8_0", "q8_0")
 
 
 @pytest.mark.peer
