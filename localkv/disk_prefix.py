@@ -37,8 +37,8 @@ class DiskPrefix:
         pool = self.pool
         if pool.xp is np:
             return self.disk.load_into(self.fp, h, tokens, pool.k[:, bid], pool.v[:, bid])
-        kv = self.disk.read(self.fp, h, tokens)
-        if kv is None or (kv[0].dtype, kv[1].dtype) != (pool.k.dtype, pool.v.dtype):  # as load_into: a miss
+        kv = self.disk.read_like(self.fp, h, tokens, pool.k[:, bid], pool.v[:, bid])
+        if kv is None:
             return False
         pool.k[:, bid], pool.v[:, bid] = (pool.xp.asarray(a) for a in kv)
         return True

@@ -110,7 +110,7 @@ def pair_stored(k: KvFormat, v: KvFormat) -> str:
 def pair_by_stored(name: str) -> tuple[KvFormat, KvFormat] | None:
     """(K, V) formats of a disk entry's dtype field (pair_stored's names), or None for a name
     no pool has."""
-    parts = name.split(":") if type(name) is str else []
+    parts = name.split(":")
     if len(parts) not in (1, 2) or any(p not in _BY_STORED for p in parts):
         return None
     return _BY_STORED[parts[0]], _BY_STORED[parts[-1]]

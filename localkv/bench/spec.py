@@ -23,7 +23,7 @@ from localkv.generation import Generation
 from localkv.hub.catalog import DEFAULT_MODEL, entry_for
 from localkv.result import Result
 from localkv.sampling import SamplingParams
-from localkv.spec.control import k_max, pool_of
+from localkv.spec.control import forget_texts, k_max
 
 TASKS = Path(__file__).parent / "data" / "spec_tasks.toml"
 FULL_TOKENS, QUICK_TOKENS = 256, 24
@@ -127,7 +127,7 @@ def measure(o: Options, engines: dict, prompts: list[list[int]], params: Samplin
                     o.say(f"spec task {name} --spec {side} rep {i + 1}/{reps}: {n} tokens")
                     # each run drafts from its own text only: the engine's shared n-grams would
                     # otherwise hold the same greedy reply from the rep before (a copy to draft)
-                    pool_of(eng).clear()
+                    forget_texts(eng)
                     runs[name][side].append(Generation(eng, prompt, params).run())
                 if peer:
                     o.say(f"spec task {name} llama.cpp prompt lookup rep {i + 1}/{reps}")

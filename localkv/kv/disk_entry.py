@@ -14,6 +14,7 @@ is refused: the checksum proves the bytes are the ones written, not that they ar
 could have made.
 """
 
+import functools
 import json
 import math
 import os
@@ -134,15 +135,20 @@ def layout(dtype: str, shape: list) -> tuple[tuple[kv_format.KvFormat, tuple], .
     block_size, kv_heads, row_len]; None when no pool holds such rows (a name no format has, a
     row that is not whole blocks, a head V's format cannot split)."""
     pair = kv_format.pair_by_stored(dtype)
-    if pair is None:
-        return None
+    return None if pair is None else _layout(pair, tuple(shape))
+
+
+# remembered by formats (not by the header's text, which a damaged file makes any size): a read
+# asks three times (the header's check, the size, the halves), a warm start once a block
+@functools.lru_cache(maxsize=64)
+def _layout(pair: tuple, shape: tuple) -> tuple[tuple[kv_format.KvFormat, tuple], ...] | None:
     k, v = pair
     if shape[3] * k.dtype.itemsize % k.block_bytes:
         return None
     head_dim = k.head_dim(shape[3])
     if head_dim % v.block:
         return None
-    return (k, tuple(shape)), (v, (*shape[:3], v.row_len(head_dim)))
+    return (k, shape), (v, (*shape[:3], v.row_len(head_dim)))
 
 
 def payload_size(meta: dict) -> int:

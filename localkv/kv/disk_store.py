@@ -120,12 +120,20 @@ class DiskStore:
         """get() straight into two (pool) arrays [layers, block_size, kv_heads, head_dim] of
         the entry's own dtype; False (outputs untouched) on a miss, and an entry in another
         dtype is one (K/V are never converted on the way in). Thread-safe."""
-        got = self.read(fingerprint, h, tokens, self._buffer)
-        if got is None or any(a.shape != o.shape or a.dtype != o.dtype for a, o in zip(got, (k_out, v_out))):
+        got = self.read_like(fingerprint, h, tokens, k_out, v_out, self._buffer)
+        if got is None:
             return False
         np.copyto(k_out, got[0], casting="unsafe")
         np.copyto(v_out, got[1], casting="unsafe")
         return True
+
+    def read_like(self, fingerprint: str, h: int, tokens, k_like, v_like, into: ReadBuffer | None = None):
+        """read(), or None also when its K or V differs from k_like's / v_like's dtype or shape
+        (a pool's block of another format: a miss, rows are never converted)."""
+        got = self.read(fingerprint, h, tokens, into)
+        if got is None or any(a.shape != o.shape or a.dtype != o.dtype for a, o in zip(got, (k_like, v_like))):
+            return None
+        return got
 
     def read(
         self, fingerprint: str, h: int, tokens, into: ReadBuffer | None = None
@@ -251,11 +259,12 @@ class DiskStore:
         exact); otherwise the pool's bytes as they are, never requantized."""
         kf, vf = self.formats
         if kf == vf and not kf.quantized:
-            with np.errstate(over="ignore"):
-                kv = np.ascontiguousarray(np.stack([k, v]).astype(kf.dtype))
-            if not all_finite(memoryview(kv).cast("B"), kv.dtype.name) and kf.dtype != np.float32:
-                kv = np.ascontiguousarray(np.stack([k, v]).astype(np.float32))  # fp16 overflowed
-            return (kv.dtype.name, kv) if all_finite(memoryview(kv).cast("B"), kv.dtype.name) else None
+            for dtype in dict.fromkeys((kf.dtype, np.dtype(np.float32))):  # float32 where fp16 overflowed
+                with np.errstate(over="ignore"):
+                    kv = np.ascontiguousarray(np.stack([k, v]).astype(dtype))
+                if all_finite(memoryview(kv).cast("B"), kv.dtype.name):
+                    return kv.dtype.name, kv
+            return None
         if k.dtype != kf.dtype or v.dtype != vf.dtype:
             name = kv_format.pair_name(kf, vf)
             raise ValueError(f"a {name} disk cache stores {name} blocks, not {k.dtype} and {v.dtype}")

@@ -142,6 +142,14 @@ def pool_of(engine) -> SharedNgrams:
     return _learned(engine)[1]
 
 
+def forget_texts(engine) -> None:
+    """Empty the engine's shared n-gram pool, if it has one (nothing is made for an engine that
+    never drafted)."""
+    got = _LEARNED.get(engine)
+    if got is not None:
+        got[1].clear()
+
+
 def for_branch(mode: str, engine, sampler: Sampler, stop_ids: frozenset, prompt_len: int) -> "Speculator | None":
     """A branch's drafting under its request's --spec (None: off); `sampler` is the branch's (a
     draft model draws with its params on a random stream of its own, and a copy of its grammar
