@@ -25,7 +25,9 @@ from localkv.spec.draft import check_vocabulary
 from localkv.stats import Stats
 from localkv.units import format_size
 
-KV_FORMAT = "kv2"  # 2: K rows in the model's own RoPE order (llama GGUFs: pairwise), no longer un-permuted
+# 2: K rows in the model's own RoPE order (llama GGUFs: pairwise), no longer un-permuted; 3: the
+# CPU's one-scale step for the 32-value block types (matmul_few.group_step): other K/V bits
+KV_FORMAT = "kv3"
 
 
 class Engine:

@@ -33,7 +33,8 @@ def _reference(x: np.ndarray, L: int, gs: int):
 
 def _numpy_quantize(x: np.ndarray, gs: int):
     """The rule in numpy, value by value: per gs values d = amax / 127 (float32), q = rint(x *
-    (1 / d)); q = 0 and d = nan for a group holding inf or nan; xs16 = d * each 16 q's sum."""
+    (1 / d)); q = 0 and d = nan for a group holding inf or nan; xs16 = d * each 16 q's sum,
+    or for groups of 32 d * the group's sum then a zero (the offsets' one sum per group)."""
     R, K = x.shape
     g = x.reshape(R, K // gs, gs)
     amax = np.abs(g).max(axis=2, keepdims=True)
@@ -43,8 +44,12 @@ def _numpy_quantize(x: np.ndarray, gs: int):
         inv = np.where(bad | (amax == 0), np.float32(0), np.float32(1) / d).astype(np.float32)
         q = np.where(inv > 0, np.rint(g * inv), 0).astype(np.int8).reshape(R, K)
     dx = np.repeat(d.reshape(R, -1), gs // 32, axis=1)
-    sums = q.reshape(R, -1, 16).sum(axis=2, dtype=np.int32).astype(np.float32)
-    xs16 = np.repeat(d.reshape(R, -1), gs // 16, axis=1) * sums
+    sums = q.reshape(R, -1, 16).sum(axis=2, dtype=np.int32)
+    if gs == 32:
+        sums = np.stack([sums[:, 0::2] + sums[:, 1::2], np.zeros_like(sums[:, 1::2])], axis=2).reshape(R, -1)
+    xs16 = np.repeat(d.reshape(R, -1), gs // 16, axis=1) * sums.astype(np.float32)
+    if gs == 32:
+        xs16[:, 1::2] = 0  # not d * 0: a nan d leaves the unread slot zero
     return q, dx, xs16
 
 

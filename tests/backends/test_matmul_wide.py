@@ -12,7 +12,7 @@ import pytest
 
 from localkv.backends.cpu import build, quant
 from localkv.backends.cpu.formats.blocks import MARKERS
-from localkv.backends.cpu.formats.types import BLOCK_TYPES, block_size
+from localkv.backends.cpu.formats.types import BLOCK_TYPES, activation_group, block_size
 from localkv.backends.cpu.quant.tensor import QStack, sample_weight
 
 LANE_TYPES = [t for t in BLOCK_TYPES if t not in ("Q4_K", "Q6_K")]  # those two: superblock_packed, _amx
@@ -62,10 +62,11 @@ def test_each_row_of_16_gets_the_8_lane_bits(kernels, qtype):
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_K"])
 def test_a_pass_of_any_row_count_gives_each_row_the_bits_of_one_block(kernels, qtype):
     """16k + 8j + t rows: matmul_wide, matmul_lanes and matmul_out each take a part, where the
-    CPU has AVX-512 VNNI (elsewhere the wide kernel is not chosen, and this holds the same)."""
+    CPU has AVX-512 VNNI (elsewhere the wide kernel is not chosen, and this holds the same);
+    50 and 64 rows of Q4_1 and Q8_0: matmul_amx, where the CPU has AMX-INT8."""
     matmul_few, _ = kernels
     w, rng = weights(qtype), np.random.default_rng(9)
-    for rows in (9, 10, 12, 15, 16, 17, 25, 26, 33, 50):  # 10, 12, 15, 26: a padded block of 16
+    for rows in (9, 10, 12, 15, 16, 17, 25, 26, 33, 50, 64):  # 10, 12, 15, 26, 50: a padded block of 16
         x = activations(rng, rows, w.cols, True)
         want = np.concatenate([by_lanes(matmul_few, matmul_few.matmul_lanes, 8, w, x[r : r + 1]) for r in range(rows)])
         assert np.array_equal(quant.matmul_rows(x, w), want), rows
@@ -94,6 +95,26 @@ def test_the_amx_int8_kernel_gives_each_row_the_row_kernels_bits(kernels, qtype)
         superblock_amx.matmul_super_amx(qt, xi, dxv, *sums, run.datas, run.packed(), run.offs, got)
         assert np.isnan(got[20]).all()
         assert np.array_equal(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("qtype", [t for t in BLOCK_TYPES if activation_group(t) == 32])
+def test_the_amx_lanes_kernel_gives_each_row_the_wide_kernels_bits(kernels, qtype):
+    """kernels/matmul_amx (a group's integer dot on AMX tiles, then group_step's float ops in
+    walk's order) against matmul_wide, on a CPU with AMX-INT8: blocks of 16 and a padded one,
+    rounding products, a nan group, large negative sums."""
+    from localkv.backends.cpu.kernels import matmul_amx, superblock_amx
+
+    if not superblock_amx.chosen():
+        pytest.skip("no AMX-INT8 here (or Linux refused the tile state)")
+    matmul_few, matmul_wide = kernels
+    w, rng = weights(qtype), np.random.default_rng(23)
+    for rows, positive in ((16, True), (41, False), (41, True)):
+        x = activations(rng, rows, w.cols, positive)
+        x[3, 7] = np.inf
+        x[rows - 2] = -x[rows - 2]
+        got = by_lanes(matmul_few, lambda qt, *a: matmul_amx.matmul_amx(qt, *a[:-2]), 16, w, x)
+        assert np.isnan(got[3]).all() and np.isfinite(got[4]).all()
+        assert np.array_equal(got, by_lanes(matmul_few, matmul_wide.matmul_wide, 16, w, x), equal_nan=True), rows
 
 
 @pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="AMX is x86-64 Linux's")

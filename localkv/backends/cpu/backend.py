@@ -229,7 +229,7 @@ class CpuBackend:
         self.threads = threads
         self._cores = CoreShare(threads)
         self._blas = None  # threadpoolctl controllers of the BLAS libraries, found on first use
-        self.prefill_amx = False  # the weights' matmuls of 16 rows or more use AMX tiles (prepare_weights)
+        self.prefill_amx = False  # a long pass's weight matmuls use AMX tiles (prepare_weights)
         self._progress = False
         self._pools: list[str] = []  # prepare_kv's, loaded with the weights' kernels
         self._weights_ready = False

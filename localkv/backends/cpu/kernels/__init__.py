@@ -12,7 +12,8 @@ pass (the one arithmetic, docs/CPU.md):
   lanes_then_out: a pass's last rows in the same weight pass as its blocks of 8);
 - matmul_wide: matmul_lanes' bits for 16 activation rows in 512-bit lanes (prefill with
   AVX-512 VNNI); superblock_lanes: the same for Q4_K and Q6_K (superblock.matmul_rows' bits);
-  superblock_amx: those bits again with the integer dots on AMX-INT8 tiles;
+  superblock_amx: those bits again with the integer dots on AMX-INT8 tiles; matmul_amx:
+  matmul_wide's bits for the 32-value types with their dots on those tiles (long passes);
 - superblock: Q4_K and Q6_K, a 256-value super-block at a time in integers (matmul_rows: any
   row count);
 - float_few: the matmuls of F32 / F16 / BF16 weights (float FMAs, a dot per row).

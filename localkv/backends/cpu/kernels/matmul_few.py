@@ -24,9 +24,10 @@ Dequantization is serial.
 
 import numpy as np
 from numba import njit, prange
-from numba.extending import register_jitable
+from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.formats.blocks import act_group, geometry, group, lanes_product
+from localkv.backends.cpu.formats.types import activation_group
 from localkv.backends.cpu.kernels import EXACT_PAR, SER
 from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.f32x8 import (
@@ -38,6 +39,7 @@ from localkv.backends.cpu.simd.f32x8 import (
     fmul,
     fsplat,
     fzero,
+    iadd,
     lane,
     tofloat,
 )
@@ -67,10 +69,21 @@ def group_scale(bits, o, gs):
 
 
 @register_jitable(fastmath=False)
+def offset_sums(d, sa, sb, gs):
+    """What the weights' offsets of a 32-value group multiply (the group's q sums sa, sb, of
+    values 0-15 and 16-31, and its scale d): for groups of 32 (the types of group_step's one
+    scale) d * (sa + sb) and 0, else d * sa and d * sb."""
+    if gs == 32:
+        return d * np.float32(sa + sb), np.float32(0)
+    return d * np.float32(sa), d * np.float32(sb)
+
+
+@register_jitable(fastmath=False)
 def _quantize(x, xq, dx, xs16, gs):
     """x [R, K] float32 (rows contiguous) -> xq int8 [R, K], per gs values (32, or 256 for the
     K-quants) q = rint(x * (1 / d)) with d = amax / 127 (group_scale), d stored once per 32 values
-    (dx [R, K/32]); xs16 [R, K/16] = d * the sum of each 16 q (what the offsets multiply). A
+    (dx [R, K/32]); xs16 [R, K/16] = what the offsets multiply (offset_sums: gs 32, one value per
+    group then a zero; gs 256, d * the sum of each 16 q). A
     group holding inf or nan gets q = 0 and d = nan, so its outputs are nan as in float math
     (without fastmath here: it would assume there are none). 16 values a step (x16.quant16),
     the same values as one at a time."""
@@ -81,13 +94,15 @@ def _quantize(x, xq, dx, xs16, gs):
         for g in range(K // gs):
             o = gs * g
             d, inv = group_scale(bits[r], o, gs)
-            for k in range(gs // 16):
-                s = 0
+            for k in range(0, gs // 16, 2):
+                sa = sb = 0
                 if inv > 0:
-                    s = quant16(xr, o + 16 * k, inv, qr, o + 16 * k)
+                    sa = quant16(xr, o + 16 * k, inv, qr, o + 16 * k)
+                    sb = quant16(xr, o + 16 * k + 16, inv, qr, o + 16 * k + 16)
                 else:
-                    qr[o + 16 * k : o + 16 * k + 16] = 0
-                xs16[r, gs // 16 * g + k] = d * np.float32(s)
+                    qr[o + 16 * k : o + 16 * k + 32] = 0
+                i = gs // 16 * g + k
+                xs16[r, i], xs16[r, i + 1] = offset_sums(d, sa, sb, gs)
             for k in range(gs // 32):
                 dx[r, gs // 32 * g + k] = d
 
@@ -131,8 +146,40 @@ def _lanes_step(qt, w, blk, j, g, inp, a, m):
     prefetch(w, blk + PREFETCH)
     u, sa, sb, ma, mb = group(qt, w, blk, j)
     pa, pb = lanes_product(qt, u, xi, 256 * g)
-    a = fma(fma(tofloat(pa), fsplat(sa), fmul(tofloat(pb), fsplat(sb))), fload(dxv, 8 * g), a)
-    return a, fadd(m, fma(fsplat(ma), fload(xsa, 8 * g), fmul(fsplat(mb), fload(xsb, 8 * g))))
+    scales = (fsplat(sa), fsplat(sb), fsplat(ma), fsplat(mb))
+    return group_step(qt, pa, pb, scales, fload(dxv, 8 * g), fload(xsa, 8 * g), fload(xsb, 8 * g), a, m)
+
+
+def group_step(qt, pa, pb, scales, dx, xsa, xsb, a, m):
+    """A group's float step of the one arithmetic (docs/CPU.md), lane by lane (8 or 16 lanes):
+    pa, pb the integer dots of its values 0-15 and 16-31, scales the weight row's (sa, sb, ma,
+    mb), dx the activations' scale, xsa, xsb their offset_sums; (a, m) -> the new (a, m). The
+    types of activation group 32 have one scale and offset per group (sa = sb, ma = mb):
+    a = fma(float(pa + pb) * sa, dx, a), m = fma(ma, xsa, m); the others scale each half:
+    a = fma(fma(float(pa), sa, float(pb) * sb), dx, a), m += fma(ma, xsa, mb * xsb)."""
+
+
+@overload(group_step, inline="always")
+def _group_step(qt, pa, pb, scales, dx, xsa, xsb, a, m):
+    if activation_group(qt.qname) == 32:
+
+        def one(qt, pa, pb, scales, dx, xsa, xsb, a, m):
+            return one_scale_step(iadd(pa, pb), scales[0], scales[2], dx, xsa, a, m)
+
+        return one
+
+    def two(qt, pa, pb, scales, dx, xsa, xsb, a, m):
+        sa, sb, ma, mb = scales
+        a = fma(fma(tofloat(pa), sa, fmul(tofloat(pb), sb)), dx, a)
+        return a, fadd(m, fma(ma, xsa, fmul(mb, xsb)))
+
+    return two
+
+
+@register_jitable(**NO_NRT)
+def one_scale_step(p, s, ms, dx, xs, a, m):
+    """group_step of a one-scale type for the group's whole integer dot p."""
+    return fma(fmul(tofloat(p), s), dx, a), fma(ms, xs, m)
 
 
 @register_jitable(**NO_NRT)
@@ -178,7 +225,7 @@ def walk_from(step, qt, w, base, inp, ng, z):
 def _lanes_block(x, r0, r1, gs, q, xi, dxv, xsa, xsb):
     """Rows r0 .. r1 - 1 of x [R, K] quantized as _quantize does (the same values) straight into
     one block of the L-lane layout, L = len(dxv) / (K / 32): xi [g][dword][L rows][4 bytes],
-    dxv (d), xsa, xsb (d times the sums of the first and the last 16 q) [g][L]; zeros in the
+    dxv (d), xsa, xsb (offset_sums) [g][L]; zeros in the
     lanes of rows past r1, which compute nothing. q: 32 bytes of scratch, written a 4-byte word
     at a time (a row's bytes of a block in xi are 4 apart, L words in between)."""
     K = x.shape[1]
@@ -196,7 +243,8 @@ def _lanes_block(x, r0, r1, gs, q, xi, dxv, xsa, xsb):
                 else:
                     q[:] = 0
                 if row < r1:
-                    dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = d, d * np.float32(sa), d * np.float32(sb)
+                    dxv[L * g + r] = d
+                    xsa[L * g + r], xsb[L * g + r] = offset_sums(d, sa, sb, gs)
                 else:
                     dxv[L * g + r], xsa[L * g + r], xsb[L * g + r] = 0, 0, 0
                 for k in range(8):

@@ -3,16 +3,15 @@ rows, in the lanes: matmul_lanes' bits for each row, without its 7 idle lanes wh
 is multiplied.
 
 matmul_lanes (matmul_few) gives a row's output n by one lane's float ops, group after group
-(matmul_few.walk): a = fma(fma(float(pa), sa, float(pb) * sb), dx, a), m += fma(ma, xsa,
-mb * xsb), with pa, pb the integer dots of the group's two 16-value halves and sa, sb, ma, mb
-the weight row's scales. Here lane l runs that same sequence for weight row n + l: the 8
-rows' groups are decoded one by one (formats.group), each dotted with the row's int8
-activations (u8x32.dot), the 8 dots summed across lanes into (pa, pb) by quad_sums and halves
-(integer sums: exact in any order), and the scales gathered into vectors (formats.scales8:
-one hardware gather where a block opens with its f16 scales, the scalars joined for the
-others: BENCHMARKS.md has the gain). Same values, same float ops
-in the same order, so the same bits; tests/test_matmul_out.py holds them equal for every
-block type.
+(matmul_few.walk, each group's matmul_few.group_step), from pa, pb the integer dots of the
+group's two 16-value halves and sa, sb, ma, mb the weight row's scales. Here lane l runs
+that same sequence for weight row n + l: the 8 rows' groups are decoded one by one
+(formats.group), each dotted with the row's int8 activations (u8x32.dot), the 8 dots summed
+across lanes into (pa, pb) by quad_sums and halves (integer sums: exact in any order), and
+the scales gathered into vectors (formats.scales8: one hardware gather where a block opens
+with its f16 scales, the scalars joined for the others: BENCHMARKS.md has the gain). Same
+values, same float ops in the same order, so the same bits; tests/test_matmul_out.py holds
+them equal for every block type.
 
 A work chunk (matmul_few.CHUNK rows) is 8 rows at a time; past a matrix's last row the lanes
 repeat it and are not written. Each activation row walks the 8 weight rows again: they are
@@ -25,9 +24,9 @@ from numba.extending import register_jitable
 
 from localkv.backends.cpu.formats.blocks import GATHERED, act_group, group, product, scales8
 from localkv.backends.cpu.kernels import EXACT_PAR
-from localkv.backends.cpu.kernels.matmul_few import PREFETCH, chunk, chunks, lanes_chunk, quantized, walk
+from localkv.backends.cpu.kernels.matmul_few import PREFETCH, chunk, chunks, group_step, lanes_chunk, quantized, walk
 from localkv.backends.cpu.numba_hooks import NO_NRT
-from localkv.backends.cpu.simd.f32x8 import fadd, fma, fmul, fsplat, ijoin, lane, tofloat
+from localkv.backends.cpu.simd.f32x8 import fsplat, ijoin, lane
 from localkv.backends.cpu.simd.u8x32 import at, halves, izero, load32, prefetch, quad_sums
 
 LANES = 8  # weight rows per vector
@@ -69,10 +68,9 @@ def _out_step(qt, w, blk, j, g, inp, a, m):
     p, sa, sb, ma, mb = _four(qt, w, lo, blk, j, xv)
     q, ta, tb, na, nb = _four(qt, w, hi, blk, j, xv)
     pa, pb = halves(p, q)
-    sa, sb, ma, mb = scales8(qt, w, lo[0] + blk, idx, ((sa, ta), (sb, tb), (ma, na), (mb, nb)))
-    a = fma(fma(tofloat(pa), sa, fmul(tofloat(pb), sb)), fsplat(at(dx, i)), a)
+    scales = scales8(qt, w, lo[0] + blk, idx, ((sa, ta), (sb, tb), (ma, na), (mb, nb)))
     xsa, xsb = fsplat(at(xs16, 2 * i)), fsplat(at(xs16, 2 * i + 1))
-    return a, fadd(m, fma(ma, xsa, fmul(mb, xsb)))
+    return group_step(qt, pa, pb, scales, fsplat(at(dx, i)), xsa, xsb, a, m)
 
 
 @register_jitable(**NO_NRT)

@@ -21,10 +21,10 @@ from numba.extending import overload, register_jitable
 
 from localkv.backends.cpu.formats.blocks import act_group, group
 from localkv.backends.cpu.kernels import EXACT_PAR
-from localkv.backends.cpu.kernels.matmul_few import CHUNK, PREFETCH, chunk, chunks, quantized, walk_from
+from localkv.backends.cpu.kernels.matmul_few import CHUNK, PREFETCH, chunk, chunks, group_step, quantized, walk_from
 from localkv.backends.cpu.kernels.matmul_out import out_chunk
 from localkv.backends.cpu.numba_hooks import NO_NRT
-from localkv.backends.cpu.simd.f32x8 import fadd, fma, fmul, fstore, tofloat
+from localkv.backends.cpu.simd.f32x8 import fadd, fstore
 from localkv.backends.cpu.simd.u8x32 import prefetch
 from localkv.backends.cpu.simd.x16 import has_vnni512, lanes_dot16, lanes_dot16_7, load16, splat16, zero16
 
@@ -55,8 +55,8 @@ def _wide_step(qt, w, blk, j, g, inp, a, m):
     prefetch(w, blk + PREFETCH)
     u, sa, sb, ma, mb = group(qt, w, blk, j)
     pa, pb = _product(qt, u, xi, 512 * g)
-    a = fma(fma(tofloat(pa), splat16(sa), fmul(tofloat(pb), splat16(sb))), load16(dxv, 16 * g), a)
-    return a, fadd(m, fma(splat16(ma), load16(xsa, 16 * g), fmul(splat16(mb), load16(xsb, 16 * g))))
+    scales = (splat16(sa), splat16(sb), splat16(ma), splat16(mb))
+    return group_step(qt, pa, pb, scales, load16(dxv, 16 * g), load16(xsa, 16 * g), load16(xsb, 16 * g), a, m)
 
 
 @register_jitable(**NO_NRT)

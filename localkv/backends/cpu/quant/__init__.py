@@ -50,8 +50,9 @@ def why_not(qtype: str) -> str | None:
 
 
 def on_amx(qtype: str) -> bool:
-    """matmul_rows multiplies weights of this type on AMX tiles (whole blocks of 16 rows of
-    Q4_K and Q6_K, where the CPU has AMX-INT8: kernels/superblock_amx)."""
+    """matmul_rows multiplies weights of this type on AMX tiles in a long pass, where the CPU
+    has AMX-INT8 (Q4_K and Q6_K: kernels/superblock_amx; the types of one scale per group:
+    kernels/matmul_amx)."""
     return active(qtype) and state.weights.on_amx(qtype)
 
 

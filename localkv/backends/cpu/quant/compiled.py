@@ -9,6 +9,7 @@ from localkv.backends.cpu.formats.blocks import MARKERS
 from localkv.backends.cpu.formats.types import BLOCK_TYPES, activation_group, block_size
 from localkv.backends.cpu.kernels import self_check
 from localkv.backends.cpu.kernels.float_few import matmul_few_float
+from localkv.backends.cpu.kernels.matmul_amx import matmul_amx as _matmul_amx
 from localkv.backends.cpu.kernels.matmul_few import CHUNK
 from localkv.backends.cpu.kernels.matmul_few import LANES as OUT_LANES
 from localkv.backends.cpu.kernels.matmul_few import dequantize as _dequantize
@@ -33,7 +34,9 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
     of rows in one arithmetic per row, whatever the count: Q4_K and Q6_K by super-blocks in
     integers with superblock.matmul_rows's bits (superblock_packed: 16 weight rows of their
     packed form in the lanes; a pass of AMX_ROWS rows or more in whole blocks of 16 on AMX-INT8
-    tiles, superblock_amx, where the CPU has them), the other block types by the 8-lane kernel
+    tiles, superblock_amx, where the CPU has them), the types of one scale per group in a pass
+    of AMX_LANE_ROWS rows or more on those tiles (matmul_amx, its last block padded with zero
+    rows), the other block types and passes by the 8-lane kernel
     (whole blocks of 16 by matmul_wide where chosen; a tail of up to out_rows rows past the
     blocks, or a pass of so few, by matmul_out's arithmetic: the same bits with outputs in the
     lanes, faster for so few, in the same pass over the weights as the blocks before it; a 1 +
@@ -50,6 +53,9 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
             _matmul_super_amx(qt, xi, dxv, *_prepared_sums(qt, xi), run.datas, run.packed(), run.offs, out)
         if wide < R:
             _matmul_packed(qt, x[wide:], run.datas, run.packed(), run.offs, out[wide:])
+    elif _AMX_INT8 and run.qtype in AMX_LANE_TYPES and len(x) >= AMX_LANE_ROWS:
+        xw = _lanes_inputs(_GROUP_MARKERS[32], x, WIDE_LANES)  # the last block padded with zero rows
+        _matmul_amx(qt, *xw, run.datas, run.offs, out)
     elif run.qtype in BLOCK_TYPES:
         R = len(x)
         wide = R - R % WIDE_LANES if _WIDE else 0  # whole blocks of 16: matmul_wide's
@@ -82,15 +88,20 @@ _WIDE = _wide_chosen()  # blocks of 16 rows go to matmul_wide (same bits, faster
 WIDE_PADDED = 10
 _AMX_INT8 = _WIDE and _amx_int8_chosen()  # Q4_K / Q6_K's to superblock_amx (same bits)
 AMX_ROWS = 128  # from this many rows the tiles beat superblock_packed (BENCHMARKS.md, "Packed K-quants")
+# the types of one scale per group to matmul_amx (same bits) from this many rows: it decodes a
+# chunk's weights once per call, which fewer rows do not repay (BENCHMARKS.md, "AMX tiles for
+# the 32-value types")
+AMX_LANE_TYPES = frozenset(t for t in BLOCK_TYPES if activation_group(t) == 32)
+AMX_LANE_ROWS = 48
 # lanes_inputs reads only the activations' group from its type: one build (one compile on an
 # empty cache, one load at a start) serves every block type of a group
 _GROUP_MARKERS = {activation_group(t): MARKERS[t] for t in reversed(BLOCK_TYPES)}  # the first type of each
 
 
 def on_amx(qtype: str) -> bool:
-    """every_row multiplies weights of this type on AMX tiles (superblock_amx: Q4_K and Q6_K,
-    whole blocks of 16 rows)."""
-    return _AMX_INT8 and qtype in SUPER_TYPES
+    """every_row multiplies weights of this type on AMX tiles in a long pass (superblock_amx:
+    Q4_K and Q6_K; matmul_amx: the types of one scale per group)."""
+    return _AMX_INT8 and (qtype in SUPER_TYPES or qtype in AMX_LANE_TYPES)
 
 
 def dequantize(w, rows: np.ndarray, out: np.ndarray):

@@ -57,6 +57,18 @@ def tofloat(typingctx, v):
 
 
 @intrinsic
+def iadd(typingctx, a, b):
+    """a + b lane by lane, I32x8 or I32x16 (integers: exact)."""
+    if a not in FLOATS or b != a:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+
+    return a(a, b), codegen
+
+
+@intrinsic
 def fma(typingctx, a, b, c):
     """a * b + c, lane by lane, rounded once (llvm.fma: vfmadd). These lane ops carry no
     fast-math flags: with them LLVM may reassociate or contract each inlined copy of a kernel
