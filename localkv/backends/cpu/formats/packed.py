@@ -1,11 +1,13 @@
-"""Q4_K and Q6_K weights repacked for the 16-lane kernel (kernels/superblock_packed): 16 weight
-rows interleaved per super-block, so that a 64-byte load holds 4 bytes of each of 16 rows and
-one vpdpbusd multiplies them with 4 broadcast activations, the outputs in the lanes. The sums
-need no horizontal reduction, and the 6-bit scales are unpacked once, here, not per step.
+"""Weights repacked for the 16-lane kernels that take a few activation rows: 16 weight rows
+interleaved per block, so that a 64-byte load holds 4 bytes of each of 16 rows and one
+vpdpbusd multiplies them with 4 broadcast activations, the outputs in the lanes. The sums
+need no horizontal reduction, and the scales of 16 rows load as one vector. Q4_K and Q6_K
+(kernels/superblock_packed: every pass; their 6-bit scales unpacked once, here), and the
+32-value types Q4_0, Q4_1 and Q8_0 (kernels/matmul_packed: a decode step's few rows).
 
-A weight of R rows becomes uint8 [ceil(R / 16), super-blocks * GROUP_BYTES[type]]: row group g,
-super-block b at byte b * GROUP_BYTES of row g. Rows past R are zero (their outputs are never
-written). Within a group's super-block, n = the row in the group (0..15):
+A weight of R rows becomes uint8 [ceil(R / 16), blocks * GROUP_BYTES[type]]: row group g,
+block b at byte b * GROUP_BYTES of row g. Rows past R are zero (their outputs are never
+written). Within a group's block, n = the row in the group (0..15):
 
     Q4_K (2368 bytes)                       Q6_K (3360 bytes)
     0     qs dword k of row n at 64k + 4n   0     ql dword k of row n at 64k + 4n
@@ -14,15 +16,22 @@ written). Within a group's super-block, n = the row in the group (0..15):
     2304  d (fp16) of row n at 2n           3328  d (fp16) of row n at 2n
     2336  dmin (fp16) of row n at 2n
 
-The bytes of a row are the file's (qs, ql, qh keep their nibble and bit order; see formats),
-so the integers a super-block gives are the same whichever layout they are read from. The
-scales and mins in pairs are int16 pairs once widened: vpdpwssd's operand.
+    Q4_0 (288 bytes)                  Q4_1 (320 bytes)                  Q8_0 (544 bytes)
+    0    qs dword k of row n at       0    qs dword k at 64k + 4n       0    u = q + 128 (the
+         64k + 4n                     256  d (fp16) of row n at 2n           kernels' unsigned
+    256  d (fp16) of row n at 2n      288  m (fp16) of row n at 2n           byte) dword k at
+                                                                             64k + 4n
+                                                                        512  d (fp16) at 2n
+
+The bytes of a row are the file's (qs, ql, qh keep their nibble and bit order; see formats;
+Q8_0's bytes xor 128), so the integers a block gives are the same whichever layout they are
+read from. The scales and mins in pairs are int16 pairs once widened: vpdpwssd's operand.
 """
 
 import numpy as np
 
 GROUP = 16  # weight rows interleaved
-GROUP_BYTES = {"Q4_K": 2368, "Q6_K": 3360}
+GROUP_BYTES = {"Q4_K": 2368, "Q6_K": 3360, "Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
 TYPES = tuple(GROUP_BYTES)
 FORMAT = "p1"  # this layout's name: a changed layout must get a new one (it keys the files on disk)
 _SLICE = 512  # row groups packed at a time: bounds the temporary arrays
@@ -32,12 +41,20 @@ _BLOCKS = {
                       "offsets": [0, 2, 4, 16], "itemsize": 144}),
     "Q6_K": np.dtype({"names": ["ql", "qh", "scales", "d"], "formats": [("<u4", 32), ("<u4", 16), ("<u2", 8), "<u2"],
                       "offsets": [0, 128, 192, 208], "itemsize": 210}),
+    "Q4_0": np.dtype({"names": ["d", "qs"], "formats": ["<u2", ("<u4", 4)], "offsets": [0, 2], "itemsize": 18}),
+    "Q4_1": np.dtype({"names": ["d", "m", "qs"], "formats": ["<u2", "<u2", ("<u4", 4)], "offsets": [0, 2, 4],
+                      "itemsize": 20}),
+    "Q8_0": np.dtype({"names": ["d", "qs"], "formats": ["<u2", ("<u4", 8)], "offsets": [0, 2], "itemsize": 34}),
 }  # fmt: skip
+
+
+def _values(qtype: str) -> int:
+    return 256 if qtype.endswith("_K") else 32
 
 
 def packed_shape(qtype: str, rows: int, cols: int) -> tuple[int, int]:
     """The shape of the packed form of a [rows, cols] weight."""
-    return -(-rows // GROUP), cols // 256 * GROUP_BYTES[qtype]
+    return -(-rows // GROUP), cols // _values(qtype) * GROUP_BYTES[qtype]
 
 
 def pack(qtype: str, data: np.ndarray) -> np.ndarray:
@@ -49,7 +66,7 @@ def pack(qtype: str, data: np.ndarray) -> np.ndarray:
     nb, gb = blocks.shape[1], GROUP_BYTES[qtype]
     groups = -(-rows // GROUP)
     out = np.empty((groups, nb * gb), np.uint8)
-    fill = _q4k if qtype == "Q4_K" else _q6k
+    fill = _FILL[qtype]
     for g0 in range(0, groups, _SLICE):
         g1 = min(groups, g0 + _SLICE)
         part = blocks[g0 * GROUP : g1 * GROUP]
@@ -92,3 +109,18 @@ def _q6k(b: np.ndarray, out: np.ndarray):
     _put(out, 2048, _lanes(b["qh"]))
     _put(out, 3072, _lanes(b["scales"]))
     _put(out, 3328, b["d"].transpose(0, 2, 1))
+
+
+def _q4(b: np.ndarray, out: np.ndarray):
+    _put(out, 0, _lanes(b["qs"]))
+    _put(out, 256, b["d"].transpose(0, 2, 1))
+    if "m" in b.dtype.names:
+        _put(out, 288, b["m"].transpose(0, 2, 1))
+
+
+def _q8_0(b: np.ndarray, out: np.ndarray):
+    _put(out, 0, _lanes(b["qs"] ^ np.uint32(0x80808080)))
+    _put(out, 512, b["d"].transpose(0, 2, 1))
+
+
+_FILL = {"Q4_K": _q4k, "Q6_K": _q6k, "Q4_0": _q4, "Q4_1": _q4, "Q8_0": _q8_0}

@@ -10,6 +10,8 @@ pass (the one arithmetic, docs/CPU.md):
   integer multiply-adds: matmul_lanes), and the dequantizer;
 - matmul_out: matmul_lanes' bits for 1 activation row with 8 weight rows in the lanes (decode;
   lanes_then_out: a pass's last rows in the same weight pass as its blocks of 8);
+- matmul_packed: matmul_out's bits for Q4_0, Q4_1 and Q8_0 from their packed form (16 weight
+  rows in the lanes, no sum across lanes: decode and passes of a few rows);
 - matmul_wide: matmul_lanes' bits for 16 activation rows in 512-bit lanes (prefill with
   AVX-512 VNNI); superblock_lanes: the same for Q4_K and Q6_K (superblock.matmul_rows' bits);
   superblock_amx: those bits again with the integer dots on AMX-INT8 tiles; matmul_amx:

@@ -109,7 +109,7 @@ def weight_types(weights: Iterable) -> set[str]:
 
 
 def pack(weights: dict, fingerprint: str) -> None:
-    """Give each Q4_K and Q6_K weight whose kernels are loaded its packed form (formats/packed) now,
+    """Give each weight of a packed type (formats/packed) whose kernels are loaded its packed form now,
     as the model loads, mapped from LOCALKV_HOME/packed (pack_cache), not in the first step."""
     pack_cache.attach(weights, fingerprint, active)
 

@@ -18,6 +18,8 @@ from localkv.backends.cpu.kernels.matmul_few import matmul_lanes as _matmul_lane
 from localkv.backends.cpu.kernels.matmul_out import lanes_then_out as _lanes_then_out
 from localkv.backends.cpu.kernels.matmul_out import matmul_out as _matmul_out
 from localkv.backends.cpu.kernels.matmul_out import out_rows
+from localkv.backends.cpu.kernels.matmul_packed import TYPES as PACKED_TYPES
+from localkv.backends.cpu.kernels.matmul_packed import matmul_packed as _matmul_packed32
 from localkv.backends.cpu.kernels.matmul_wide import LANES as WIDE_LANES
 from localkv.backends.cpu.kernels.matmul_wide import chosen as _wide_chosen
 from localkv.backends.cpu.kernels.matmul_wide import matmul_wide as _matmul_wide
@@ -53,6 +55,8 @@ def every_row(run, x: np.ndarray, out: np.ndarray):
             _matmul_super_amx(qt, xi, dxv, *_prepared_sums(qt, xi), run.datas, run.packed(), run.offs, out)
         if wide < R:
             _matmul_packed(qt, x[wide:], run.datas, run.packed(), run.offs, out[wide:])
+    elif run.qtype in PACKED_TYPES and len(x) <= PACKED_ROWS:
+        _matmul_packed32(qt, x, run.datas, run.packed(), run.offs, out)
     elif _AMX_INT8 and run.qtype in AMX_LANE_TYPES and len(x) >= AMX_LANE_ROWS:
         xw = _lanes_inputs(_GROUP_MARKERS[32], x, WIDE_LANES)  # the last block padded with zero rows
         _matmul_amx(qt, *xw, run.datas, run.offs, out)
@@ -93,6 +97,10 @@ AMX_ROWS = 128  # from this many rows the tiles beat superblock_packed (BENCHMAR
 # the 32-value types")
 AMX_LANE_TYPES = frozenset(t for t in BLOCK_TYPES if activation_group(t) == 32)
 AMX_LANE_ROWS = 48
+# Q4_0, Q4_1 and Q8_0 from their packed form up to this many rows (a decode step, a few
+# sequences' or a verify pass): faster than matmul_out and the lanes kernels there
+# (BENCHMARKS.md, "Packed 32-value weights")
+PACKED_ROWS = 16
 # lanes_inputs reads only the activations' group from its type: one build (one compile on an
 # empty cache, one load at a start) serves every block type of a group
 _GROUP_MARKERS = {activation_group(t): MARKERS[t] for t in reversed(BLOCK_TYPES)}  # the first type of each
@@ -138,9 +146,9 @@ def check(qtype: str) -> bool:
             return False
     rng = np.random.default_rng(3)
     (run,) = QStack(ws).runs
-    for rows in (1, 2, 3, 8, 9) + ((17,) if _WIDE and qtype in BLOCK_TYPES else ()):  # 9, 17: 8 or 16 in the lanes + 1
+    for rows in _check_rows(qtype):
         x = rng.standard_normal((rows, dense[0].shape[1]), dtype=np.float32)
-        one = np.empty((32, ws[0].rows + ws[1].rows), np.float32)  # the lanes kernels write whole blocks
+        one = np.empty((-(-rows // 16) * 16, ws[0].rows + ws[1].rows), np.float32)  # whole blocks of 16
         every_row(run, x, one)
         one = one[: len(x)]
         if not all(np.array_equal(one[r : r + 1], _one_row(run, x[r : r + 1], one.shape[1])) for r in range(rows)):
@@ -148,6 +156,18 @@ def check(qtype: str) -> bool:
         if not _close(one, x, qtype, dense):
             return False
     return True
+
+
+def _check_rows(qtype: str) -> tuple[int, ...]:
+    """Row counts that reach every kernel every_row gives this type on this CPU, so that a
+    start compiles (or loads) them all: 9, 17: 8 or 16 in the lanes + 1 (or packed); 23: 16 +
+    the 8-lane kernel; 25: 16 + 8 + 1; 50: the AMX tiles."""
+    rows = (1, 2, 3, 8, 9)
+    if _WIDE and qtype in BLOCK_TYPES:
+        rows += (17, 23, 25)
+    if _AMX_INT8 and qtype in AMX_LANE_TYPES:
+        rows += (AMX_LANE_ROWS + 2,)
+    return rows
 
 
 def _one_row(run, x: np.ndarray, n: int) -> np.ndarray:

@@ -1,11 +1,12 @@
-"""The packed K-quant weights (formats/packed) kept on disk, one folder per model under
+"""The packed weights (formats/packed) kept on disk, one folder per model under
 LOCALKV_HOME/packed, and mapped read-only.
 
 Why: the packed copy is as large as the weights it packs. Mapped from a file it lives in the
 page cache, shared between the processes that run the model and given back under memory
 pressure, not in each process's private memory; and a later start maps it instead of packing
-again. The file's own pages are then read only for embedding rows. Where the folder cannot be
-written, the packed copy stays in the process's memory.
+again. A Q4_K or Q6_K file's own pages are then read only for embedding rows; Q4_0, Q4_1 and
+Q8_0 read theirs in passes of more rows (quant.compiled.PACKED_ROWS: a prefill) too. Where the
+folder cannot be written, the packed copy stays in the process's memory.
 """
 
 import contextlib
@@ -42,7 +43,7 @@ def remove(fingerprint: str) -> int:
 
 
 def attach(weights: dict, fingerprint: str, wanted) -> None:
-    """Give each Q4_K and Q6_K tensor among weights for which wanted(qtype) holds its packed
+    """Give each tensor of a packed type (formats/packed) among weights for which wanted(qtype) holds its packed
     form: mapped from the model's folder, packed and written there first when missing; packed
     in memory when there is no fingerprint or the folder cannot be written."""
     d = folder(fingerprint) if fingerprint else None

@@ -75,7 +75,7 @@ class QTensor:
         return self.shape[1]
 
     def packed(self) -> np.ndarray:
-        """The weight repacked for the 16-lane K-quant kernel (formats/packed.pack: Q4_K, Q6_K),
+        """The weight repacked for the 16-lane kernels (formats/packed.pack: Q4_K, Q6_K, Q4_0, Q4_1, Q8_0),
         made on first use and kept: a copy in the process's memory beside the file's pages."""
         if not self._packed:
             self.use_packed(pack(self.qtype, self.data))
