@@ -10,6 +10,7 @@ import pytest
 from localkv.backends.cpu import build, quant
 from localkv.backends.cpu.formats.blocks import MARKERS
 from localkv.backends.cpu.quant.tensor import QStack, sample_weight
+from tests.backends.test_matmul_wide import activations
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -25,11 +26,6 @@ def kernels():
 def weights(qtype: str) -> QStack:
     """Matrices of 37 rows (two row groups of 16 and 5), 16 and 3, of 5 blocks (an odd count)."""
     return QStack(tuple(sample_weight(qtype, rows, 160, seed) for rows, seed in ((37, 1), (16, 2), (3, 3))))
-
-
-def activations(rng, rows: int, cols: int, positive: bool) -> np.ndarray:
-    x = rng.uniform(0.5, 1, (rows, cols)) if positive else rng.standard_normal((rows, cols))
-    return (x * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
