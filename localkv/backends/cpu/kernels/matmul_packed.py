@@ -4,7 +4,7 @@ each row, with 16 weight rows in the lanes.
 
 Why: matmul_out decodes each weight row's groups one by one and sums each dot across its 8
 lanes (quad_sums, halves) before a group's float step, so a decode step ran compute-bound
-well under the memory's speed (BENCHMARKS.md, "Packed 32-value weights"). Packed, one
+well under the memory's speed (BENCHMARKS.md, "One scale per 32-value group"). Packed, one
 64-byte load holds 4 weights of 16 rows, one vpdpbusd multiplies them with 4 broadcast
 activations (simd/packed16), and a group's 16 integer dots come out in the lanes with no
 sum across them; the scales of the 16 rows are one load. Then matmul_few.group_step's float

@@ -93,13 +93,13 @@ WIDE_PADDED = 10
 _AMX_INT8 = _WIDE and _amx_int8_chosen()  # Q4_K / Q6_K's to superblock_amx (same bits)
 AMX_ROWS = 128  # from this many rows the tiles beat superblock_packed (BENCHMARKS.md, "Packed K-quants")
 # the types of one scale per group to matmul_amx (same bits) from this many rows: it decodes a
-# chunk's weights once per call, which fewer rows do not repay (BENCHMARKS.md, "AMX tiles for
-# the 32-value types")
+# chunk's weights once per call, which fewer rows do not repay (BENCHMARKS.md, "One scale per
+# 32-value group")
 AMX_LANE_TYPES = frozenset(t for t in BLOCK_TYPES if activation_group(t) == 32)
 AMX_LANE_ROWS = 48
 # Q4_0, Q4_1 and Q8_0 from their packed form up to this many rows (a decode step, a few
 # sequences' or a verify pass): faster than matmul_out and the lanes kernels there
-# (BENCHMARKS.md, "Packed 32-value weights")
+# (BENCHMARKS.md, "One scale per 32-value group")
 PACKED_ROWS = 16
 # lanes_inputs reads only the activations' group from its type: one build (one compile on an
 # empty cache, one load at a start) serves every block type of a group
