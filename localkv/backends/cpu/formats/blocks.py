@@ -152,7 +152,7 @@ def _scales8(qt, w, off, idx, scalars):
             return d, d, m, m
 
         return with_min
-    k = np.float32(_OFFSET[qt.qname])
+    k = np.float32(OFFSET[qt.qname])
 
     def offset_min(qt, w, off, idx, scalars):  # m = k * d (exact: k is a power of 2)
         d, _ = hgather(w, off, idx)
@@ -164,8 +164,8 @@ def _scales8(qt, w, off, idx, scalars):
 
 # The types whose block opens with d: then m, or (the signed ones) m = this times d
 _WITH_MIN = frozenset(("Q4_1", "Q5_1"))
-_OFFSET = {"Q4_0": -8.0, "Q5_0": -16.0, "Q8_0": -128.0}
-GATHERED = _WITH_MIN | frozenset(_OFFSET)  # scales8 gathers these types' scales
+OFFSET = {"Q4_0": -8.0, "Q5_0": -16.0, "Q8_0": -128.0}
+GATHERED = _WITH_MIN | frozenset(OFFSET)  # scales8 gathers these types' scales
 
 
 def group(qt, w, blk, j):

@@ -30,6 +30,8 @@ read from. The scales and mins in pairs are int16 pairs once widened: vpdpwssd's
 
 import numpy as np
 
+from localkv.backends.cpu.formats.types import block_size
+
 GROUP = 16  # weight rows interleaved
 GROUP_BYTES = {"Q4_K": 2368, "Q6_K": 3360, "Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
 TYPES = tuple(GROUP_BYTES)
@@ -48,13 +50,9 @@ _BLOCKS = {
 }  # fmt: skip
 
 
-def _values(qtype: str) -> int:
-    return 256 if qtype.endswith("_K") else 32
-
-
 def packed_shape(qtype: str, rows: int, cols: int) -> tuple[int, int]:
     """The shape of the packed form of a [rows, cols] weight."""
-    return -(-rows // GROUP), cols // _values(qtype) * GROUP_BYTES[qtype]
+    return -(-rows // GROUP), cols // block_size(qtype)[0] * GROUP_BYTES[qtype]
 
 
 def pack(qtype: str, data: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ by 16 activation rows over a whole group (the one integer matmul_few.group_step 
 these types): a work chunk's weights are decoded once into bytes (`_decode`: each group's u,
 as formats.group gives it, and its scales), then per block of activation rows one tile
 product a group goes to memory and each weight row walks the products in group_step's float
-ops and walk's order (group g into accumulator g % 2), so lane r gets the sums matmul_wide
+ops and walk's order (matmul_few.walk_from), so lane r gets the sums matmul_wide
 gives it: equal bits (tests/backends/test_matmul_wide.py). lanes_inputs(qt, x, 16)'s blocks
 are already the B tiles' layout (4 bytes of each of 16 rows per 64-byte tile row).
 
@@ -23,7 +23,7 @@ from numba.extending import register_jitable
 
 from localkv.backends.cpu.formats.blocks import geometry, group
 from localkv.backends.cpu.kernels import EXACT_PAR
-from localkv.backends.cpu.kernels.matmul_few import CHUNK, PREFETCH, chunk, chunks, one_scale_step
+from localkv.backends.cpu.kernels.matmul_few import CHUNK, PREFETCH, chunk, chunks, one_scale_step, walk_from
 from localkv.backends.cpu.kernels.matmul_wide import transpose16
 from localkv.backends.cpu.numba_hooks import NO_NRT
 from localkv.backends.cpu.simd.amx import tile_config, tile_dot_u8i8, tile_load, tile_release, tile_store, tile_zero
@@ -76,21 +76,18 @@ def _products(ub, xb, ng, cbuf):
 
 
 @register_jitable(**NO_NRT)
-def _step(cbuf, sc, i, g, dxv, xsa, a, m):
+def _step(qt, w, blk, j, g, inp, a, m):
+    """matmul_few.walk_from's step over the products (inp: cbuf, the scales sc, the weight row
+    i, the block's dxv and xsa; w, blk, j: the file's, unused): group g's group_step."""
+    cbuf, sc, i, dxv, xsa = inp
     return one_scale_step(iload16(cbuf, 256 * g + 16 * i), splat16(sc[i, g, 0]), splat16(sc[i, g, 1]),
                           load16(dxv, 16 * g), load16(xsa, 16 * g), a, m)  # fmt: skip
 
 
 @register_jitable(**NO_NRT)
-def _walk(cbuf, sc, i, ng, dxv, xsa):
-    """Weight row i's 16 lanes: matmul_few.walk_from's order (group g into accumulator g % 2)
-    over the products in cbuf, summed as walk sums them."""
-    a0, a1, m0, m1 = zero16(), zero16(), zero16(), zero16()
-    for g in range(0, ng - 1, 2):
-        a0, m0 = _step(cbuf, sc, i, g, dxv, xsa, a0, m0)
-        a1, m1 = _step(cbuf, sc, i, g + 1, dxv, xsa, a1, m1)
-    if ng % 2:
-        a0, m0 = _step(cbuf, sc, i, ng - 1, dxv, xsa, a0, m0)
+def _walk(qt, w, cbuf, sc, i, ng, dxv, xsa):
+    """Weight row i's 16 lanes: walk's order and sum over the products in cbuf."""
+    a0, a1, m0, m1 = walk_from(_step, qt, w, 0, (cbuf, sc, i, dxv, xsa), ng, zero16())
     return fadd(fadd(a0, a1), fadd(m0, m1))
 
 
@@ -115,7 +112,7 @@ def matmul_amx(qt, xi, dxv, xsa, xsb, ws, offs, out):
         for b in range(nb):
             _products(ub, xi[b], ng, cbuf)
             for r in range(rows):
-                fstore(vb, LANES * r, _walk(cbuf, sc, r, ng, dxv[b], xsa[b]))
+                fstore(vb, LANES * r, _walk(qt, w, cbuf, sc, r, ng, dxv[b], xsa[b]))
             transpose16(vb, tb)  # out's rows are tokens: each takes the chunk's outputs in one store
             for t in range(LANES):
                 out[b * LANES + t, col + n0 : col + n1] = tb[LANES * t : LANES * t + rows]

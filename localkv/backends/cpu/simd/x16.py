@@ -190,14 +190,6 @@ def imadd16(typingctx, acc, a, k, b, j):
 
 
 @intrinsic
-def iadd16(typingctx, a, b):
-    def codegen(context, builder, sig, args):
-        return builder.add(args[0], args[1])
-
-    return I32x16(a, b), codegen
-
-
-@intrinsic
 def half_dot16(typingctx, xu, xoff, wd, woff):
     """The 16 rows' dots of 16 weights with their activations: lane r = sum over i < 16 of
     xu[xoff + 64 (i // 4) + 4 r + i % 4] (unsigned: the activations plus 128) times
