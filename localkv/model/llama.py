@@ -86,6 +86,10 @@ class Llama:
         # a KV policy's keys by position (PositionedKV) where the backend takes per-kv-head tables
         self.positioned = "head_tables" in backend.caps.attention_options
         self.rotation = None  # kv/rotation's, set by the engine for a quantized pool
+        # each layer's weights that forward() reads, looked up once (its loop runs once a layer
+        # of every decode step)
+        names = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
+        self.layers = [tuple(weights[f"{i}.{n}"] for n in names) for i in range(cfg.n_layers)]
 
     def ensure_positions(self, n: int):
         """RoPE tables for positions up to n."""
@@ -130,31 +134,32 @@ class Llama:
             rope if self.rope_local is self.rope else (self.rope_local.cos[positions], self.rope_local.sin[positions])
         )
         plan = self._plan(spans)
-        for i in range(cfg.n_layers):
-            h = backend.rmsnorm(x, w[f"{i}.attn_norm"], cfg.rms_eps)
-            q, k, v = self._qkv(h, i, *(rope_local if i in self.local else rope))
+        eps, unturn = cfg.rms_eps, self.rotation is not None and self.rotation.v
+        mlp = backend.gelu_mul if cfg.mlp == "gelu" else backend.silu_mul
+        for i, (attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
+            h = backend.rmsnorm(x, attn_norm, eps)
+            q, k, v = self._qkv(h, i, wqkv, *(rope_local if i in self.local else rope))
             kl, vl = pool.k[i], pool.v[i]
             backend.write_kv(kl, vl, slots, k, v)
             attn = self._attention(i, q, kl, vl, plan)
-            if self.rotation is not None and self.rotation.v:  # the values were turned: turn back
+            if unturn:  # the values were turned: turn back
                 attn = backend.rotate(attn, self.rotation, undo=True)
-            backend.add_residual(x, self._post_norm(backend.linear(attn.reshape(T, -1), w[f"{i}.wo"], "wo"), i, "attn"))
-            h = backend.rmsnorm(x, w[f"{i}.ffn_norm"], cfg.rms_eps)
-            gu = backend.linear(h, w[f"{i}.w_gate_up"], "w_gate_up")
-            act = backend.gelu_mul(gu) if cfg.mlp == "gelu" else backend.silu_mul(gu)
-            backend.add_residual(x, self._post_norm(backend.linear(act, w[f"{i}.w_down"], "w_down"), i, "ffn"))
+            backend.add_residual(x, self._post_norm(backend.linear(attn.reshape(T, -1), wo, "wo"), i, "attn"))
+            h = backend.rmsnorm(x, ffn_norm, eps)
+            act = mlp(backend.linear(h, w_gate_up, "w_gate_up"))
+            backend.add_residual(x, self._post_norm(backend.linear(act, w_down, "w_down"), i, "ffn"))
         h = backend.rmsnorm(x[xp.asarray(logit_rows)], w["out_norm"], cfg.rms_eps)
         logits = backend.logits(h, self.w_out)
         if cfg.final_softcap:  # Gemma 2: on the host's float32 logits
             logits = np.tanh(logits / np.float32(cfg.final_softcap)) * np.float32(cfg.final_softcap)
         return logits
 
-    def _qkv(self, h, i: int, cos, sin):
-        """q [T, H, hd], k and v [T, kvh, hd] of layer i: projected (plus biases), q/k heads
-        normalised where the architecture does, RoPE applied."""
+    def _qkv(self, h, i: int, wqkv, cos, sin):
+        """q [T, H, hd], k and v [T, kvh, hd] of layer i (its weight wqkv): projected (plus
+        biases), q/k heads normalised where the architecture does, RoPE applied."""
         cfg, w, backend = self.cfg, self.w, self.backend
         H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = backend.linear(h, w[f"{i}.wqkv"], "wqkv")
+        qkv = backend.linear(h, wqkv, "wqkv")
         if cfg.qkv_bias:
             qkv += w[f"{i}.bqkv"]
         qkv = qkv.reshape(len(h), H + 2 * K, hd)

@@ -90,7 +90,8 @@ def add_residual(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     y as the transpose of a C-ordered [dim, T] array; numpy adds it along x's rows, reading y T
     floats apart, which misses the cache once x outgrows it (several times slower). Strips of
     columns read both sides a cache line at a time."""
-    if y.flags.f_contiguous and not y.flags.c_contiguous:
+    flags = y.flags
+    if flags.f_contiguous and not flags.c_contiguous:
         for j in range(0, x.shape[1], RESIDUAL_STRIP):
             x[:, j : j + RESIDUAL_STRIP] += y[:, j : j + RESIDUAL_STRIP]
     else:
@@ -152,13 +153,13 @@ def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.
     """Store K/V [T, kvh, hd] at flat slots (block * block_size + offset) of one layer's pool,
     each in its layer's format: rows are quantized once, as they are written (kv_format.encode,
     or the kernel that writes its bytes)."""
-    nb, bs = k_layer.shape[:2]
+    kernels = cpu_kernels.active()
     for layer, x in ((k_layer, k), (v_layer, v)):
         fmt = kv_format.of(layer)
-        if fmt.quantized and cpu_kernels.active():  # the same bytes as encode's, in one pass
+        if fmt.quantized and kernels:  # the same bytes as encode's, in one pass
             cpu_kernels.encode_rows(layer, slots, x)
         else:
-            layer.reshape(nb * bs, *layer.shape[2:])[slots] = kv_format.encode(x, fmt)
+            layer.reshape(-1, *layer.shape[2:])[slots] = kv_format.encode(x, fmt)
 
 
 def logits(h: np.ndarray, w_out) -> np.ndarray:
@@ -168,7 +169,8 @@ def logits(h: np.ndarray, w_out) -> np.ndarray:
 
 class DecodeBatch:
     """Block tables and context lengths of B single-token sequences as the decode kernel reads
-    them, made once per forward pass and read by every layer's decode()."""
+    them, made once per forward pass and read by every layer's decode(), with the kernel's
+    split of the work (compiled.decode_split), worked out at the first layer."""
 
     def __init__(self, tables: list, n_ctx: list[int]):
         self.tables = np.zeros((len(tables), max(len(t) for t in tables)), np.int64)
@@ -177,16 +179,20 @@ class DecodeBatch:
         self.lens = np.asarray(n_ctx, np.int64)
         # as the kernel (compiled.decode_rows) was compiled for them: int64, read-only
         self.tables.flags.writeable = self.lens.flags.writeable = False
+        self.most = max(n_ctx)
+        self.split = None  # (parts, threads): the same for every layer of the pass
 
 
 def decode(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, batch: DecodeBatch, scale: float) -> np.ndarray:
     """Attention of B sequences of one query token each (q [B, H, hd]), in one kernel call for
     all of them, each row the bits paged_attention's causal kernel gives it (kernels/decode_rows);
     paged_attention per sequence when the kernels are off."""
-    if not cpu_kernels.attends(q.shape[2]):
-        rows = zip(q, batch.tables, batch.lens)
-        return np.stack([paged_attention(qb[None], k_layer, v_layer, t, int(n), scale)[0] for qb, t, n in rows])
-    return cpu_kernels.decode_rows(q, k_layer, v_layer, batch.tables, batch.lens, scale)  # each row its causal bits
+    if batch.split is None:
+        if not cpu_kernels.attends(q.shape[2]):
+            rows = zip(q, batch.tables, batch.lens)
+            return np.stack([paged_attention(qb[None], k_layer, v_layer, t, int(n), scale)[0] for qb, t, n in rows])
+        batch.split = cpu_kernels.decode_split(len(q), k_layer.shape[2], batch.most)
+    return cpu_kernels.decode_rows(q, k_layer, v_layer, batch.tables, batch.lens, scale, batch.split)
 
 
 class CpuBackend:
@@ -266,9 +272,7 @@ class CpuBackend:
         self._needs("batched_decode", "decode_batch")
         return DecodeBatch(tables, n_ctx)
 
-    def decode(self, q, k_layer, v_layer, batch, scale: float) -> np.ndarray:
-        self._needs("batched_decode", "decode")
-        return decode(q, k_layer, v_layer, batch, scale)
+    decode = staticmethod(decode)  # caps.batched_decode: always (the protocol's test calls it)
 
     def _needs(self, flag: str, method: str):
         if not getattr(self.caps, flag):

@@ -65,19 +65,20 @@ def encode_rows(layer: np.ndarray, slots: np.ndarray, x: np.ndarray):
     nb, bs, kvh, row = layer.shape
     if not layer.flags.c_contiguous:  # a reshape would write into a copy
         raise ValueError("encode_rows: the pool layer must be C-contiguous")
-    rows = layer.view(np.uint8).reshape(nb * bs * kvh, -1)
+    rows = layer.view(np.uint8).reshape(nb * bs * kvh, row)
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, np.float32)
     kernels = state.elementwise
-    (kernels.encode_rows if len(x) * kvh <= FEW_ROWS else kernels.encode_rows_par)(
-        np.ascontiguousarray(x, np.float32), np.asarray(slots, np.int64), rows, layer.dtype == np.uint8
-    )
+    kernel = kernels.encode_rows if len(x) * kvh <= FEW_ROWS else kernels.encode_rows_par
+    kernel(x, np.asarray(slots, np.int64), rows, layer.dtype == np.uint8)
 
 
 def silu_mul(gu: np.ndarray) -> np.ndarray:
     """silu(gate) * up for gu = [gate | up] (float32 [T, 2f], C- or F-contiguous: a decode step's
     or a prefill pass's matmul output), in the same order. Call only when active()."""
     f = gu.shape[1] // 2
-    if gu.flags.c_contiguous:
-        out = reused_empty((len(gu), f))
+    if gu.flags.c_contiguous:  # a decode step's few rows: np.empty (no large buffer to reuse)
+        out = np.empty((len(gu), f), np.float32) if len(gu) <= FEW_ROWS else reused_empty((len(gu), f))
         state.elementwise.silu_mul(gu, f, out, False)
     else:
         out = reused_empty((f, len(gu))).T  # F-ordered, as gu
@@ -85,23 +86,33 @@ def silu_mul(gu: np.ndarray) -> np.ndarray:
     return out
 
 
-def decode_rows(q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables, lens, scale: float) -> np.ndarray:
+def decode_rows(
+    q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, tables, lens, scale: float, split=None
+) -> np.ndarray:
     """See kernels/decode_rows.paged_decode: attention of B sequences' last tokens q [B, H, hd]
     over int64 tables [B, blocks] and lens [B] (read-only), normalised [B, H, hd]: each row
-    the bits causal_attention gives it. Call only when attends(hd)."""
-    import numba
-
-    B = len(q)
-    kvh = k_layer.shape[2]
+    the bits causal_attention gives it. split: decode_split's answer for these sequences and
+    heads, when the caller keeps it for every layer of a pass. Call only when attends(hd)."""
+    parts, threads = split or decode_split(len(q), k_layer.shape[2], int(lens.max()))
     out = np.empty(q.shape, np.float32)
-    spans = -(-int(lens.max()) // state.attention.SPAN)  # jobs per kv head and part of the sequences
-    threads = numba.get_num_threads()
-    parts = min(B, -(-2 * threads // (kvh * spans)))  # enough jobs to keep every thread busy
-    q = np.ascontiguousarray(q, dtype=np.float32)
+    if q.dtype != np.float32 or not q.flags.c_contiguous:
+        q = np.ascontiguousarray(q, dtype=np.float32)
     state.decode_rows.paged_decode(
         q, np.float32(scale), _bits(k_layer), _bits(v_layer), tables, lens, parts, threads, out
     )
     return out
+
+
+def decode_split(rows: int, kvh: int, most: int) -> tuple[int, int]:
+    """(parts, threads) of decode_rows for `rows` sequences of up to `most` tokens and kvh kv
+    heads: enough jobs (kv head x span x part of the sequences) to keep every thread busy.
+    Worked out once a pass: a decode step's Python runs with caches the weights' stream has
+    just emptied, where each call costs several times its time in a loop."""
+    import numba
+
+    spans = -(-most // state.attention.SPAN)
+    threads = numba.get_num_threads()
+    return min(rows, -(-2 * threads // (kvh * spans))), threads
 
 
 def causal_attention(

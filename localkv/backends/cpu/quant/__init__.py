@@ -65,25 +65,22 @@ def matmul_rows(x: np.ndarray, w: "QTensor | QStack") -> np.ndarray:
     its pass: Q4_K and Q6_K by super-blocks (integer sums, then one float step per 256 values:
     kernels/superblock.matmul_rows), the other block types by the 8-lane kernel's
     (matmul_few.matmul_lanes; a decode row takes kernels/matmul_out, the same bits with outputs
-    in the lanes). Without the kernels, BLAS on fixed blocks of rows (fallback.matmul_rows)."""
-    x = _activations(x, w)
+    in the lanes). Without the kernels, BLAS on fixed blocks of rows (fallback.matmul_rows).
+    Written flat: a decode step calls it for every weight, with caches the weights' stream has
+    just emptied, where each Python call costs several times its time in a loop."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"activations {x.shape} do not match weights of {w.shape[1]} columns")
     R = x.shape[0]
-    out = np.empty((-(-R // 16) * 16, w.rows), np.float32)  # the lanes kernels write all 8 or 16 of a block
+    out = np.empty((-(-R // 16) * 16, w.shape[0]), np.float32)  # the lanes kernels write all 8 or 16 of a block
+    loaded = state.types
     for run in w.runs:  # each on the kernels where they take its type, else on the numpy path
-        if active(run.qtype) and (run.qtype in BLOCK_TYPES or w.cols % 8 == 0):
-            state.weights.every_row(run, x, out)
+        if run.qtype in loaded and loaded[run.qtype] is None and (run.qtype in BLOCK_TYPES or x.shape[1] % 8 == 0):
+            state.weights.every_row(run, x, out)  # (loaded[t] is None: active(t))
         else:
             _rows_numpy(run, x, out)
     return out[:R]
-
-
-def _activations(x: np.ndarray, w: "QTensor | QStack") -> np.ndarray:
-    """x as the kernels read it: C-contiguous float32 [R, w.cols]."""
-    if x.dtype != np.float32 or not x.flags.c_contiguous:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] != w.cols:
-        raise ValueError(f"activations {x.shape} do not match weights of {w.cols} columns")
-    return x
 
 
 def _numpy_activations(run: KernelRun, x: np.ndarray) -> np.ndarray:

@@ -24,15 +24,15 @@ class KernelRun:
     offs: tuple  # the output column of each slot
     col: int
     rows: int
-    packs: list = field(default_factory=list, compare=False)  # packed() of the three slots, once made
+    packs: list = field(default_factory=list, compare=False)  # [packed()'s tuple], once made
 
     def packed(self) -> tuple:
         """The slots' packed weights (formats/packed; a [0, 1] array for unused slots), made on
         first use."""
         if not self.packs:
             made = [t.packed() for t in self.tensors]
-            self.packs.extend(made + [_no_rows(np.uint8)] * (3 - len(made)))
-        return tuple(self.packs)
+            self.packs.append(tuple(made + [_no_rows(np.uint8)] * (3 - len(made))))
+        return self.packs[0]
 
 
 @dataclass(frozen=True, slots=True)
