@@ -1,5 +1,5 @@
-"""The decode kernel (kernels/decode_rows.paged_decode through compiled.decode_rows) at depth:
-its keys split over the threads by spans of positions (SPAN), each row still gets the causal
+"""The decode kernel (kernels/decode_rows.paged_decode through compiled.decode_rows) at depth
+and within one span: its keys split over the threads by spans of positions (SPAN), each row still gets the causal
 kernel's bits (decoded alone, or as any row of a prefill tile), for every K/V format, and
 numpy's attention; the vector exp has the scalar one's bits."""
 
@@ -74,6 +74,22 @@ def test_a_decode_row_has_the_bits_of_the_causal_kernel_at_depth(fmt, hd):
             rows[-1] = q[b]
             alone = cpu_kernels.causal_attention(rows, k, v, tables[b], int(lens[b]), 0.125)
             assert np.array_equal(alone[-1], got[b]), (b, T)
+        np.testing.assert_allclose(got[b], reference(q[b], k, v, tables[b], int(lens[b])), atol=3e-5)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "q8_0"])
+def test_a_context_of_one_span_has_the_bits_of_the_causal_kernel(fmt):
+    """Every sequence within one span (the job that walks it also normalises it): each row the
+    causal kernel's bits, alone or among others."""
+    k, v, _, _ = pools(60, fmt)
+    lens = frozen([65, 1, 200, 17])
+    tables = frozen(RNG.permutation(60)[:52].reshape(4, 13))
+    q = RNG.standard_normal((4, KVH * G, HD)).astype(np.float32)
+    got = cpu_kernels.decode_rows(q, k, v, tables, lens, 0.125)
+    for b in range(4):
+        one = cpu_kernels.decode_rows(q[b : b + 1], k, v, tables[b : b + 1], lens[b : b + 1], 0.125)
+        alone = cpu_kernels.causal_attention(q[b : b + 1], k, v, tables[b], int(lens[b]), 0.125)
+        assert np.array_equal(alone[0], got[b]) and np.array_equal(one[0], got[b]), b
         np.testing.assert_allclose(got[b], reference(q[b], k, v, tables[b], int(lens[b])), atol=3e-5)
 
 

@@ -74,7 +74,8 @@ def paged_decode(q, scale, k, v, tables, lens, parts, workers, out):
     the first lens[b] tokens of its block table tables[b] (int64 [B, blocks]); out [B, H, hd]
     normalised. Parallel over (kv head, part of the sequences, SPAN of positions): `parts`
     runs of sequences per head, each span's partial softmax kept, then folded in position order
-    as the causal kernel folds them (one read of the K/V a step, on every thread at depth);
+    as the causal kernel folds them (one read of the K/V a step, on every thread at depth;
+    a context of one span is normalised by the job that walked it, one launch less);
     `workers` (the thread count) take the jobs in turn, each on buffers it makes once. The
     queries are scaled and the outputs placed here, not in numpy around the call (a few
     microseconds a layer, as much as a short context's attention)."""
@@ -98,18 +99,29 @@ def paged_decode(q, scale, k, v, tables, lens, parts, workers, out):
             s, h, p = job // (kvh * parts), job // parts % kvh, job % parts
             s0, s1 = p * B // parts, (p + 1) * B // parts
             _walk(q, scale, k, v, tables, lens, h, s0, s1, s, po[h, s], pm[h, s], ps[h, s], bufs, ints, lanes, scratch)
-    for job in prange(kvh * parts):
-        h, p = job // parts, job % parts
-        r0, r1 = p * B // parts * g, (p + 1) * B // parts * g
-        o, m, sums = np.empty((r1 - r0, hd), np.float32), np.empty(r1 - r0, np.float32), np.empty(r1 - r0, np.float32)
-        _empty(o, m, sums)
-        for s in range(spans):
-            _fold(o, m, sums, po[h, s, r0:r1], pm[h, s, r0:r1], ps[h, s, r0:r1], r1 - r0)
-        for r in range(r1 - r0):
-            inv = np.float32(1) / sums[r]
-            b, j = (r0 + r) // g, (r0 + r) % g
-            for d in range(hd):
-                out[b, h * g + j, d] = o[r, d] * inv
+            if spans == 1:  # a row of one span has that span's bits (_fold): no second launch
+                _normalised(po[h, 0, s0 * g : s1 * g], ps[h, 0, s0 * g : s1 * g], h, s0 * g, g, out)
+    if spans > 1:
+        for job in prange(kvh * parts):
+            h, p = job // parts, job % parts
+            r0, r1 = p * B // parts * g, (p + 1) * B // parts * g
+            o, m = np.empty((r1 - r0, hd), np.float32), np.empty(r1 - r0, np.float32)
+            sums = np.empty(r1 - r0, np.float32)
+            _empty(o, m, sums)
+            for s in range(spans):
+                _fold(o, m, sums, po[h, s, r0:r1], pm[h, s, r0:r1], ps[h, s, r0:r1], r1 - r0)
+            _normalised(o, sums, h, r0, g, out)
+
+
+@register_jitable(**NO_NRT)
+def _normalised(o, sums, h, r0, g, out):
+    """Kv head h's rows r0 .. r0 + len(o) - 1 (sequence, query head of the group) of the
+    softmax state (o, sums) divided by their sums, into out [B, H, hd]."""
+    for r in range(o.shape[0]):
+        inv = np.float32(1) / sums[r]
+        b, j = (r0 + r) // g, (r0 + r) % g
+        for d in range(o.shape[1]):
+            out[b, h * g + j, d] = o[r, d] * inv
 
 
 @register_jitable
