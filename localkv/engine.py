@@ -26,8 +26,9 @@ from localkv.stats import Stats
 from localkv.units import format_size
 
 # 2: K rows in the model's own RoPE order (llama GGUFs: pairwise), no longer un-permuted; 3: the
-# CPU's one-scale step for the 32-value block types (matmul_few.group_step): other K/V bits
-KV_FORMAT = "kv3"
+# CPU's one-scale step for the 32-value block types (matmul_few.group_step): other K/V bits; 4:
+# the CPU's RoPE with each float op as written (one kernel with the rotation and the K/V write)
+KV_FORMAT = "kv4"
 
 
 class Engine:

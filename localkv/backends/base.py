@@ -100,6 +100,11 @@ class Backend(Protocol):
     def write_kv(self, k_layer, v_layer, slots, k, v) -> None:
         """Store K/V [T, kvh, hd] at flat slots (block * block_size + offset) of one layer."""
 
+    def rope_store(self, qkv, cos, sin, style: str, rotation, k_layer, v_layer, slots) -> bool:
+        """rope on qkv [T, H + 2 kvh, hd]'s q and k heads, rotation's heads turned (rotate),
+        then write_kv of its k and v heads, as one call where the backend has one for this pass:
+        True; else False with nothing done (the model then calls the three)."""
+
     def frozen_table(self, block_table) -> Any:
         """A block table as this backend reads it, made once per forward pass."""
 

@@ -152,6 +152,11 @@ def rotate(x, rotation, undo: bool = False):
     return rotation.undo(x, cp) if undo else rotation.apply(x, cp)
 
 
+def rope_store(qkv, cos, sin, style, rotation, k_layer, v_layer, slots) -> bool:
+    """No fused kernel here: the model calls rope, rotate and write_kv (each one launch)."""
+    return False
+
+
 def head_rmsnorm(x, w, eps: float):
     """RMSNorm of every head of x [T, heads, hd] (a view of the qkv rows) in place, times w [hd]."""
     xf = x.astype(cp.float32)
@@ -239,6 +244,7 @@ class CudaBackend:
     head_rmsnorm = staticmethod(head_rmsnorm)
     rotate = staticmethod(rotate)
     write_kv = staticmethod(write_kv)
+    rope_store = staticmethod(rope_store)
     frozen_table = staticmethod(frozen_table)
     paged_attention = staticmethod(paged_attention)
     uses_kernels = staticmethod(uses_kernels)

@@ -43,6 +43,10 @@ class Rotation:
         """What the prefix cache's key says of it."""
         return f"rot-h{self.block}-s{SEED:x}-{'k' if self.k else ''}{'v' if self.v else ''}"
 
+    def heads(self, n_heads: int, n_kv_heads: int) -> tuple[int, int]:
+        """The heads of a qkv row [q heads | k heads | v heads] that turn: [first, end)."""
+        return 0 if self.k else n_heads + n_kv_heads, n_heads + (2 if self.v else 1) * n_kv_heads
+
     @cached_property  # read on every layer of every pass
     def scale(self) -> np.float32:
         return np.float32(1 / np.sqrt(self.block))

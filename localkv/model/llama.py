@@ -138,9 +138,9 @@ class Llama:
         mlp = backend.gelu_mul if cfg.mlp == "gelu" else backend.silu_mul
         for i, (attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
             h = backend.rmsnorm(x, attn_norm, eps)
-            q, k, v = self._qkv(h, i, wqkv, *(rope_local if i in self.local else rope))
+            qkv = self._qkv(h, i, wqkv)
             kl, vl = pool.k[i], pool.v[i]
-            backend.write_kv(kl, vl, slots, k, v)
+            q = self._rope_store(qkv, *(rope_local if i in self.local else rope), kl, vl, slots)
             attn = self._attention(i, q, kl, vl, plan)
             if unturn:  # the values were turned: turn back
                 attn = backend.rotate(attn, self.rotation, undo=True)
@@ -154,9 +154,9 @@ class Llama:
             logits = np.tanh(logits / np.float32(cfg.final_softcap)) * np.float32(cfg.final_softcap)
         return logits
 
-    def _qkv(self, h, i: int, wqkv, cos, sin):
-        """q [T, H, hd], k and v [T, kvh, hd] of layer i (its weight wqkv): projected (plus
-        biases), q/k heads normalised where the architecture does, RoPE applied."""
+    def _qkv(self, h, i: int, wqkv):
+        """qkv [T, H + 2 kvh, hd] of layer i (its weight wqkv): projected (plus biases), q/k
+        heads normalised where the architecture does."""
         cfg, w, backend = self.cfg, self.w, self.backend
         H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = backend.linear(h, wqkv, "wqkv")
@@ -166,12 +166,20 @@ class Llama:
         if cfg.qk_norm:
             backend.head_rmsnorm(qkv[:, :H], w[f"{i}.q_norm"], cfg.rms_eps)
             backend.head_rmsnorm(qkv[:, H : H + K], w[f"{i}.k_norm"], cfg.rms_eps)
-        backend.rope(qkv[:, : H + K], cos, sin, *self.rope_style)
+        return qkv
+
+    def _rope_store(self, qkv, cos, sin, kl, vl, slots):
+        """RoPE on qkv's q and k heads, the rotation's heads turned, K and V written to the
+        layer's pool at slots (one backend call where it has one); returns q [T, H, hd]."""
+        backend, H, K = self.backend, self.cfg.n_heads, self.cfg.n_kv_heads
         rot = self.rotation
-        if rot is not None:  # one call for the heads that turn: Q and K, V, or all three
-            turn = slice(0 if rot.k else H + K, H + 2 * K if rot.v else H + K)
-            qkv[:, turn] = backend.rotate(qkv[:, turn], rot)
-        return qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
+        if not backend.rope_store(qkv, cos, sin, self.cfg.rope_style, rot, kl, vl, slots):
+            backend.rope(qkv[:, : H + K], cos, sin, *self.rope_style)
+            if rot is not None:  # one call for the heads that turn: Q and K, V, or all three
+                turn = slice(*rot.heads(H, K))
+                qkv[:, turn] = backend.rotate(qkv[:, turn], rot)
+            backend.write_kv(kl, vl, slots, qkv[:, H : H + K], qkv[:, H + K :])
+        return qkv[:, :H]
 
     def _post_norm(self, out, i: int, which: str):
         """A block's output as the residual stream receives it: RMSNorm'd where the architecture

@@ -158,6 +158,41 @@ def test_silu_mul_matches_numpy(kernels, monkeypatch, order, rows, f):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("pair", ["q8_0:q4_0", "q4_0", "q8_0:q8_0"])
+@pytest.mark.parametrize("rows,style,rotated", [(1, "neox", True), (3, "normal", True), (2, "neox", False)])
+def test_rope_store_has_the_bits_of_rope_rotate_and_write_kv(kernels, pair, rows, style, rotated):
+    """A decode step's one call (rope, the rotation's heads turned, K and V written) against
+    the three calls a prefill pass makes: the same q rows, the same pool bytes."""
+    from localkv import kv_format
+    from localkv.kv.rotation import Rotation
+
+    kf, vf = kv_format.parse(pair)
+    H, K, hd, rng = 6, 2, 64, np.random.default_rng(8)
+    rot = Rotation.for_formats(True, True, hd) if rotated else None
+    cos, sin = (a[[5, 9, 30][:rows]] for a in ops_numpy.rope_tables(hd, 40, 10000.0))
+    qkv = rng.standard_normal((rows, H + 2 * K, hd), dtype=np.float32)
+    slots = np.array([7, 2, 12][:rows])
+    layers = [np.zeros((4, 4, K, f.row_bytes(hd)), f.dtype) for f in (kf, vf, kf, vf)]
+    want = qkv.copy()
+    ops_numpy.rope(want[:, : H + K], cos, sin, style)
+    if rot is not None:
+        want = ops_numpy.rotate(want, rot)
+    ops_numpy.write_kv(layers[0], layers[1], slots, want[:, H : H + K], want[:, H + K :])
+    assert ops_numpy.rope_store(qkv, cos, sin, style, rot, layers[2], layers[3], slots)
+    assert np.array_equal(qkv, want)
+    assert np.array_equal(layers[0], layers[2]) and np.array_equal(layers[1], layers[3])
+
+
+def test_rope_store_declines_a_float_pool_and_a_prefill_pass(kernels):
+    qkv = np.zeros((1, 10, 64), np.float32)
+    cos = sin = np.zeros((1, 32), np.float32)
+    f16, q8 = np.zeros((4, 4, 2, 64), np.float16), np.zeros((4, 4, 2, 68), np.int8)
+    assert not ops_numpy.rope_store(qkv, cos, sin, "neox", None, f16, q8, np.array([0]))
+    many = np.zeros((40, 10, 64), np.float32)
+    cos40 = np.zeros((40, 32), np.float32)
+    assert not ops_numpy.rope_store(many, cos40, cos40, "neox", None, q8, q8, np.arange(40))
+
+
 def test_rope_styles_rotate_their_own_pairs():
     """normal rotates (2i, 2i+1) by frequency i, neox (i, i + hd/2): the same rotation on rows
     in llama.cpp's order and in Hugging Face's."""

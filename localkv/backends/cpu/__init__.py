@@ -39,7 +39,9 @@ from localkv.backends.cpu.backend import (
     paged_attention,
     rmsnorm,
     rope,
+    rope_store,
     rope_tables,
+    rotate,
     silu_mul,
     uses_kernels,
     write_kv,
@@ -47,4 +49,4 @@ from localkv.backends.cpu.backend import (
 
 __all__ = ["CpuBackend", "DecodeBatch", "act_dtype", "add_residual", "decode", "default_kv", "frozen_table",
            "gather_kv", "gelu_mul", "head_rmsnorm", "linear", "logits", "paged_attention", "rmsnorm", "rope",
-           "rope_tables", "silu_mul", "uses_kernels", "write_kv"]  # fmt: skip
+           "rope_store", "rope_tables", "rotate", "silu_mul", "uses_kernels", "write_kv"]  # fmt: skip

@@ -162,6 +162,13 @@ def write_kv(k_layer: np.ndarray, v_layer: np.ndarray, slots: np.ndarray, k: np.
             layer.reshape(-1, *layer.shape[2:])[slots] = kv_format.encode(x, fmt)
 
 
+def rope_store(qkv: np.ndarray, cos, sin, style: str, rotation, k_layer, v_layer, slots) -> bool:
+    """rope on qkv's q and k heads, the rotation's heads turned and write_kv of its k and v
+    heads, in one kernel call where it applies (a decode step's few rows on a quantized pool:
+    compiled.rope_turn_store); False, with nothing done, elsewhere."""
+    return cpu_kernels.active() and cpu_kernels.rope_turn_store(qkv, cos, sin, style, rotation, k_layer, v_layer, slots)
+
+
 def logits(h: np.ndarray, w_out) -> np.ndarray:
     """h [R, D] @ w_out.T as a C-ordered float32 [R, V], for the output matrix stored [V, D]."""
     return np.ascontiguousarray(linear(h, w_out, "output"))
@@ -223,6 +230,7 @@ class CpuBackend:
     head_rmsnorm = staticmethod(head_rmsnorm)
     rotate = staticmethod(rotate)
     write_kv = staticmethod(write_kv)
+    rope_store = staticmethod(rope_store)
     frozen_table = staticmethod(frozen_table)
     paged_attention = staticmethod(paged_attention)
     uses_kernels = staticmethod(uses_kernels)

@@ -14,6 +14,7 @@ import functools
 
 import numpy as np
 
+from localkv import kv_format
 from localkv.backends.cpu.build import active, state
 from localkv.backends.vm import reused_empty
 
@@ -59,13 +60,47 @@ def hadamard(x: np.ndarray, rotation, undo: bool) -> np.ndarray:
     return out
 
 
+def rope_turn_store(qkv: np.ndarray, cos, sin, style: str, rotation, k_layer, v_layer, slots) -> bool:
+    """RoPE on qkv [T, H + 2 kvh, hd]'s q and k heads, the rotation's heads turned (none when
+    it is None), K and V written to the pool layers at slots, in one kernel with the bits of
+    rope, hadamard and encode_rows one after the other. True when done; False, with nothing
+    done, where it does not apply: more rows than FEW_ROWS (a prefill pass's: its kernels run
+    in parallel), a pool with a float side, a qkv that is not C-contiguous."""
+    T, heads, hd = qkv.shape
+    kvh = k_layer.shape[2]
+    if T * heads > FEW_ROWS or not qkv.flags.c_contiguous or qkv.dtype != np.float32:
+        return False
+    if not (kv_format.of(k_layer).quantized and kv_format.of(v_layer).quantized):
+        return False
+    if rotation is None:
+        t0 = t1 = 0
+        signs, block, scale = _no_signs(hd), 1, np.float32(1)
+    else:
+        t0, t1 = rotation.heads(heads - 2 * kvh, kvh)
+        signs, block, scale = rotation.signs, rotation.block, rotation.scale
+    state.elementwise.rope_turn_store(
+        qkv, cos, sin, style != "neox", kvh, signs, block, scale, t0, t1, np.asarray(slots, np.int64),
+        _rows(k_layer), _rows(v_layer), k_layer.dtype == np.uint8, v_layer.dtype == np.uint8,
+    )  # fmt: skip
+    return True
+
+
+@functools.lru_cache(maxsize=4)
+def _no_signs(hd: int) -> np.ndarray:
+    return np.ones(hd, np.float32)
+
+
+def _rows(layer: np.ndarray) -> np.ndarray:
+    """A quantized pool layer [blocks, bs, kvh, row bytes] as uint8 rows, one per slot and kv head."""
+    if not layer.flags.c_contiguous:  # a reshape would write into a copy
+        raise ValueError("the pool layer must be C-contiguous")
+    return layer.view(np.uint8).reshape(-1, layer.shape[3])
+
+
 def encode_rows(layer: np.ndarray, slots: np.ndarray, x: np.ndarray):
     """kv_format.encode(x [T, kvh, hd]) into a quantized pool layer [blocks, bs, kvh, row] at
     the flat slots (block * bs + offset): the same bytes, written in place."""
-    nb, bs, kvh, row = layer.shape
-    if not layer.flags.c_contiguous:  # a reshape would write into a copy
-        raise ValueError("encode_rows: the pool layer must be C-contiguous")
-    rows = layer.view(np.uint8).reshape(nb * bs * kvh, row)
+    rows, kvh = _rows(layer), layer.shape[2]
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, np.float32)
     kernels = state.elementwise

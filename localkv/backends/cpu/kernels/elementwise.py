@@ -79,12 +79,32 @@ def _rope(x, cos, sin, pairs):
                     _rotate(x, t, j, i0, i1, cos[t, i], sin[t, i])
 
 
-@njit(**SER)
+@njit(**EXACT)  # each float op as written: rope_turn_store gives a decode step's rows its bits
 def rope(x, cos, sin, pairs):
     """Rotate x [T, heads, hd] in place by cos/sin [T, hd/2]: the adjacent pairs (2i, 2i+1)
     (llama.cpp's "normal" order) when pairs, else the halves (NEOX order). One kernel for both
     orders: each compiled kernel costs a start its own cache load."""
     _rope(x, cos, sin, pairs)
+
+
+@njit(**EXACT)
+def rope_turn_store(qkv, cos, sin, pairs, kvh, signs, n, scale, t0, t1, slots, krows, vrows, kq4, vq4):
+    """A decode step's few rows of qkv [T, H + 2 kvh, hd] after their projection, in one call
+    where there were four: RoPE on the q and k heads (rope's), the heads t0 .. t1 - 1 turned in
+    place (hadamard_few's, for a quantized pool: kv/rotation), then K and V written to their
+    pool rows at slots (encode_rows's bytes; krows, vrows: the layers' rows as uint8, kq4, vq4:
+    each q4_0 or q8_0). The same functions in the same order as those kernels, so their bits;
+    why: each call of a decode step costs several microseconds on a layer's path."""
+    T, heads, hd = qkv.shape
+    H = heads - 2 * kvh
+    _rope(qkv[:, : H + kvh], cos, sin, pairs)
+    if t1 > t0:
+        turn = qkv[:, t0:t1]
+        for gi in range(-(-(T * (t1 - t0)) // 8)):  # a group's rows are read before it writes them
+            _hadamard_group(turn, signs, n, scale, False, turn, gi)
+    for t in range(T):
+        _encode_token(qkv, slots, krows, kq4, t, H, kvh)
+        _encode_token(qkv, slots, vrows, vq4, t, H + kvh, kvh)
 
 
 @register_jitable
@@ -174,7 +194,29 @@ def check_pool_rows(k_fmt: str, v_fmt: str) -> bool:
             rows = np.zeros((8 * 2, fmt.row_bytes(64)), np.uint8)  # a layer of 8 slots' rows
             kernel(x, slots, rows, fmt is kv_format.Q4_0)
             ok = ok and np.array_equal(rows.reshape(8, 2, -1)[slots], want)
+    kf, vf = kv_format.FORMATS[k_fmt], kv_format.FORMATS[v_fmt]
+    if kf.quantized and vf.quantized:  # the pools a decode step writes with rope_turn_store
+        ok = ok and _fused_ok(rng, kf, vf)
     return ok and (not quantized or _hadamard_ok(rng))
+
+
+def _fused_ok(rng, kf, vf) -> bool:
+    """rope_turn_store against rope, hadamard_few and encode_rows one after the other: the
+    same q rows and the same K/V bytes (two tokens, 2 q and 1 kv heads, every head turned)."""
+    qkv = rng.standard_normal((2, 4, 64), dtype=np.float32)
+    cos, sin = rng.standard_normal((2, 32), dtype=np.float32), rng.standard_normal((2, 32), dtype=np.float32)
+    signs = np.where(rng.random(64) < 0.5, -1.0, 1.0).astype(np.float32)
+    slots = np.array([3, 1], np.int64)
+    pools = [np.zeros((4, f.row_bytes(64)), np.uint8) for f in (kf, vf, kf, vf)]
+    q4 = kf is kv_format.Q4_0, vf is kv_format.Q4_0
+    want = qkv.copy()
+    rope(want[:, :3], cos, sin, False)
+    turned = np.empty_like(want)
+    hadamard_few(want, signs, 32, np.float32(0.125), False, turned)
+    encode_rows(np.ascontiguousarray(turned[:, 2:3]), slots, pools[0], q4[0])
+    encode_rows(np.ascontiguousarray(turned[:, 3:]), slots, pools[1], q4[1])
+    rope_turn_store(qkv, cos, sin, False, 1, signs, 32, np.float32(0.125), 0, 4, slots, pools[2], pools[3], *q4)
+    return np.array_equal(qkv, turned) and np.array_equal(pools[0], pools[2]) and np.array_equal(pools[1], pools[3])
 
 
 def _hadamard_ok(rng) -> bool:
@@ -199,21 +241,23 @@ def encode_rows(x, slots, pool, q4):
     and every kv head = x [T, kvh, hd] in q8_0 (q4 False) or q4_0, as kv_format.encode writes
     them: the same scale, the same rounding of each value."""
     for t in range(x.shape[0]):
-        _encode_token(x, slots, pool, q4, t)
+        _encode_token(x, slots, pool, q4, t, 0, x.shape[1])
 
 
 @njit(**EXACT_PAR)
 def encode_rows_par(x, slots, pool, q4):
     """encode_rows with the tokens shared out over the threads (a prefill pass's): the same bytes."""
     for t in prange(x.shape[0]):
-        _encode_token(x, slots, pool, q4, t)
+        _encode_token(x, slots, pool, q4, t, 0, x.shape[1])
 
 
 @register_jitable
-def _encode_token(x, slots, pool, q4, t):
-    _, kvh, hd = x.shape
-    for h in range(kvh):
-        row = slots[t] * kvh + h
+def _encode_token(x, slots, pool, q4, t, h0, kvh):
+    """Token t's heads h0 .. h0 + kvh - 1 of x [T, heads, hd] (C-contiguous: the blocks are
+    read at flat offsets) into the pool rows of slots[t]."""
+    hd = x.shape[2]
+    for h in range(h0, h0 + kvh):
+        row = slots[t] * kvh + h - h0
         for b in range(hd // QK):
             if q4:
                 _q4_0(x, t, h, b * QK, pool, row, b * Q4_0_BYTES)
