@@ -55,6 +55,8 @@ class BlockPool:
         self.xp = xp
         self.k = xp.zeros((*shape, k_fmt.row_len(head_dim)), k_fmt.dtype)
         self.v = xp.zeros((*shape, v_fmt.row_len(head_dim)), v_fmt.dtype)
+        # each layer's K and V (views of k and v), made once: every layer of every step reads them
+        self.layers = [(self.k[i], self.v[i]) for i in range(n_layers)]
         self.block_size = block_size
         self._num_blocks = num_blocks
         self.blocks: list[Block] = []  # of the blocks handed out so far: ids 0 .. len - 1

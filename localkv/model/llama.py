@@ -139,7 +139,7 @@ class Llama:
         for i, (attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
             h = backend.rmsnorm(x, attn_norm, eps)
             qkv = self._qkv(h, i, wqkv)
-            kl, vl = pool.k[i], pool.v[i]
+            kl, vl = pool.layers[i]
             q = self._rope_store(qkv, *(rope_local if i in self.local else rope), kl, vl, slots)
             attn = self._attention(i, q, kl, vl, plan)
             if unturn:  # the values were turned: turn back
