@@ -103,8 +103,8 @@ def rope_turn_store(qkv, cos, sin, pairs, kvh, signs, n, scale, t0, t1, slots, k
         for gi in range(-(-(T * (t1 - t0)) // 8)):  # a group's rows are read before it writes them
             _hadamard_group(turn, signs, n, scale, False, turn, gi)
     for t in range(T):
-        _encode_token(qkv, slots, krows, kq4, t, H, kvh)
-        _encode_token(qkv, slots, vrows, vq4, t, H + kvh, kvh)
+        for side in range(2):  # one call site: the encoder is compiled once, not once a side
+            _encode_token(qkv, slots, vrows if side else krows, vq4 if side else kq4, t, H + side * kvh, kvh)
 
 
 @register_jitable
@@ -201,22 +201,28 @@ def check_pool_rows(k_fmt: str, v_fmt: str) -> bool:
 
 
 def _fused_ok(rng, kf, vf) -> bool:
-    """rope_turn_store against rope, hadamard_few and encode_rows one after the other: the
-    same q rows and the same K/V bytes (two tokens, 2 q and 1 kv heads, every head turned)."""
+    """rope_turn_store against numpy's RoPE, rotation and encoder (each float op as written,
+    the same bits as the kernels, which their own checks hold): the same q rows and the same
+    K/V bytes (two tokens, 2 q and 1 kv heads, every head turned). numpy's, so that this check
+    compiles nothing but the kernel."""
+    from localkv.kv.rotation import Rotation
+
     qkv = rng.standard_normal((2, 4, 64), dtype=np.float32)
     cos, sin = rng.standard_normal((2, 32), dtype=np.float32), rng.standard_normal((2, 32), dtype=np.float32)
-    signs = np.where(rng.random(64) < 0.5, -1.0, 1.0).astype(np.float32)
+    rot = Rotation.for_formats(True, True, 64)
     slots = np.array([3, 1], np.int64)
-    pools = [np.zeros((4, f.row_bytes(64)), np.uint8) for f in (kf, vf, kf, vf)]
-    q4 = kf is kv_format.Q4_0, vf is kv_format.Q4_0
     want = qkv.copy()
-    rope(want[:, :3], cos, sin, False)
-    turned = np.empty_like(want)
-    hadamard_few(want, signs, 32, np.float32(0.125), False, turned)
-    encode_rows(np.ascontiguousarray(turned[:, 2:3]), slots, pools[0], q4[0])
-    encode_rows(np.ascontiguousarray(turned[:, 3:]), slots, pools[1], q4[1])
-    rope_turn_store(qkv, cos, sin, False, 1, signs, 32, np.float32(0.125), 0, 4, slots, pools[2], pools[3], *q4)
-    return np.array_equal(qkv, turned) and np.array_equal(pools[0], pools[2]) and np.array_equal(pools[1], pools[3])
+    x1, x2 = want[:, :3, :32].copy(), want[:, :3, 32:].copy()  # NEOX halves
+    c, s = cos[:, None, :], sin[:, None, :]
+    want[:, :3, :32], want[:, :3, 32:] = x1 * c - x2 * s, x2 * c + x1 * s
+    want = rot.apply(want)
+    rows = [np.zeros((4, f.row_bytes(64)), np.uint8) for f in (kf, vf)]
+    args = (1, rot.signs, rot.block, rot.scale, 0, 4, slots, *rows, kf is kv_format.Q4_0, vf is kv_format.Q4_0)
+    rope_turn_store(qkv, cos, sin, False, *args)
+    ok = np.array_equal(qkv, want)
+    for f, got, head in ((kf, rows[0], 2), (vf, rows[1], 3)):
+        ok = ok and np.array_equal(got[slots], kv_format.encode(want[:, head], f).view(np.uint8))
+    return ok
 
 
 def _hadamard_ok(rng) -> bool:
