@@ -74,10 +74,9 @@ def matmul_rows(x: np.ndarray, w: "QTensor | QStack") -> np.ndarray:
         raise ValueError(f"activations {x.shape} do not match weights of {w.shape[1]} columns")
     R = x.shape[0]
     out = np.empty((-(-R // 16) * 16, w.shape[0]), np.float32)  # the lanes kernels write all 8 or 16 of a block
-    loaded = state.types
     for run in w.runs:  # each on the kernels where they take its type, else on the numpy path
-        if run.qtype in loaded and loaded[run.qtype] is None and (run.qtype in BLOCK_TYPES or x.shape[1] % 8 == 0):
-            state.weights.every_row(run, x, out)  # (loaded[t] is None: active(t))
+        if active(run.qtype) and (run.qtype in BLOCK_TYPES or x.shape[1] % 8 == 0):
+            state.weights.every_row(run, x, out)
         else:
             _rows_numpy(run, x, out)
     return out[:R]
