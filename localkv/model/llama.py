@@ -79,8 +79,6 @@ class Llama:
         self.scale = cfg.attn_scale or float(1.0 / np.sqrt(cfg.head_dim))
         # the output matrix [vocab, dim], stored [out, in] like every other: the embedding when tied
         self.w_out = weights.get("output", weights["tok_embd"])
-        # the backend's rope takes a style only where it differs from its default (NEOX)
-        self.rope_style = () if cfg.rope_style == "neox" else (cfg.rope_style,)
         # soft-capped or windowed attention runs per sequence through paged_attention, which takes them
         self.plain_attention = not (cfg.attn_softcap or self.local)
         # a KV policy's keys by position (PositionedKV) where the backend takes per-kv-head tables
@@ -171,10 +169,10 @@ class Llama:
     def _rope_store(self, qkv, cos, sin, kl, vl, slots):
         """RoPE on qkv's q and k heads, the rotation's heads turned, K and V written to the
         layer's pool at slots (one backend call where it has one); returns q [T, H, hd]."""
-        backend, H, K = self.backend, self.cfg.n_heads, self.cfg.n_kv_heads
+        backend, H, K, style = self.backend, self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.rope_style
         rot = self.rotation
-        if not backend.rope_store(qkv, cos, sin, self.cfg.rope_style, rot, kl, vl, slots):
-            backend.rope(qkv[:, : H + K], cos, sin, *self.rope_style)
+        if not backend.rope_store(qkv, cos, sin, style, rot, kl, vl, slots):
+            backend.rope(qkv[:, : H + K], cos, sin, style)
             if rot is not None:  # one call for the heads that turn: Q and K, V, or all three
                 turn = slice(*rot.heads(H, K))
                 qkv[:, turn] = backend.rotate(qkv[:, turn], rot)

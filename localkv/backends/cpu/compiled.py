@@ -112,8 +112,8 @@ def silu_mul(gu: np.ndarray) -> np.ndarray:
     """silu(gate) * up for gu = [gate | up] (float32 [T, 2f], C- or F-contiguous: a decode step's
     or a prefill pass's matmul output), in the same order. Call only when active()."""
     f = gu.shape[1] // 2
-    if gu.flags.c_contiguous:  # a decode step's few rows: np.empty (no large buffer to reuse)
-        out = np.empty((len(gu), f), np.float32) if len(gu) <= FEW_ROWS else reused_empty((len(gu), f))
+    if gu.flags.c_contiguous:
+        out = reused_empty((len(gu), f))
         state.elementwise.silu_mul(gu, f, out, False)
     else:
         out = reused_empty((f, len(gu))).T  # F-ordered, as gu
