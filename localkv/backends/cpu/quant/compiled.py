@@ -161,10 +161,13 @@ def check(qtype: str) -> bool:
 def _check_rows(qtype: str) -> tuple[int, ...]:
     """Row counts that reach every kernel every_row gives this type on this CPU, so that a
     start compiles (or loads) them all: 9, 17: 8 or 16 in the lanes + 1 (or packed); 23: 16 +
-    the 8-lane kernel; 25: 16 + 8 + 1; 50: the AMX tiles."""
+    the 8-lane kernel; 25: 16 + 8 + 1; 50: the AMX tiles. Without matmul_wide (no AVX-512
+    VNNI), a packed type's 1-9 rows never reach the 8-lane kernel: 17 (8-lane + 1) and 24 do."""
     rows = (1, 2, 3, 8, 9)
     if _WIDE and qtype in BLOCK_TYPES:
         rows += (17, 23, 25)
+    elif qtype in PACKED_TYPES:
+        rows += (PACKED_ROWS + 1, PACKED_ROWS + 8)
     if _AMX_INT8 and qtype in AMX_LANE_TYPES:
         rows += (AMX_LANE_ROWS + 2,)
     return rows
