@@ -17,7 +17,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from localkv.backends.cpu.simd.vec import I8, I32, V16I32, I32x16, ptr, splat
-from localkv.backends.cpu.simd.x16 import dot16_builder
+from localkv.backends.cpu.simd.x16 import dot16_builder, pairs16_builders
 
 _V64I8 = ir.VectorType(I8, 64)
 
@@ -34,15 +34,22 @@ def _typer(nibbles: bool):
             p, off, xq, xoffs = args
             starts = cgutils.unpack_tuple(builder, xoffs, rows)
             dot = dot16_builder(context, nibbles)  # nibbles: every u < 128
+            two_step = pairs16_builders(context) if nibbles else None
             low = ir.Constant(_V64I8, [15] * 64)
-            accs = [[ir.Constant(V16I32, [0] * 16)] * 2 for _ in range(rows)]  # two chains per row
+            zero = ir.Constant(V16I32, [0] * 16)
+            accs = [[zero] * 2 for _ in range(rows)]  # two chains per row
+            words = [None] * rows  # two_step's: the 8 pairs' words summed first
 
             def product(i, u, at):
                 for r, xoff in enumerate(starts):
                     addr = builder.add(xoff, ir.Constant(xoff.type, at))
                     x = builder.load(ptr(context, builder, sig.args[2], xq, addr, I32))
                     xs = builder.bitcast(splat(builder, x, V16I32), _V64I8)
-                    accs[r][i % 2] = dot(builder, accs[r][i % 2], u, xs)
+                    if two_step:
+                        w = two_step[0](builder, u, xs)
+                        words[r] = w if words[r] is None else builder.add(words[r], w)  # one chain: registers
+                    else:
+                        accs[r][i % 2] = dot(builder, accs[r][i % 2], u, xs)
 
             for k in range(4 if nibbles else 8):
                 at = builder.add(off, ir.Constant(off.type, 64 * k))
@@ -52,6 +59,8 @@ def _typer(nibbles: bool):
                     product(k + 1, builder.and_(builder.lshr(v, ir.Constant(_V64I8, [4] * 64)), low), 16 + 4 * k)
                 else:
                     product(k, v, 4 * k)
+            if two_step:
+                accs = [[two_step[1](builder, zero, w), zero] for w in words]
             return context.make_tuple(builder, sig.return_type, [builder.add(a, b) for a, b in accs])
 
         return types.UniTuple(I32x16, rows)(p, off, xq, xoffs), codegen
