@@ -30,7 +30,7 @@ from localkv.backends.cpu.simd.vec import (
     ptr,
     splat,
 )
-from localkv.backends.cpu.simd.x16 import dot16_builder
+from localkv.backends.cpu.simd.x16 import dot16_builder, pairs16_builders
 
 _V64I8, _V32I8, _V32I16 = ir.VectorType(I8, 64), ir.VectorType(I8, 32), ir.VectorType(I16, 32)
 _V16H = ir.VectorType(ir.HalfType(), 16)
@@ -103,6 +103,7 @@ def _q4k(context, builder, tys, p, off, xq, xoffs, xs, xsoffs):
     scaled into its total as the chunk ends."""
     pty, xty, sty = tys
     product = dot16_builder(context, True)  # every weight value < 128
+    two_step = pairs16_builders(context)  # no VNNI: a group's 8 products' words summed (8 x 2 x 15 x 128 < 32768)
     zero = ir.Constant(V16I32, [0] * 16)
     totals = [zero] * len(xoffs)
     for c in range(4):
@@ -113,7 +114,13 @@ def _q4k(context, builder, tys, p, off, xq, xoffs, xs, xsoffs):
             for r, xoff in enumerate(xoffs):
                 for h, u in enumerate(us):
                     x = _bcast(context, builder, xty, xq, _at(builder, xoff, 64 * c + 32 * h + 4 * j))
-                    accs[r][h] = product(builder, accs[r][h], u, x)
+                    if two_step is None:
+                        accs[r][h] = product(builder, accs[r][h], u, x)
+                    else:
+                        w = two_step[0](builder, u, x)
+                        accs[r][h] = w if j == 0 else builder.add(accs[r][h], w)
+        if two_step is not None:
+            accs = [[two_step[1](builder, zero, w) for w in row] for row in accs]
         lo, hi = _scale_pair(context, builder, pty, p, _at(builder, off, 2048 + 32 * c), False)
         for r in range(len(xoffs)):
             totals[r] = builder.add(totals[r], builder.add(builder.mul(accs[r][0], lo), builder.mul(accs[r][1], hi)))
@@ -121,29 +128,45 @@ def _q4k(context, builder, tys, p, off, xq, xoffs, xs, xsoffs):
     return [(totals[r], _offsets(context, builder, pty, p, at, False, sty, xs, so, 4)) for r, so in enumerate(xsoffs)]
 
 
+def _shift(builder, v, k):
+    """v's bytes shifted left by k (right by -k)."""
+    if k > 0:
+        return builder.shl(v, _bytes(builder, v.type, k))
+    return builder.lshr(v, _bytes(builder, v.type, -k)) if k else v
+
+
 def _q6k(context, builder, tys, p, off, xq, xoffs, xs, xsoffs):
     """As _q4k: per half h and quarter kk, the four scale groups 8 h + 2 s + kk (s < 4) of 16
     values each, their weight values unpacked once for every row."""
     pty, xty, sty = tys
     product = dot16_builder(context, True)
+    two_step = pairs16_builders(context)  # no VNNI: two products' words summed (2 x 2 x 63 x 128 < 32768)
     zero = ir.Constant(V16I32, [0] * 16)
     totals = [zero] * len(xoffs)
     c = lambda k: _bytes(builder, _V64I8, k)  # noqa: E731
     for h in range(2):
         for kk in range(2):
             accs = [[zero] * 4 for _ in xoffs]
+            words = [[None] * 4 for _ in xoffs]
             for k in range(4 * kk, 4 * kk + 4):
                 qh = _load(context, builder, pty, p, _at(builder, off, 2048 + 64 * (8 * h + k)), _V64I8)
                 qa = _load(context, builder, pty, p, _at(builder, off, 64 * (16 * h + k)), _V64I8)
                 qb = _load(context, builder, pty, p, _at(builder, off, 64 * (16 * h + 8 + k)), _V64I8)
-                high = [builder.shl(builder.and_(builder.lshr(qh, c(2 * s)), c(3)), c(4)) for s in range(4)]
+                # bits 2s, 2s + 1 of qh moved to 4, 5: one shift and one mask (x86 shifts words)
+                high = [builder.and_(_shift(builder, qh, 4 - 2 * s), c(48)) for s in range(4)]
                 lows = (builder.and_(qa, c(15)), builder.and_(qb, c(15)))
                 lows += (builder.lshr(qa, c(4)), builder.lshr(qb, c(4)))
                 us = [builder.or_(lo, hi) for lo, hi in zip(lows, high)]
                 for r, xoff in enumerate(xoffs):
                     for s, u in enumerate(us):  # values 128 h + 32 s + 4 k..: scale group 8 h + 2 s + kk
                         x = _bcast(context, builder, xty, xq, _at(builder, xoff, 128 * h + 32 * s + 4 * k))
-                        accs[r][s] = product(builder, accs[r][s], u, x)
+                        if two_step is None:
+                            accs[r][s] = product(builder, accs[r][s], u, x)
+                        elif k % 2 == 0:
+                            words[r][s] = two_step[0](builder, u, x)
+                        else:
+                            both = builder.add(words[r][s], two_step[0](builder, u, x))
+                            accs[r][s] = two_step[1](builder, accs[r][s], both)
             for s in range(4):  # group 8 h + 2 s + kk: member kk of the scale pair 4 h + s
                 pair = _scale_pair(context, builder, pty, p, _at(builder, off, 3072 + 32 * (4 * h + s)), True)
                 for r in range(len(xoffs)):
