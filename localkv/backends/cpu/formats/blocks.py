@@ -43,6 +43,7 @@ from localkv.backends.cpu.simd.u8x32 import (
     dot7,
     half,
     lanes_dot,
+    lanes_dot5,
     lanes_dot7,
     load32,
     nibbles,
@@ -118,14 +119,19 @@ def _product(qt, acc, u, s):
     return lambda qt, acc, u, s: dot7(acc, u, s)
 
 
+FIVE_BITS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1"})  # every u < 32: lanes_dot5
+
+
 def lanes_product(qt, u, xi, off):
-    """u8x32.lanes_dot for this type's u, as `product`."""
+    """u8x32.lanes_dot for this type's u, as `product` (lanes_dot5 where u < 32)."""
 
 
 @overload(lanes_product, inline="always")
 def _lanes_product(qt, u, xi, off):
     if qt.qname == "Q8_0":
         return lambda qt, u, xi, off: lanes_dot(u, xi, off)
+    if qt.qname in FIVE_BITS:
+        return lambda qt, u, xi, off: lanes_dot5(u, xi, off)
     return lambda qt, u, xi, off: lanes_dot7(u, xi, off)
 
 

@@ -7,8 +7,10 @@ Each 64-byte load holds 4 weights of each of the 16 rows; one vpdpbusd multiplie
 the 4 activations they meet, broadcast to every lane, so no sum crosses lanes. Q4_0 and Q4_1
 hold two values per byte: low nibbles are values 4k..4k+3, high nibbles 16 + 4k..; Q8_0's
 bytes are u already. Each weight vector is loaded (and unpacked) once for every row given;
-two chains of products per row, added at the end (integers: exact). Offsets in
-bytes (p uint8, xq int8), nothing bounds-checked.
+two chains of products per row, added at the end (integers: exact). Without VNNI (AVX2)
+a nibble block's 8 products are vpmaddubsw's int16 words, summed as words and widened once
+(x16.pairs16_builders): the same integers. Offsets in bytes (p uint8, xq int8), nothing
+bounds-checked.
 """
 
 from llvmlite import ir

@@ -147,14 +147,8 @@ def dot_builder(context, small: bool):
         return vnni
     v16 = ir.VectorType(I16, 16)
     if "+avx2" in feats and small:  # u * s pairs fit int16 (vpmaddubsw saturates past 32767)
-
-        def maddubs(builder, acc, u, s):
-            pairs = builder.call(function(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [V32I8] * 2), [u, s])
-            quads = builder.call(function(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [v16] * 2),
-                                 [pairs, ir.Constant(v16, [1] * 16)])  # fmt: skip
-            return builder.add(acc, quads)
-
-        return maddubs
+        pairs, widen = words_builders(context)
+        return lambda builder, acc, u, s: widen(builder, acc, pairs(builder, u, s))
     if "+avx2" in feats:  # bytes widened to int16 first: exact for any u
 
         def madd16(builder, acc, u, s):
@@ -177,6 +171,26 @@ def dot_builder(context, small: bool):
         return acc
 
     return generic
+
+
+def words_builders(context):
+    """On AVX2 without VNNI, `dot` in two steps for u < 128: pairs(builder, u, s) -> 16 int16
+    words, each the sum of two products (vpmaddubsw), and widen(builder, acc, words) -> acc +
+    per dword its two words (vpmaddwd by ones). A caller whose u are small enough adds several
+    products' words first (n x 2 x max u x 128 < 32768) and widens once: the same integers,
+    fewer instructions. None where `dot` is one instruction (VNNI) or AVX2 is missing."""
+    if _has_vnni(context) or "+avx2" not in features(context):
+        return None
+    v16 = ir.VectorType(I16, 16)
+
+    def pairs(builder, u, s):
+        return builder.call(function(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [V32I8] * 2), [u, s])
+
+    def widen(builder, acc, words):
+        fn = function(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [v16] * 2)
+        return builder.add(acc, builder.call(fn, [words, ir.Constant(v16, [1] * 16)]))
+
+    return pairs, widen
 
 
 def _dot_typer(small: bool):
@@ -255,7 +269,7 @@ def u32(typingctx, arr, off):
     return types.int64(arr, off), codegen
 
 
-def _lanes_typer(small: bool):
+def _lanes_typer(small: bool, five_bits: bool = False):
     def typer(typingctx, u, xi, off):
         """The 8-row product of one group: (pa, pb), lane r = the dot of values 0-15 (pa) or 16-31
         (pb) of u with row r of the activations, which xi holds at off as [8 dwords][8 rows][4
@@ -265,15 +279,21 @@ def _lanes_typer(small: bool):
             u, xi, off = args
             words = builder.bitcast(u, V8I32)
             dot_impl = dot_builder(context, small)
+            two_step = words_builders(context) if five_bits else None
             out = []
             for half_ in range(2):
                 acc = ir.Constant(V8I32, [0] * 8)
+                sums = None  # two_step's: the 4 products' words (4 x 2 x 31 x 128 < 32768)
                 for k in range(4 * half_, 4 * half_ + 4):
                     b = builder.bitcast(builder.shuffle_vector(words, words, ir.Constant(V8I32, [k] * 8)), V32I8)
                     at = builder.add(off, ir.Constant(off.type, 32 * k))
                     x = builder.load(ptr(context, builder, sig.args[1], xi, at, V32I8), align=1)
-                    acc = dot_impl(builder, acc, b, x)
-                out.append(acc)
+                    if two_step is None:
+                        acc = dot_impl(builder, acc, b, x)
+                    else:
+                        w = two_step[0](builder, b, x)
+                        sums = w if sums is None else builder.add(sums, w)
+                out.append(acc if sums is None else two_step[1](builder, acc, sums))
             return context.make_tuple(builder, sig.return_type, out)
 
         return types.UniTuple(I32x8, 2)(u, xi, off), codegen
@@ -283,6 +303,7 @@ def _lanes_typer(small: bool):
 
 lanes_dot = intrinsic(_lanes_typer(False))
 lanes_dot7 = intrinsic(_lanes_typer(True))  # every u < 128
+lanes_dot5 = intrinsic(_lanes_typer(True, True))  # every u < 32: without VNNI, words summed first
 
 
 def _pair_sums(builder, a, b):

@@ -14,10 +14,9 @@ from numba import types
 from numba.extending import intrinsic
 
 from localkv.backends.cpu.simd.f32x8 import halves_codegen, q4_codegen, q8_codegen
-from localkv.backends.cpu.simd.u8x32 import dot_builder
+from localkv.backends.cpu.simd.u8x32 import dot_builder, words_builders
 from localkv.backends.cpu.simd.vec import (
     I8,
-    I16,
     I32,
     V8I32,
     V16F32,
@@ -126,33 +125,24 @@ def dot16_builder(context, small: bool):
 
 
 def pairs16_builders(context):
-    """On AVX2 without VNNI, the 16-lane dot in two steps for u < 128 (nibbles): pairs(builder,
-    u, s) -> V32I16, each word the sum of two products (vpmaddubsw, two 256-bit halves), and
-    widen(builder, acc, words) -> acc + per dword its two words (vpmaddwd by ones). Words of up
-    to 8 pairs' vectors add without overflow (8 x 2 x 15 x 128 < 32768 for nibbles), so a
-    caller can sum them first and widen once: one vpmaddwd where there were 8, the same
-    integers. None where `dot16_builder` is one instruction (VNNI) or AVX2 is missing."""
-    feats = features(context)
-    if has_vnni512(feats) or "+avx2" not in feats:
+    """u8x32.words_builders on 16 lanes (two 256-bit halves): pairs(builder, u, s) -> V32I16,
+    widen(builder, acc, words) -> acc + per dword its two words. None where `dot16_builder`
+    is one instruction (VNNI) or AVX2 is missing."""
+    two = None if has_vnni512(features(context)) else words_builders(context)
+    if two is None:
         return None
-    v16i16 = ir.VectorType(I16, 16)
-    v32i8 = ir.VectorType(I8, 32)
     halves8 = [ir.Constant(ir.VectorType(I32, 32), list(range(k, k + 32))) for k in (0, 32)]
     halves16 = [ir.Constant(V16I32, list(range(k, k + 16))) for k in (0, 16)]
     halves32 = [ir.Constant(V8I32, list(range(k, k + 8))) for k in (0, 8)]
     whole32 = ir.Constant(ir.VectorType(I32, 32), list(range(32)))
-    ones = ir.Constant(v16i16, [1] * 16)
 
     def pairs(builder, u, s):
-        fn = function(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8] * 2)
-        out = [builder.call(fn, [builder.shuffle_vector(u, u, h), builder.shuffle_vector(s, s, h)]) for h in halves8]
+        out = [two[0](builder, builder.shuffle_vector(u, u, h), builder.shuffle_vector(s, s, h)) for h in halves8]
         return builder.shuffle_vector(out[0], out[1], whole32)
 
     def widen(builder, acc, words):
-        fn = function(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [v16i16] * 2)
-        out = [builder.call(fn, [builder.shuffle_vector(words, words, h), ones]) for h in halves16]
-        parts = [builder.shuffle_vector(acc, acc, h) for h in halves32]
-        sums = [builder.add(a, b) for a, b in zip(parts, out)]
+        sums = [two[1](builder, builder.shuffle_vector(acc, acc, a), builder.shuffle_vector(words, words, w))
+                for a, w in zip(halves32, halves16)]  # fmt: skip
         return builder.shuffle_vector(sums[0], sums[1], ir.Constant(V16I32, list(range(16))))
 
     return pairs, widen
