@@ -23,6 +23,20 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.skip(reason=why))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_home(tmp_path_factory):
+    """A private LOCALKV_HOME for what module- and session-scoped fixtures build before a
+    test's private_home applies (an Engine's packed weights, its caches): the user's home
+    gets only the real model, which real_model_path pulls there by name."""
+    saved = os.environ.get("LOCALKV_HOME")
+    os.environ["LOCALKV_HOME"] = str(tmp_path_factory.mktemp("session-home"))
+    yield
+    if saved is None:
+        del os.environ["LOCALKV_HOME"]
+    else:
+        os.environ["LOCALKV_HOME"] = saved
+
+
 @pytest.fixture(autouse=True)
 def private_home(tmp_path, monkeypatch):
     home = tmp_path / "localkv-home"
