@@ -30,7 +30,7 @@ from localkv.backends.cpu.simd.vec import (
     ptr,
     splat,
 )
-from localkv.backends.cpu.simd.x16 import dot16_builder, pairs16_builders
+from localkv.backends.cpu.simd.x16 import dot16_builder, summed_dots16
 
 _V64I8, _V32I8, _V32I16 = ir.VectorType(I8, 64), ir.VectorType(I8, 32), ir.VectorType(I16, 32)
 _V16H = ir.VectorType(ir.HalfType(), 16)
@@ -103,24 +103,24 @@ def _q4k(context, builder, tys, p, off, xq, xoffs, xs, xsoffs):
     scaled into its total as the chunk ends."""
     pty, xty, sty = tys
     product = dot16_builder(context, True)  # every weight value < 128
-    two_step = pairs16_builders(context)  # no VNNI: a group's 8 products' words summed (8 x 2 x 15 x 128 < 32768)
+    summed = summed_dots16(context)  # no VNNI: a group's 8 products' words summed (8 x 2 x 15 x 128 < 32768)
     zero = ir.Constant(V16I32, [0] * 16)
     totals = [zero] * len(xoffs)
     for c in range(4):
         accs = [[zero, zero] for _ in xoffs]
+        products = [[[], []] for _ in xoffs]
         for j in range(8):
             v = _load(context, builder, pty, p, _at(builder, off, 64 * (8 * c + j)), _V64I8)
             us = (builder.and_(v, _bytes(builder, _V64I8, 15)), builder.lshr(v, _bytes(builder, _V64I8, 4)))
             for r, xoff in enumerate(xoffs):
                 for h, u in enumerate(us):
                     x = _bcast(context, builder, xty, xq, _at(builder, xoff, 64 * c + 32 * h + 4 * j))
-                    if two_step is None:
+                    if summed is None:
                         accs[r][h] = product(builder, accs[r][h], u, x)
                     else:
-                        w = two_step[0](builder, u, x)
-                        accs[r][h] = w if j == 0 else builder.add(accs[r][h], w)
-        if two_step is not None:
-            accs = [[two_step[1](builder, zero, w) for w in row] for row in accs]
+                        products[r][h].append((u, x))
+        if summed is not None:
+            accs = [[summed(builder, zero, ps) for ps in row] for row in products]
         lo, hi = _scale_pair(context, builder, pty, p, _at(builder, off, 2048 + 32 * c), False)
         for r in range(len(xoffs)):
             totals[r] = builder.add(totals[r], builder.add(builder.mul(accs[r][0], lo), builder.mul(accs[r][1], hi)))
@@ -140,14 +140,14 @@ def _q6k(context, builder, tys, p, off, xq, xoffs, xs, xsoffs):
     values each, their weight values unpacked once for every row."""
     pty, xty, sty = tys
     product = dot16_builder(context, True)
-    two_step = pairs16_builders(context)  # no VNNI: two products' words summed (2 x 2 x 63 x 128 < 32768)
+    summed = summed_dots16(context)  # no VNNI: two products' words summed (2 x 2 x 63 x 128 < 32768)
     zero = ir.Constant(V16I32, [0] * 16)
     totals = [zero] * len(xoffs)
     c = lambda k: _bytes(builder, _V64I8, k)  # noqa: E731
     for h in range(2):
         for kk in range(2):
             accs = [[zero] * 4 for _ in xoffs]
-            words = [[None] * 4 for _ in xoffs]
+            pending = [[None] * 4 for _ in xoffs]  # summed's: an even k's product, widened with the next
             for k in range(4 * kk, 4 * kk + 4):
                 qh = _load(context, builder, pty, p, _at(builder, off, 2048 + 64 * (8 * h + k)), _V64I8)
                 qa = _load(context, builder, pty, p, _at(builder, off, 64 * (16 * h + k)), _V64I8)
@@ -160,13 +160,12 @@ def _q6k(context, builder, tys, p, off, xq, xoffs, xs, xsoffs):
                 for r, xoff in enumerate(xoffs):
                     for s, u in enumerate(us):  # values 128 h + 32 s + 4 k..: scale group 8 h + 2 s + kk
                         x = _bcast(context, builder, xty, xq, _at(builder, xoff, 128 * h + 32 * s + 4 * k))
-                        if two_step is None:
+                        if summed is None:
                             accs[r][s] = product(builder, accs[r][s], u, x)
                         elif k % 2 == 0:
-                            words[r][s] = two_step[0](builder, u, x)
+                            pending[r][s] = (u, x)
                         else:
-                            both = builder.add(words[r][s], two_step[0](builder, u, x))
-                            accs[r][s] = two_step[1](builder, accs[r][s], both)
+                            accs[r][s] = summed(builder, accs[r][s], [pending[r][s], (u, x)])
             for s in range(4):  # group 8 h + 2 s + kk: member kk of the scale pair 4 h + s
                 pair = _scale_pair(context, builder, pty, p, _at(builder, off, 3072 + 32 * (4 * h + s)), True)
                 for r in range(len(xoffs)):

@@ -9,7 +9,7 @@ hold two values per byte: low nibbles are values 4k..4k+3, high nibbles 16 + 4k.
 bytes are u already. Each weight vector is loaded (and unpacked) once for every row given;
 two chains of products per row, added at the end (integers: exact). Without VNNI (AVX2)
 a nibble block's 8 products are vpmaddubsw's int16 words, summed as words and widened once
-(x16.pairs16_builders): the same integers. Offsets in bytes (p uint8, xq int8), nothing
+(x16.summed_dots16): the same integers. Offsets in bytes (p uint8, xq int8), nothing
 bounds-checked.
 """
 
@@ -19,7 +19,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from localkv.backends.cpu.simd.vec import I8, I32, V16I32, I32x16, ptr, splat
-from localkv.backends.cpu.simd.x16 import dot16_builder, pairs16_builders
+from localkv.backends.cpu.simd.x16 import dot16_builder, summed_dots16
 
 _V64I8 = ir.VectorType(I8, 64)
 
@@ -36,20 +36,19 @@ def _typer(nibbles: bool):
             p, off, xq, xoffs = args
             starts = cgutils.unpack_tuple(builder, xoffs, rows)
             dot = dot16_builder(context, nibbles)  # nibbles: every u < 128
-            two_step = pairs16_builders(context) if nibbles else None
+            summed = summed_dots16(context) if nibbles else None  # 8 x 2 x 15 x 128 < 32768
             low = ir.Constant(_V64I8, [15] * 64)
             zero = ir.Constant(V16I32, [0] * 16)
             accs = [[zero] * 2 for _ in range(rows)]  # two chains per row
-            words = [None] * rows  # two_step's: the 8 pairs' words summed first
+            products = [[] for _ in range(rows)]  # summed's: one widening a row (registers)
 
             def product(i, u, at):
                 for r, xoff in enumerate(starts):
                     addr = builder.add(xoff, ir.Constant(xoff.type, at))
                     x = builder.load(ptr(context, builder, sig.args[2], xq, addr, I32))
                     xs = builder.bitcast(splat(builder, x, V16I32), _V64I8)
-                    if two_step:
-                        w = two_step[0](builder, u, xs)
-                        words[r] = w if words[r] is None else builder.add(words[r], w)  # one chain: registers
+                    if summed:
+                        products[r].append((u, xs))
                     else:
                         accs[r][i % 2] = dot(builder, accs[r][i % 2], u, xs)
 
@@ -61,8 +60,8 @@ def _typer(nibbles: bool):
                     product(k + 1, builder.and_(builder.lshr(v, ir.Constant(_V64I8, [4] * 64)), low), 16 + 4 * k)
                 else:
                     product(k, v, 4 * k)
-            if two_step:
-                accs = [[two_step[1](builder, zero, w), zero] for w in words]
+            if summed:
+                accs = [[summed(builder, zero, ps), zero] for ps in products]
             return context.make_tuple(builder, sig.return_type, [builder.add(a, b) for a, b in accs])
 
         return types.UniTuple(I32x16, rows)(p, off, xq, xoffs), codegen

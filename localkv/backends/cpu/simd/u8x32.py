@@ -147,8 +147,8 @@ def dot_builder(context, small: bool):
         return vnni
     v16 = ir.VectorType(I16, 16)
     if "+avx2" in feats and small:  # u * s pairs fit int16 (vpmaddubsw saturates past 32767)
-        pairs, widen = words_builders(context)
-        return lambda builder, acc, u, s: widen(builder, acc, pairs(builder, u, s))
+        summed = summed_dots(context)
+        return lambda builder, acc, u, s: summed(builder, acc, [(u, s)])
     if "+avx2" in feats:  # bytes widened to int16 first: exact for any u
 
         def madd16(builder, acc, u, s):
@@ -173,24 +173,26 @@ def dot_builder(context, small: bool):
     return generic
 
 
-def words_builders(context):
-    """On AVX2 without VNNI, `dot` in two steps for u < 128: pairs(builder, u, s) -> 16 int16
-    words, each the sum of two products (vpmaddubsw), and widen(builder, acc, words) -> acc +
-    per dword its two words (vpmaddwd by ones). A caller whose u are small enough adds several
-    products' words first (n x 2 x max u x 128 < 32768) and widens once: the same integers,
-    fewer instructions. None where `dot` is one instruction (VNNI) or AVX2 is missing."""
+def summed_dots(context):
+    """On AVX2 without VNNI, summed(builder, acc, [(u, s), ...]) -> acc + the `dot` of every
+    pair: each pair's vpmaddubsw words (two products each, u < 128) added as int16, then one
+    vpmaddwd by ones. The same integers as one `dot` a pair while the words cannot overflow:
+    n pairs x 2 x max u x 128 < 32768, the caller's bound. None where `dot` is one instruction
+    (VNNI) or AVX2 is missing."""
     if _has_vnni(context) or "+avx2" not in features(context):
         return None
     v16 = ir.VectorType(I16, 16)
 
-    def pairs(builder, u, s):
-        return builder.call(function(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [V32I8] * 2), [u, s])
-
-    def widen(builder, acc, words):
+    def summed(builder, acc, products):
+        maddubs = function(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [V32I8] * 2)
+        words = [builder.call(maddubs, [u, s]) for u, s in products]
+        total = words[0]
+        for w in words[1:]:
+            total = builder.add(total, w)
         fn = function(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [v16] * 2)
-        return builder.add(acc, builder.call(fn, [words, ir.Constant(v16, [1] * 16)]))
+        return builder.add(acc, builder.call(fn, [total, ir.Constant(v16, [1] * 16)]))
 
-    return pairs, widen
+    return summed
 
 
 def _dot_typer(small: bool):
@@ -279,21 +281,20 @@ def _lanes_typer(small: bool, five_bits: bool = False):
             u, xi, off = args
             words = builder.bitcast(u, V8I32)
             dot_impl = dot_builder(context, small)
-            two_step = words_builders(context) if five_bits else None
+            summed = summed_dots(context) if five_bits else None  # 4 x 2 x 31 x 128 < 32768
             out = []
             for half_ in range(2):
                 acc = ir.Constant(V8I32, [0] * 8)
-                sums = None  # two_step's: the 4 products' words (4 x 2 x 31 x 128 < 32768)
+                products = []
                 for k in range(4 * half_, 4 * half_ + 4):
                     b = builder.bitcast(builder.shuffle_vector(words, words, ir.Constant(V8I32, [k] * 8)), V32I8)
                     at = builder.add(off, ir.Constant(off.type, 32 * k))
                     x = builder.load(ptr(context, builder, sig.args[1], xi, at, V32I8), align=1)
-                    if two_step is None:
+                    if summed is None:
                         acc = dot_impl(builder, acc, b, x)
                     else:
-                        w = two_step[0](builder, b, x)
-                        sums = w if sums is None else builder.add(sums, w)
-                out.append(acc if sums is None else two_step[1](builder, acc, sums))
+                        products.append((b, x))
+                out.append(acc if summed is None else summed(builder, acc, products))
             return context.make_tuple(builder, sig.return_type, out)
 
         return types.UniTuple(I32x8, 2)(u, xi, off), codegen

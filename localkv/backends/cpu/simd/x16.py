@@ -14,7 +14,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from localkv.backends.cpu.simd.f32x8 import halves_codegen, q4_codegen, q8_codegen
-from localkv.backends.cpu.simd.u8x32 import dot_builder, words_builders
+from localkv.backends.cpu.simd.u8x32 import dot_builder, summed_dots
 from localkv.backends.cpu.simd.vec import (
     I8,
     I32,
@@ -124,28 +124,25 @@ def dot16_builder(context, small: bool):
     return _halves_dot(context, small)
 
 
-def pairs16_builders(context):
-    """u8x32.words_builders on 16 lanes (two 256-bit halves): pairs(builder, u, s) -> V32I16,
-    widen(builder, acc, words) -> acc + per dword its two words. None where `dot16_builder`
-    is one instruction (VNNI) or AVX2 is missing."""
-    two = None if has_vnni512(features(context)) else words_builders(context)
-    if two is None:
+def summed_dots16(context):
+    """u8x32.summed_dots on 16 lanes (each V64I8 pair as two 256-bit halves): summed(builder,
+    acc, [(u, s), ...]) -> acc + every pair's 16-lane dot, its words summed before one
+    widening (the caller's bound). None where `dot16_builder` is one instruction (VNNI) or
+    AVX2 is missing."""
+    summed = None if has_vnni512(features(context)) else summed_dots(context)
+    if summed is None:
         return None
-    halves8 = [ir.Constant(ir.VectorType(I32, 32), list(range(k, k + 32))) for k in (0, 32)]
-    halves16 = [ir.Constant(V16I32, list(range(k, k + 16))) for k in (0, 16)]
-    halves32 = [ir.Constant(V8I32, list(range(k, k + 8))) for k in (0, 8)]
-    whole32 = ir.Constant(ir.VectorType(I32, 32), list(range(32)))
+    bytes_ = [ir.Constant(ir.VectorType(I32, 32), list(range(k, k + 32))) for k in (0, 32)]
+    lanes = [ir.Constant(V8I32, list(range(k, k + 8))) for k in (0, 8)]
 
-    def pairs(builder, u, s):
-        out = [two[0](builder, builder.shuffle_vector(u, u, h), builder.shuffle_vector(s, s, h)) for h in halves8]
-        return builder.shuffle_vector(out[0], out[1], whole32)
+    def summed16(builder, acc, products):
+        halves = []
+        for a, h in zip(lanes, bytes_):
+            part = [(builder.shuffle_vector(u, u, h), builder.shuffle_vector(s, s, h)) for u, s in products]
+            halves.append(summed(builder, builder.shuffle_vector(acc, acc, a), part))
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(V16I32, list(range(16))))
 
-    def widen(builder, acc, words):
-        sums = [two[1](builder, builder.shuffle_vector(acc, acc, a), builder.shuffle_vector(words, words, w))
-                for a, w in zip(halves32, halves16)]  # fmt: skip
-        return builder.shuffle_vector(sums[0], sums[1], ir.Constant(V16I32, list(range(16))))
-
-    return pairs, widen
+    return summed16
 
 
 def _lanes16_typer(small: bool):
